@@ -96,6 +96,35 @@ def _constrain(x, names):
     return nn.with_logical_constraint(x, names)
 
 
+def _constrain_cotangent(x, names):
+    """Identity forward; in the backward pass the incoming gradient is constrained to `names`.
+
+    A projection's output gradient feeds two matmuls (the input gradient and the weight gradient).
+    When both need it gathered, GSPMD gathers it once per consumer; constraining it once here makes
+    a single gathered copy that both read.
+    """
+
+    @jax.custom_vjp
+    def identity(y):
+        return y
+
+    def fwd(y):
+        return y, None
+
+    def bwd(_, g):
+        return (_constrain(g, names),)
+
+    identity.defvjp(fwd, bwd)
+    return identity(x)
+
+
+# The inputs of the projections and the output-projection gradients: whole per position, never split
+# on the model width. Where a rule file shards `embed` in the residual stream (2D) the constraint is
+# the all-gather, and the gathered copy is what the backward pass keeps for the weight gradient
+# (otherwise it gathers the input a second time); elsewhere it changes nothing.
+_WHOLE_WIDTH = (BATCH, LENGTH, None)
+
+
 def _param(module, name, init, shape, names):
     return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
 
@@ -167,7 +196,7 @@ class Attention(nn.Module):
         out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, cfg.num_heads, hd)
         out = _constrain(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
         y = jnp.einsum("blhd,hde->ble", out, w_out.astype(dtype))
-        return _constrain(y, (BATCH, NORM_LENGTH, EMBED))
+        return _constrain(_constrain_cotangent(y, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))
 
 
 class FeedForward(nn.Module):
@@ -194,7 +223,7 @@ class FeedForward(nn.Module):
         hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
         hidden = _constrain(hidden, (BATCH, LENGTH, MLP))
         y = jnp.einsum("blm,me->ble", hidden, w_out.astype(dtype))
-        return _constrain(y, (BATCH, NORM_LENGTH, EMBED))
+        return _constrain(_constrain_cotangent(y, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))
 
 
 class Block(nn.Module):
@@ -210,10 +239,10 @@ class Block(nn.Module):
         # Norms run where the residual stream lives (norm_length); the projections need whole
         # sequences (length). Under sequence parallelism the second constraint is the all-gather.
         h = _constrain(RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_ble), (BATCH, NORM_LENGTH, EMBED))
-        h = _constrain(h, (BATCH, LENGTH, EMBED))
+        h = _constrain(h, _WHOLE_WIDTH)
         x_ble = x_ble + Attention(cfg, name="attn")(h, positions)
         h = _constrain(RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_ble), (BATCH, NORM_LENGTH, EMBED))
-        h = _constrain(h, (BATCH, LENGTH, EMBED))
+        h = _constrain(h, _WHOLE_WIDTH)
         x_ble = x_ble + FeedForward(cfg, name="mlp")(h)
         return _constrain(x_ble, (BATCH, NORM_LENGTH, EMBED)), None
 
@@ -257,7 +286,7 @@ class Transformer(nn.Module):
                 x_ble, _ = block(cfg, name=f"layers_{i}")(x_ble, positions)
 
         x_ble = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_ble)
-        x_ble = _constrain(x_ble, (BATCH, LENGTH, EMBED))
+        x_ble = _constrain(x_ble, _WHOLE_WIDTH)
         if cfg.tie_embeddings:
             head_ev = embedding.T
         else:

@@ -179,9 +179,18 @@ def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[s
             # A weight used in bf16 matmuls gets a bf16 gradient, reduced before the float32
             # update (seen in TPU HLO); XLA:CPU promotes that all-reduce to float32.
             data_parallel += 2 * (g - 1) / g * local * (act_bytes / 4 if len(row["shape"]) > 1 else 1)
-        if f > 1:
+        if f > 1 and row["path"] == "params/embedding" and not cfg.tie_embeddings:
+            # A lookup table split on embed is read where it lies: each device looks up its own
+            # slice of every row and the rows are exchanged (all-to-all) forward and backward; the
+            # table is never gathered and its gradient never reduced.
+            rows_bytes = (c.batch_size // k // d_ways) * c.seq_len * cfg.d_model * act_bytes
+            fsdp_gather += k * 2 * (f - 1) / f * rows_bytes
+        elif f > 1:
             gathered = local * f
-            fsdp_gather += k * 2 * (f - 1) / f * gathered
+            # Inside the layer scan a weight is gathered for the forward pass and again for the
+            # backward (ZeRO-3); outside it the gathered copy is kept for the backward pass.
+            gathers = 2 if axes.LAYERS in row["logical"] else 1
+            fsdp_gather += k * gathers * (f - 1) / f * gathered
             fsdp_reduce += k * (f - 1) / f * gathered * (2 if backend == "cpu" else 1)
     return {
         "tensor_parallel": tensor_parallel,

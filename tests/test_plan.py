@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import small_config
 
-from gspmd_tp import plan, trainer
+from gspmd_tp import hlo, plan, trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,6 +23,35 @@ def test_megatron_1d_only_all_reduces_within_5_percent(megatron_1d):
     assert c["all-gather"]["count"] == 0 and c["reduce-scatter"]["count"] == 0
     assert c["all-reduce"]["count"] > 0
     assert megatron_1d["ratio"] == pytest.approx(1.0, abs=0.05)
+
+
+SHIPPED = ["dp", "fsdp", "megatron_1d", "megatron_1d_sp", "megatron_2d"]
+
+
+@pytest.mark.parametrize("rules, mesh", [(r, "dp=2,mp=4") for r in SHIPPED] + [("megatron_2d", "dp=4,mp=2")])
+def test_every_shipped_rule_file_within_10_percent_of_the_analysis(rules, mesh):
+    p = plan.plan(small_config(rules=rules, mesh=mesh))
+    assert p["ratio"] == pytest.approx(1.0, abs=0.10), (p["bytes_per_device"], p["analytical"])
+
+
+def test_2d_gathers_each_activation_and_output_gradient_once():
+    """Per layer and pass, one all-gather in front of each of the two sublayers: the backward pass
+    neither gathers a projection's output gradient twice nor gathers its input again."""
+    c = small_config(rules="megatron_2d", mesh="dp=2,mp=4")
+    s = trainer.setup(c)
+    found = hlo.collectives(trainer.compile_train_step(s).as_text(), 8)
+    activation = (c.batch_size // 2) * c.seq_len * c.model.d_model * 4
+    gathers = sum(x.executions for x in found if x.kind == "all-gather" and x.result_bytes == activation)
+    # 2 passes x 2 sublayers x layers, plus the output projection forward and the embedding backward
+    assert gathers == 4 * c.model.num_layers + 2
+
+
+def test_fsdp_and_dp_use_every_device_whatever_the_mesh_shape():
+    for rules in ("dp", "fsdp"):
+        flat = plan.plan(small_config(rules=rules, mesh="dp=8,mp=1"))
+        square = plan.plan(small_config(rules=rules, mesh="dp=2,mp=4"))
+        assert square["memory"]["params"] == flat["memory"]["params"]
+        assert square["bytes_per_device"] == pytest.approx(flat["bytes_per_device"], rel=1e-6)
 
 
 def test_plan_json_has_the_documented_keys(megatron_1d):
