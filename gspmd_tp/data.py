@@ -10,7 +10,9 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import queue
 import sysconfig
+import threading
 from pathlib import Path
 
 import grain
@@ -148,6 +150,59 @@ class BatchIterator:
     def set_state(self, state: dict) -> None:
         """Continues from a get_state() result."""
         self.next_example = int(state["next_example"])
+
+
+class Prefetcher:
+    """Reads and places the next batches on a background thread, off the train step's path.
+
+    Wraps a BatchIterator (whose state is already set) and `place` (host batch -> global array). Up to
+    `depth` placed batches wait in a queue, and one more in the thread's hands; get_state() is the
+    position after the last batch handed out, not after the last one read ahead, so a checkpoint
+    resumes exactly where training was. An error in the thread is raised by the next `next()`.
+    close() stops the thread.
+    """
+
+    def __init__(self, it: BatchIterator, place, depth: int = 2):
+        self._it, self._place = it, place
+        self._state = it.get_state()
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = (self._place(next(self._it)), self._it.get_state(), None)
+            except Exception as e:  # handed to the consumer, which raises it
+                item = (None, None, e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self):
+        batch, state, error = self._queue.get()
+        if error is not None:
+            raise error
+        self._state = state
+        return batch
+
+    def get_state(self) -> dict:
+        """The underlying iterator's state after the last batch handed out."""
+        return dict(self._state)
+
+    def close(self) -> None:
+        """Stops the background thread (batches read ahead are dropped)."""
+        self._stop.set()
+        self._thread.join()
 
 
 def train_dataset(

@@ -82,12 +82,15 @@ class NonFiniteWatch:
         """Remembers `step`'s stats (device arrays; nothing is read yet)."""
         self._pending.append((step, stats))
 
-    def check(self, last_good: int | None) -> None:
-        """Reads the pending stats; raises on a non-finite step unless skipping.
+    def check(self, last_good: int | None, upto: int | None = None) -> None:
+        """Reads the pending stats (of steps up to `upto`, default all); raises on a non-finite step
+        unless skipping.
 
         `last_good` is the newest checkpoint step, named in the message so the user knows what survives.
         """
-        pending, self._pending = jax.device_get(self._pending), []
+        ready = [p for p in self._pending if upto is None or p[0] <= upto]
+        self._pending = self._pending[len(ready) :]
+        pending = jax.device_get(ready)
         for step, stats in pending:
             loss, grad_norm = float(stats["loss"]), float(stats["grad_norm"])
             if math.isfinite(loss) and math.isfinite(grad_norm):

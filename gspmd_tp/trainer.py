@@ -305,42 +305,65 @@ def train(config, workdir: str) -> dict:
     watch = faults.NonFiniteWatch(c.skip_nonfinite_steps, log)
     last_saved = start if start else None
     last_row: dict = {}
-    window_start, window_steps = time.perf_counter(), 0
+    # Batches are read and placed on a background thread; `data_wait_ms` is what the loop still waits.
+    batches = data.Prefetcher(data_iter, lambda b: data.global_batch(b, s.batch_sharding))
+    window = {"start": time.perf_counter(), "data_wait": []}  # one wait per step dispatched
+
+    def report(step: int, stats, steps: int, eval_params=None) -> None:
+        """Reads a logged step's stats (the host's only wait) and writes its row. `steps` of the
+        window had been dispatched when it was logged; later ones start the next window."""
+        nonlocal last_row
+        stats = jax.device_get(stats)
+        watch.check(last_saved, upto=step)
+        now = time.perf_counter()
+        elapsed = now - window["start"]
+        tps = tokens_per_step * steps / elapsed
+        row = {k: float(v) for k, v in stats.items()}
+        row.update(
+            tokens_per_sec=tps,
+            step_time_s=elapsed / steps,
+            data_wait_ms=1e3 * sum(window["data_wait"][:steps]) / steps,
+            mfu=metrics.mfu(flops, tps, jax.device_count(), peak),
+        )
+        if watch.skipped:
+            row["skipped_steps"] = watch.skipped
+        if eval_params is not None:
+            eval_loss = evaluate(s, eval_step, eval_params, eval_ds, stop.requested)
+            if eval_loss is not None:
+                row["eval_loss"] = eval_loss
+        writer.write(step, row)
+        log(metrics.progress_line(step, c.steps, row))
+        last_row = {"step": step, **row}
+        later = window["data_wait"][steps:]
+        window.update(start=time.perf_counter(), data_wait=later)
+
+    pending = None  # a logged step whose stats are read once the next step is dispatched
     try:
         with state_lib.sharding_context(s.mesh, s.rules), faults.StopSignal(log) as stop:
             for step in range(start + 1, c.steps + 1):
-                batch = data.global_batch(next(data_iter), s.batch_sharding)
+                t = time.perf_counter()
+                batch = next(batches)
+                window["data_wait"].append(time.perf_counter() - t)
                 state, stats = train_step(state, batch)
                 watch.add(step, stats)
-                window_steps += 1
+                if pending is not None:  # the device is busy with this step meanwhile
+                    report(*pending)
+                    pending = None
                 done = step == c.steps
                 if step % c.log_every == 0 or done or step == start + 1:
-                    stats = jax.device_get(stats)  # the only host sync: once per logged step
-                    watch.check(last_saved)
-                    elapsed = time.perf_counter() - window_start
-                    tps = tokens_per_step * window_steps / elapsed
-                    row = {k: float(v) for k, v in stats.items()}
-                    row.update(
-                        tokens_per_sec=tps,
-                        step_time_s=elapsed / window_steps,
-                        mfu=metrics.mfu(flops, tps, jax.device_count(), peak),
-                    )
-                    if watch.skipped:
-                        row["skipped_steps"] = watch.skipped
-                    if step % c.eval_every == 0 or done:
-                        eval_loss = evaluate(s, eval_step, state.params, eval_ds, stop.requested)
-                        if eval_loss is not None:
-                            row["eval_loss"] = eval_loss
-                    writer.write(step, row)
-                    log(metrics.progress_line(step, c.steps, row))
-                    last_row = {"step": step, **row}
-                    window_start, window_steps = time.perf_counter(), 0
+                    if step % c.eval_every == 0 or done:  # evaluates this step's parameters: now
+                        report(step, stats, len(window["data_wait"]), eval_params=state.params)
+                    else:
+                        pending = (step, stats, len(window["data_wait"]))
                 stopping = stop.requested()
                 if step % c.checkpoint_every == 0 or done or stopping:
                     watch.check(last_saved)  # never save a state that went through a non-finite step
-                    checkpoint.save(mngr, step, state, data_iter.get_state(), s.meta())
+                    checkpoint.save(mngr, step, state, batches.get_state(), s.meta())
                     last_saved = step
                 if stopping:
+                    if pending is not None:
+                        report(*pending)
+                        pending = None
                     mngr.wait_until_finished()  # synchronous: the process may be killed soon after
                     log(
                         f"stopped by {stop.signal_name} after step {step}: checkpoint saved; "
@@ -348,7 +371,10 @@ def train(config, workdir: str) -> dict:
                     )
                     last_row = {**last_row, "step": step, "stopped": True}
                     break
+            if pending is not None:
+                report(*pending)
     finally:
+        batches.close()
         # Also on an error: let a save in flight finish, so the newest checkpoint on disk is complete.
         mngr.wait_until_finished()
         mngr.close()

@@ -1,6 +1,7 @@
 """The input pipeline: corpus split, user files and their errors, windows, shuffling, sharding."""
 
 import json
+import time
 
 import jax
 import numpy as np
@@ -237,6 +238,41 @@ def test_iterator_state_round_trip():
     assert ids(got) == ids(expected)
     np.testing.assert_array_equal(got["tokens"], expected["tokens"])
     assert ids(got) != ids(first)  # the state, not a restart, produced it
+
+
+def test_prefetcher_reads_ahead_but_its_state_follows_what_was_handed_out():
+    stream = data.train_dataset(windows_tokens(WINDOWS, SEQ), SEQ, BATCH, 0, 0, 1)
+    plain = iter(stream)
+    placed = []
+    ahead = data.Prefetcher(iter(stream), lambda b: placed.append(ids(b)) or b, depth=3)
+    try:
+        for _ in range(4):
+            want, got = next(plain), next(ahead)
+            assert ids(got) == ids(want)
+            np.testing.assert_array_equal(got["tokens"], want["tokens"])
+        # The thread fills the queue (3) and holds one more batch waiting for a place: no further.
+        deadline = time.monotonic() + 10
+        while len(placed) < 4 + 3 + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert len(placed) == 4 + 3 + 1
+        assert ahead.get_state() == plain.get_state()  # not the read-ahead position
+    finally:
+        ahead.close()
+    resumed = iter(stream)
+    resumed.set_state(ahead.get_state())
+    assert ids(next(resumed)) == ids(next(plain))
+
+
+def test_prefetcher_raises_the_reading_error_in_the_loop():
+    def place(batch):
+        raise UserError("disk went away")
+
+    stream = data.train_dataset(windows_tokens(WINDOWS, SEQ), SEQ, BATCH, 0, 0, 1)
+    ahead = data.Prefetcher(iter(stream), place)
+    with pytest.raises(UserError, match="disk went away"):
+        next(ahead)
+    ahead.close()
 
 
 def test_process_shards_are_disjoint_and_make_the_global_batch():

@@ -126,12 +126,12 @@ def test_data_position_is_global_across_process_counts_and_batch_sizes():
 
 
 def test_interrupted_run_sees_the_same_examples_also_on_another_mesh(tmp_path, monkeypatch):
-    seen = []
+    placed = []  # per run, the batches in the order the input thread placed them (it reads ahead)
     original = data.global_batch
 
     def recording(local, sharding):
-        seen.append(local["id"].tolist())
-        if stop_after and len(seen) == stop_after:
+        placed[-1].append(local["id"].tolist())
+        if stop_after and len(placed[-1]) == stop_after:
             os.kill(os.getpid(), signal.SIGTERM)  # as a preemption would: the run saves and returns
         return original(local, sharding)
 
@@ -139,16 +139,23 @@ def test_interrupted_run_sees_the_same_examples_also_on_another_mesh(tmp_path, m
     monkeypatch.setattr(trainer, "evaluate", lambda *args: None)  # held-out batches are not training data
     common = {"steps": 4, "log_every": 1, "eval_every": 100, "checkpoint_every": 100}
     stop_after = 2
-    assert trainer.train(small_config(**common), str(tmp_path))["stopped"]
+    placed.append([])
+    first = trainer.train(small_config(**common), str(tmp_path))
+    assert first["stopped"] and 1 <= first["step"] < 4
     stop_after = 0
+    placed.append([])
     trainer.train(small_config(rules="megatron_1d", mesh="dp=4,mp=2", **common), str(tmp_path))
 
+    # The batches trained on: the first run's up to its checkpoint, then the resumed run's. Those read
+    # ahead and not trained on must not count, nor be skipped by the resumed run.
+    k = first["step"]
+    trained = placed[0][:k] + placed[1][: 4 - k]
     # What an uninterrupted run reads: the pipeline's first four global batches, in order.
     c = small_config()
     tokens, _ = data.load_corpus(c.data)
     it = iter(data.train_dataset(tokens, c.seq_len, c.batch_size, c.data.seed, 0, 1))
-    assert seen == [next(it)["id"].tolist() for _ in range(4)]
-    assert len({tuple(ids) for ids in seen}) == 4  # four different batches
+    assert trained == [next(it)["id"].tolist() for _ in range(4)]
+    assert len({tuple(ids) for ids in trained}) == 4  # four different batches
     # Losses after a resume are compared with an uninterrupted run by the reshard matrix above.
     assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3, 4]
 
