@@ -3,14 +3,15 @@ tokens, the command line end to end, and one-line errors raised before anything 
 
 import json
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import small_config
 from jax.sharding import PartitionSpec as P
 
 from gspmd_tp import generate, restore, trainer
-from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.model import Transformer
 
@@ -44,7 +45,8 @@ def test_cached_greedy_decoding_equals_rerunning_the_full_forward(scan_layers):
     config = small_config(**{"model.scan_layers": scan_layers, "rules": "megatron_1d"})
     s = trainer.setup(config)
     assert s.model_cfg.num_heads == 16 and s.model_cfg.num_kv_heads == 8  # grouped key/value heads
-    params = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, config.seq_len, 0).params
+    init = lambda key: nn.meta.unbox(Transformer(s.model_cfg).init(key, jnp.zeros((1, 8), jnp.int32)))
+    params = jax.jit(lambda key: init(key)["params"], out_shardings=s.shardings.params)(jax.random.key(0))
     token_lists = [generate.encode(p) for p in PROMPTS]
     steps = 6
     got, got_logits = generate.sample_tokens(s, params, token_lists, steps, return_logits=True)
