@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -131,6 +132,42 @@ def _param(module, name, init, shape, names):
     return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
 
 
+# The key/value cache of one layer: logical names only, so a rule file decides where it lives.
+CACHE_AXES = (BATCH, LENGTH, KV_HEADS, HEAD_DIM)
+
+
+@flax.struct.dataclass
+class Decoding:
+    """Where the tokens of a decoding call sit: positions (batch, length) are each row's absolute
+    positions (negative for left padding), `slot` the cache slot of the first of them."""
+
+    positions: jax.Array
+    slot: jax.Array
+    cache_length: int = flax.struct.field(pytree_node=False)
+
+
+def _extend_cache(module, k_blkd, v_blkd, decoding: Decoding):
+    """Writes this call's keys/values into the layer's cache at decoding.slot.
+
+    Returns (cached keys, cached values, mask (batch, 1, 1, q, slots)). The prompts are left-padded,
+    so a row's tokens fill the slots from slot - position onwards: a query sees the slots of its own
+    row up to its own slot, never the padding before it nor the unwritten slots after it.
+    """
+    b, length, k_heads, hd = k_blkd.shape
+    shape = (b, decoding.cache_length, k_heads, hd)
+    init = nn.with_logical_partitioning(jnp.zeros, CACHE_AXES)
+    cached_k = module.variable("cache", "key", init, shape, k_blkd.dtype)
+    cached_v = module.variable("cache", "value", init, shape, v_blkd.dtype)
+    start = (0, decoding.slot, 0, 0)
+    cached_k.value = _constrain(jax.lax.dynamic_update_slice(cached_k.value, k_blkd, start), CACHE_AXES)
+    cached_v.value = _constrain(jax.lax.dynamic_update_slice(cached_v.value, v_blkd, start), CACHE_AXES)
+    query_slot = decoding.slot + jnp.arange(length, dtype=jnp.int32)  # (q,)
+    row_start = query_slot[None, :] - decoding.positions  # (batch, q): the slot of position 0
+    key_slot = jnp.arange(decoding.cache_length, dtype=jnp.int32)[None, None, :]
+    mask = (key_slot >= row_start[:, :, None]) & (key_slot <= query_slot[None, :, None])
+    return cached_k.value, cached_v.value, mask[:, None, None]
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last (embed) axis, computed in float32."""
 
@@ -148,13 +185,15 @@ class RMSNorm(nn.Module):
 def rotary(x, positions, theta: float):
     """Rotary position embedding (the rotate-half layout of Llama/HF) on the last axis of x.
 
-    x: (batch, length, ..., head_dim); positions: (length,).
+    x: (batch, length, ..., head_dim); positions: (length,), or (batch, length) when each row has
+    its own (decoding left-padded prompts).
     """
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (length, d/2)
-    angles = jnp.concatenate([freqs, freqs], axis=-1)  # (length, d)
-    shape = (1, x.shape[1]) + (1,) * (x.ndim - 3) + (d,)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # ([batch,] length, d/2)
+    angles = jnp.concatenate([freqs, freqs], axis=-1)  # ([batch,] length, d)
+    lead = (1, x.shape[1]) if positions.ndim == 1 else x.shape[:2]
+    shape = lead + (1,) * (x.ndim - 3) + (d,)
     cos, sin = jnp.cos(angles).reshape(shape), jnp.sin(angles).reshape(shape)
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
@@ -169,9 +208,13 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x_ble, positions):
+        """positions: (length,); or a Decoding, to attend through (and extend) the "cache" collection."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         k_heads, group, hd = cfg.num_kv_heads, cfg.group, cfg.head_dim
+        decoding = positions if isinstance(positions, Decoding) else None
+        if decoding is not None:
+            positions = decoding.positions  # (batch, length)
         b, length, _ = x_ble.shape
         init = nn.initializers.normal(0.02)
         out_init = nn.initializers.normal(0.02 / (2 * cfg.num_layers) ** 0.5)
@@ -190,9 +233,12 @@ class Attention(nn.Module):
         v = _constrain(qkv[:, :, :, group + 1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
 
         q = q.reshape(b, length, k_heads, group, hd)
+        if decoding is not None:  # keys and values: the cache so far plus these tokens
+            k, v, causal = _extend_cache(self, k, v, decoding)
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
         scores = _constrain(scores, (BATCH, KV_HEADS, None, LENGTH, None))
-        causal = positions[:, None] >= positions[None, :]  # (q, s)
+        if decoding is None:
+            causal = positions[:, None] >= positions[None, :]  # (q, s)
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
         out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, cfg.num_heads, hd)
@@ -257,9 +303,10 @@ class Transformer(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_bl, return_hidden: bool = False):
+    def __call__(self, tokens_bl, return_hidden: bool = False, decoding: Decoding | None = None):
         """Logits; with return_hidden, (final-normed hidden states, output projection (embed,
-        vocab)) instead, so that a loss can project a block of positions at a time."""
+        vocab)) instead, so that a loss can project a block of positions at a time. With `decoding`,
+        attention reads and extends the key/value cache (apply with mutable=["cache"])."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         embedding = _param(
@@ -271,6 +318,8 @@ class Transformer(nn.Module):
         x_ble = _constrain(x_ble, (BATCH, LENGTH, EMBED))
         x_ble = _constrain(x_ble, (BATCH, NORM_LENGTH, EMBED))
         positions = jnp.arange(tokens_bl.shape[1], dtype=jnp.int32)
+        if decoding is not None:
+            positions = decoding  # Block hands it to Attention unchanged
 
         block = Block
         if cfg.remat != "none":
@@ -278,7 +327,7 @@ class Transformer(nn.Module):
         if cfg.scan_layers:
             stack = nn.scan(
                 block,
-                variable_axes={"params": 0},
+                variable_axes={"params": 0, "cache": 0},  # each layer its own cache
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast,),
                 length=cfg.num_layers,

@@ -84,3 +84,14 @@ def run_steps(config, batches, devices=None, state=None):
         state, stats = step(state, jax.device_put(tokens, s.batch_sharding))
         history.append((float(stats["loss"]), float(stats["grad_norm"])))
     return state, history
+
+
+@pytest.fixture(scope="session")
+def trained_workdir(tmp_path_factory):
+    """A workdir trained 4 steps with small_config() (megatron_2d on dp=2,mp=4): checkpoints at
+    steps 2 and 4, metrics.jsonl with eval_loss at steps 2 and 4. Shared: treat it as read-only."""
+    from gspmd_tp import trainer
+
+    workdir = tmp_path_factory.mktemp("trained")
+    trainer.train(small_config(), str(workdir))
+    return workdir

@@ -1,0 +1,160 @@
+"""Held-out loss of a trained run, and a chart of its loss curves.
+
+    python -m gspmd_tp.evaluate --workdir=DIR [--eval_batches=N] [--json] [--plot=loss.png]
+        [--config.rules=NAME --config.mesh=dp=4,mp=2 ...]
+    python -m gspmd_tp.evaluate --workdir=DIR --plot=loss.png --plot_only   # no checkpoint read
+
+The newest checkpoint's parameters are evaluated on the held-out split of the run's own data
+config (config.data: the hash-chosen held-out documents, or config.data.eval_files) with the
+trainer's own eval step, so the loss equals the eval_loss that training logs for those parameters.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__":  # simulated devices must be requested before jax is imported
+    from gspmd_tp import host_devices
+
+    host_devices.request(host_devices.count_from_argv(sys.argv, 8))
+
+import argparse
+import json
+import math
+import os
+
+import jax
+
+from gspmd_tp import data, restore, trainer
+from gspmd_tp import state as state_lib
+from gspmd_tp.errors import UserError
+from gspmd_tp.mesh import mesh_string
+
+# data.py's tokens are bytes: each target is one byte of the packed corpus (the separator is the
+# one byte that ends a document), so per-token and per-byte figures coincide. They are still
+# computed apart, from total nats over total bytes, so that a tokenizer of several bytes per token
+# would only change this constant.
+BYTES_PER_TOKEN = 1
+
+
+def evaluate_params(s: trainer.Setup, params) -> dict:
+    """Loss and perplexities of `params` over config.eval_batches held-out batches."""
+    c = s.config
+    _, eval_tokens = data.load_corpus(c.data)
+    eval_ds = data.eval_dataset(
+        eval_tokens, c.seq_len, c.batch_size, jax.process_index(), jax.process_count()
+    )
+    with state_lib.sharding_context(s.mesh, s.rules):
+        loss = trainer.evaluate(s, trainer.make_eval_step(s), params, eval_ds)
+    tokens = c.eval_batches * c.batch_size * c.seq_len  # every target of every batch counts
+    nats = loss * tokens
+    n_bytes = tokens * BYTES_PER_TOKEN
+    return {
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "tokens": tokens,
+        "bytes": n_bytes,
+        "bits_per_byte": nats / n_bytes / math.log(2),
+        "byte_perplexity": math.exp(nats / n_bytes),
+        "eval_batches": c.eval_batches,
+    }
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The rows of workdir/metrics.jsonl; UserError if there is none or a line is not JSON."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: no such file (train.py writes it)")
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    raise UserError(f"{path}:{i + 1}: not a JSON object") from None
+    if not any("loss" in r for r in rows):
+        raise UserError(f"{path}: no row has a loss")
+    return rows
+
+
+def plot_losses(rows: list[dict], path: str, title: str, evaluated: dict | None = None) -> None:
+    """A PNG of training loss and held-out loss against step (and the point just evaluated)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    held = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*train, strict=True), label="training loss", linewidth=1)
+    if held:
+        ax.plot(*zip(*held, strict=True), "o-", label="held-out loss (during training)")
+    if evaluated is not None:
+        ax.plot([evaluated["step"]], [evaluated["loss"]], "r*", markersize=12, label="evaluate")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise UserError(f"--plot={path}: {e}") from None
+    finally:
+        plt.close(fig)
+
+
+def _report(r: dict, workdir: str) -> str:
+    return (
+        f"step {r['step']} of {workdir} | mesh {r['mesh']} | rules {r['rules']}\n"
+        f"held-out: {r['eval_batches']} batches, {r['tokens']:,} tokens ({r['bytes']:,} bytes)\n"
+        f"loss {r['loss']:.4f} nats/token | perplexity {r['perplexity']:.3f} per token | "
+        f"{r['bits_per_byte']:.4f} bits/byte | perplexity {r['byte_perplexity']:.3f} per byte"
+    )
+
+
+def main(argv=None) -> int:
+    """python -m gspmd_tp.evaluate --workdir=DIR [--eval_batches=N] [--json] [--plot=PNG]."""
+    parser = argparse.ArgumentParser(prog="python -m gspmd_tp.evaluate", description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", required=True, help="a run directory (train.py --workdir)")
+    parser.add_argument("--eval_batches", type=int, default=None, help="default: the run's config")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", default=None, help="write the loss curves of metrics.jsonl to this PNG")
+    parser.add_argument("--plot_only", action="store_true", help="with --plot: skip the evaluation")
+    args, rest = parser.parse_known_args(argv)
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
+    try:
+        overrides = restore.split_overrides(rest)
+        if args.eval_batches is not None:
+            if args.eval_batches <= 0:
+                raise UserError(f"--eval_batches must be positive, got {args.eval_batches}")
+            overrides["eval_batches"] = str(args.eval_batches)
+        if args.plot_only and not args.plot:
+            raise UserError("--plot_only needs --plot=PNG")
+        rows = read_metrics(args.workdir) if args.plot else None
+        result = None
+        if not args.plot_only:
+            step, _, s = restore.load_setup(args.workdir, overrides)
+            params = restore.restore_params(args.workdir, step, s)
+            result = {"step": step, "mesh": mesh_string(s.mesh), "rules": s.rules.source}
+            result.update(evaluate_params(s, params))
+        if args.plot and jax.process_index() == 0:
+            plot_losses(rows, args.plot, f"{os.path.abspath(args.workdir)}", result)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if jax.process_index() == 0:
+        if result is not None:
+            print(json.dumps(result) if args.json else _report(result, args.workdir))
+        if args.plot and not args.json:
+            print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

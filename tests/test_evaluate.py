@@ -1,0 +1,58 @@
+"""Evaluation from a checkpoint: the trainer's eval loss, per-token and per-byte figures, the
+loss-curve PNG, and one-line errors."""
+
+import json
+import math
+
+import pytest
+
+from gspmd_tp import evaluate, restore
+
+
+def test_loss_equals_the_trainers_eval_loss(trained_workdir, capsys):
+    assert evaluate.main(["--workdir", str(trained_workdir), "--json", "--config.mesh=dp=4,mp=2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = [json.loads(line) for line in (trained_workdir / "metrics.jsonl").read_text().splitlines()]
+    assert result["step"] == rows[-1]["step"] == 4 and result["mesh"] == "dp=4,mp=2"
+    # Same parameters and batches, another mesh: the eval_loss training logged at step 4.
+    assert result["loss"] == pytest.approx(rows[-1]["eval_loss"], rel=1e-5)
+    assert result["tokens"] == 1 * 8 * 32 and result["bytes"] == result["tokens"]  # 1 batch of 8 x 32
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+    assert result["bits_per_byte"] == pytest.approx(result["loss"] / math.log(2))
+    assert result["byte_perplexity"] == pytest.approx(2 ** result["bits_per_byte"])
+
+
+def test_report_and_plot(trained_workdir, tmp_path, capsys):
+    png = tmp_path / "loss.png"
+    argv = ["--workdir", str(trained_workdir), "--eval_batches=2", f"--plot={png}"]
+    assert evaluate.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "held-out: 2 batches, 512 tokens (512 bytes)" in out
+    assert "nats/token" in out and "bits/byte" in out and f"plot: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    png.unlink()
+    assert evaluate.main(["--workdir", str(trained_workdir), f"--plot={png}", "--plot_only"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--eval_batches=0"], "--eval_batches must be positive, got 0"),
+        (["--plot_only"], "--plot_only needs --plot=PNG"),
+        (["--config.rules=nonexistent"], "rule file 'nonexistent' not found"),
+    ],
+)
+def test_bad_input_is_one_line(trained_workdir, monkeypatch, capsys, args, message):
+    monkeypatch.setattr(restore, "restore_params", lambda *_: pytest.fail("read parameters"))
+    assert evaluate.main(["--workdir", str(trained_workdir), *args]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err, err
+
+
+def test_no_checkpoint_or_metrics_is_one_line(tmp_path, capsys):
+    assert evaluate.main(["--workdir", str(tmp_path)]) == 1
+    assert "no checkpoint found" in capsys.readouterr().err
+    assert evaluate.main(["--workdir", str(tmp_path), "--plot=x.png", "--plot_only"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "metrics.jsonl: no such file" in err and "\n" not in err

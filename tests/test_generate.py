@@ -1,0 +1,150 @@
+"""Sampling: the cache reproduces the full forward pass, any rule file and mesh give the same
+tokens, the command line end to end, and one-line errors raised before anything compiles."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import small_config
+from jax.sharding import PartitionSpec as P
+
+from gspmd_tp import generate, restore, trainer
+from gspmd_tp.errors import UserError
+from gspmd_tp.model import Transformer
+
+PROMPTS = ["def main(", "import os\n", "x"]  # three lengths: rows are padded differently
+
+
+def reference_greedy(s, params, token_lists, steps):
+    """Greedy decoding by running the whole sequence through the model again for every token."""
+    model = Transformer(s.model_cfg)
+    width = max(len(t) for t in token_lists) + steps
+    # Right-padded to one width (one compile): causal attention keeps padding out of the logits read.
+    forward = jax.jit(lambda p, t: model.apply({"params": p}, t))
+    rows = [list(t) for t in token_lists]
+    chosen, logits_seen = [], []
+    for _ in range(steps):
+        batch = np.zeros((len(rows), width), np.int32)
+        for i, r in enumerate(rows):
+            batch[i, : len(r)] = r
+        logits = np.asarray(forward(params, batch))
+        last = np.stack([logits[i, len(r) - 1] for i, r in enumerate(rows)])
+        nxt = last[:, :256].argmax(-1)
+        for r, t in zip(rows, nxt, strict=True):
+            r.append(int(t))
+        chosen.append(nxt)
+        logits_seen.append(last)
+    return np.stack(chosen, 1), np.stack(logits_seen, 1)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_cached_greedy_decoding_equals_rerunning_the_full_forward(scan_layers):
+    config = small_config(**{"model.scan_layers": scan_layers, "rules": "megatron_1d"})
+    s = trainer.setup(config)
+    assert s.model_cfg.num_heads == 16 and s.model_cfg.num_kv_heads == 8  # grouped key/value heads
+    init = lambda key: nn.meta.unbox(Transformer(s.model_cfg).init(key, jnp.zeros((1, 8), jnp.int32)))
+    params = jax.jit(lambda key: init(key)["params"], out_shardings=s.shardings.params)(jax.random.key(0))
+    token_lists = [generate.encode(p) for p in PROMPTS]
+    steps = 6
+    got, got_logits = generate.sample_tokens(s, params, token_lists, steps, return_logits=True)
+    want, want_logits = reference_greedy(s, params, token_lists, steps)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got_logits, want_logits, atol=2e-5, rtol=1e-4)
+
+
+def test_cache_is_sharded_by_the_rule_file(config):
+    s = trainer.setup(small_config(rules="megatron_1d", mesh="dp=2,mp=4"))
+    shardings = generate.cache_shardings(s, rows=2, prompt_len=5, cache_length=9)
+    key = shardings["layers"]["attn"]["key"]
+    # (layers, batch, length, kv_heads, head_dim): batch over dp, each device its own kv heads.
+    assert key.spec == P(None, "dp", None, "mp", None)
+    s = trainer.setup(small_config(rules="dp", mesh="dp=2,mp=4"))
+    assert generate.cache_shardings(s, 8, 5, 9)["layers"]["attn"]["value"].spec == P(
+        None, ("dp", "mp"), None, None, None
+    )
+
+
+def _restored(workdir, rules, mesh):
+    step, _, s = restore.load_setup(str(workdir), {"rules": rules, "mesh": mesh})
+    return s, restore.restore_params(str(workdir), step, s)
+
+
+def test_other_rules_and_mesh_generate_the_same_tokens(trained_workdir):
+    token_lists = [generate.encode(p) for p in PROMPTS[:2]]
+    s1, p1 = _restored(trained_workdir, "megatron_1d", "dp=2,mp=4")
+    s2, p2 = _restored(trained_workdir, "megatron_2d", "dp=4,mp=2")
+    assert p1["layers"]["attn"]["qkv"].sharding.spec != p2["layers"]["attn"]["qkv"].sharding.spec
+    t1, l1 = generate.sample_tokens(s1, p1, token_lists, 8, return_logits=True)
+    t2, l2 = generate.sample_tokens(s2, p2, token_lists, 8, return_logits=True)
+    np.testing.assert_array_equal(t1, t2)
+    np.testing.assert_allclose(l1, l2, atol=2e-5, rtol=1e-4)
+    # Sampling: the same seed gives the same sample on another mesh (the random bits do not
+    # depend on how the logits are sharded).
+    a = generate.sample_tokens(s1, p1, token_lists, 8, temperature=1.0, top_k=20, seed=3)
+    b = generate.sample_tokens(s2, p2, token_lists, 8, temperature=1.0, top_k=20, seed=3)
+    np.testing.assert_array_equal(a, b)
+    assert ((a >= 0) & (a < 256)).all()
+
+
+def test_cli_prints_the_continued_prompts(trained_workdir, tmp_path, capsys):
+    argv = ["--workdir", str(trained_workdir), "--max_new_tokens=5", "--temperature=0"]
+    assert generate.main([*argv, "--prompt=def ", "--config.mesh=dp=4,mp=2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("def ") and "step 4 of" in err and "mesh dp=4,mp=2" in err
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("class \nimport \n")
+    assert generate.main([*argv, f"--prompts_file={prompts}", "--top_k=5", "--temperature=1"]) == 0
+    out, _ = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0] == "--- 1/2 ---" and lines[1].startswith("class ") and "--- 2/2 ---" in lines
+
+
+def test_decode_stops_at_the_document_separator_and_replaces_bad_bytes():
+    assert generate.decode([104, 105, 0, 120]) == "hi"
+    assert generate.decode([0xE2, 0x82]) == "\ufffd"  # a cut multi-byte character
+    assert generate.encode("a\0b") == [0, 97, 98]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt="], "--prompt is empty"),
+        (["--prompt=x", "--max_new_tokens=0"], "--max_new_tokens must be positive, got 0"),
+        (["--prompt=x", "--max_new_tokens=40"], "plus --max_new_tokens=40 is longer than the 32 positions"),
+        (["--prompt=" + "y" * 40], "fills the 32 positions the model was trained on"),
+        (["--prompt=x", "--top_k=257"], "--top_k must be in 0..256"),
+        (["--prompt=x", "--top_k=-1"], "--top_k must be in 0..256"),
+        (["--prompt=x", "--temperature=-1"], "--temperature must be >= 0"),
+        (["--prompt=x", "--config.nope=1"], "the run's config has no key 'nope'"),
+        (["--prompt=x", "--config.mesh=dp=3,mp=4"], "mesh 'dp=3,mp=4' has 12 devices"),
+        ([], "give exactly one of --prompt=TEXT and --prompts_file=FILE"),
+        (["--prompt=x", "--nonsense"], "unrecognized argument '--nonsense'"),
+    ],
+)
+def test_bad_input_is_one_line_before_anything_compiles(trained_workdir, monkeypatch, capsys, args, message):
+    def must_not_run(*_, **__):
+        raise AssertionError("read parameters or compiled before rejecting bad input")
+
+    monkeypatch.setattr(restore, "restore_params", must_not_run)
+    monkeypatch.setattr(generate, "make_sampler", must_not_run)
+    assert generate.main(["--workdir", str(trained_workdir), *args]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err, err
+
+
+def test_no_checkpoint_is_one_line(tmp_path, capsys):
+    assert generate.main(["--workdir", str(tmp_path), "--prompt=x"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "no checkpoint found" in err and "\n" not in err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_restore_reads_the_saved_config_with_typed_overrides(trained_workdir):
+    step, meta, config = restore.saved_config(str(trained_workdir), {"model.dtype": "bfloat16", "seed": "3"})
+    assert step == 4 and config.model.dtype == "bfloat16" and config.seed == 3
+    assert json.loads(json.dumps(meta["model"]))["num_kv_heads"] == 8
+    with pytest.raises(UserError, match=r"--config.steps=many: expected int \(saved: 4\)"):
+        restore.saved_config(str(trained_workdir), {"steps": "many"})
