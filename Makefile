@@ -29,8 +29,11 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two workers for most of the suite; the multi-process tests after them, alone (they start process
+# groups of their own and time how fast a dead peer is noticed).
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 -m "not serial"
+	$(PY) -m pytest -m serial
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -9,6 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+# Alone, after the parallel part of the suite: a busy neighbour delays how fast a dead peer is seen.
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = [
     "--config=configs/tiny.py",
