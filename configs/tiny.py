@@ -48,6 +48,8 @@ def get_config() -> ConfigDict:
     c.model.tie_embeddings = False
     c.model.dtype = "float32"  # on CPU bf16 matmuls are slower than f32
     c.model.remat = "none"  # none | full | dots | dots_no_batch
+    # einsum | xla | cudnn (jax.nn.dot_product_attention; cudnn: GPU, bf16). On CPU xla is no faster.
+    c.model.attention = "einsum"
     c.model.scan_layers = True
 
     c.optim = ConfigDict()

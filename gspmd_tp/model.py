@@ -42,6 +42,9 @@ REMAT_POLICIES = {
 }
 
 
+ATTENTION_IMPLEMENTATIONS = ("einsum", "xla", "cudnn")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Model hyperparameters (config.model); saved with every checkpoint."""
@@ -58,6 +61,10 @@ class ModelConfig:
     tie_embeddings: bool = False
     dtype: str = "float32"  # compute dtype; parameters are always float32
     remat: str = "none"  # a key of REMAT_POLICIES
+    # einsum: the attention written out, its scores annotated with logical axes; xla / cudnn:
+    # jax.nn.dot_product_attention with that implementation (cudnn: fused flash attention, GPU
+    # only, bf16/fp16). Sampling from the key/value cache always takes the einsum path.
+    attention: str = "einsum"
     scan_layers: bool = True
 
     @property
@@ -90,6 +97,10 @@ class ModelConfig:
             problems.append(f"model.remat {self.remat!r} is not one of {sorted(REMAT_POLICIES)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             problems.append(f"model.dtype {self.dtype!r} is not float32, bfloat16 or float16")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            problems.append(f"model.attention {self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
+        elif self.attention == "cudnn" and self.dtype == "float32":
+            problems.append("model.attention 'cudnn' needs model.dtype bfloat16 or float16, got float32")
         return problems
 
 
@@ -232,16 +243,22 @@ class Attention(nn.Module):
         )
         v = _constrain(qkv[:, :, :, group + 1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
 
-        q = q.reshape(b, length, k_heads, group, hd)
-        if decoding is not None:  # keys and values: the cache so far plus these tokens
-            k, v, causal = _extend_cache(self, k, v, decoding)
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-        scores = _constrain(scores, (BATCH, KV_HEADS, None, LENGTH, None))
-        if decoding is None:
-            causal = positions[:, None] >= positions[None, :]  # (q, s)
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, cfg.num_heads, hd)
+        if decoding is None and cfg.attention != "einsum":
+            # Query head h reads key/value head h // group, the grouping of the fused kernel.
+            out = jax.nn.dot_product_attention(
+                q, k, v, scale=1.0, is_causal=True, implementation=cfg.attention
+            )
+        else:
+            q = q.reshape(b, length, k_heads, group, hd)
+            if decoding is not None:  # keys and values: the cache so far plus these tokens
+                k, v, causal = _extend_cache(self, k, v, decoding)
+            scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+            scores = _constrain(scores, (BATCH, KV_HEADS, None, LENGTH, None))
+            if decoding is None:
+                causal = positions[:, None] >= positions[None, :]  # (q, s)
+            scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+            probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+            out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, cfg.num_heads, hd)
         out = _constrain(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
         y = jnp.einsum("blhd,hde->ble", out, w_out.astype(dtype))
         # No _constrain_cotangent here (see there): XLA:CPU then gathers this gradient once per

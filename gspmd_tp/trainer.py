@@ -110,6 +110,9 @@ def setup(config, devices=None) -> Setup:
     model_cfg = model_config(config)
     rules = load_rules(config.rules)
     mesh = make_mesh(config.mesh, rules.mesh_axes, devices)
+    platform = mesh.devices.flat[0].platform
+    if model_cfg.attention == "cudnn" and platform != "gpu":
+        raise UserError(f"config.model.attention='cudnn' needs GPU devices; this run's are {platform}")
     state_lib.validate(model_cfg, rules, mesh, config.batch_size // config.grad_accum, config.seq_len)
     tx, schedule = optim.make_optimizer(config.optim, config.steps)
     abstract, shardings = state_lib.state_shardings(model_cfg, tx, mesh, rules, config.seq_len)

@@ -121,3 +121,24 @@ def test_config_validation_names_the_problem():
     problems = bad.validate()
     assert any("num_heads (6) must be a multiple of model.num_kv_heads (4)" in p for p in problems)
     assert any("model.remat 'sometimes'" in p for p in problems)
+
+
+def test_dot_product_attention_equals_the_einsum_path():
+    """jax.nn.dot_product_attention (xla) gives the einsum path's logits and gradients, GQA included."""
+    params = init(CFG)
+    xla_cfg = ModelConfig(**{**CFG.__dict__, "attention": "xla"})
+
+    def logits_and_grads(cfg):
+        f = lambda p: Transformer(cfg).apply({"params": p}, TOKENS)
+        return f(params), jax.grad(lambda p: (f(p) ** 2).mean())(params)
+
+    (l0, g0), (l1, g1) = logits_and_grads(CFG), logits_and_grads(xla_cfg)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_attention_choice_is_validated():
+    assert any("model.attention 'flash'" in p for p in ModelConfig(attention="flash").validate())
+    assert any("needs model.dtype bfloat16" in p for p in ModelConfig(attention="cudnn").validate())
+    assert ModelConfig(attention="cudnn", dtype="bfloat16").validate() == []

@@ -59,9 +59,12 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
         "--config.mesh=dp=3,mp=4": "mesh 'dp=3,mp=4' has 12 devices but 8 are available",
         "--config.grad_accum=3": "config.batch_size=8 is not divisible by config.grad_accum=3",
         "--config.data.train_files=/nonexistent/*.txt": "no file matches '/nonexistent/*.txt'",
+        "--config.model.attention=cudnn --config.model.dtype=bfloat16": (
+            "config.model.attention='cudnn' needs GPU devices; this run's are cpu"
+        ),
     }
     for flag, message in cases.items():
-        result = train(tmp_path / "run", "--config.steps=2", flag)
+        result = train(tmp_path / "run", "--config.steps=2", *flag.split())
         assert result.returncode == 1, (flag, result.stderr[-2000:])
         errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert errors and message in errors[0], (flag, result.stderr[-2000:])
