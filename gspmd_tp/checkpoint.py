@@ -29,7 +29,7 @@ STATE, DATA, META = "state", "data", "meta"
 # stream (or from another init), so a workdir with different ones holds another run.
 RUN_IDENTITY = ("seed", "seq_len", "data.train_files", "data.seed", "data.jsonl_field")
 # Model keys that change how the model computes, not what its parameters are: they may differ.
-FREE_MODEL_KEYS = ("dtype", "remat")
+FREE_MODEL_KEYS = ("dtype", "remat", "attention")
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -168,8 +168,14 @@ def _param_shapes(model: dict) -> dict[str, tuple[int, ...]]:
     return {path: shape for path, (shape, _) in param_axes(cfg).items()}
 
 
+def saved_model(model: dict) -> dict:
+    """A checkpoint's model config, keys added since it was saved taking their defaults."""
+    return {**dataclasses.asdict(ModelConfig()), **model}
+
+
 def check_model_matches(saved: dict, current: ModelConfig, where: str) -> None:
     """A checkpoint made by a different model cannot be resumed: name every differing key and parameter."""
+    saved = saved_model(saved)
     now = dataclasses.asdict(current)
     diffs = [
         f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}"

@@ -77,7 +77,7 @@ def saved_config(workdir: str, overrides: dict[str, str]) -> tuple[int, dict, Co
         )
     step, meta = found[0]
     config = ConfigDict(meta["config"])
-    config.model = ConfigDict(meta["model"])  # what the checkpoint's parameters are
+    config.model = ConfigDict(checkpoint.saved_model(meta["model"]))  # what its parameters are
     return step, meta, apply_overrides(config, overrides)
 
 

@@ -69,6 +69,16 @@ def test_different_model_in_workdir_is_named():
     assert "dtype" not in str(e.value)  # compute dtype may change between runs
 
 
+def test_a_checkpoint_saved_before_a_model_key_existed_still_matches():
+    """model.attention came later: a saved model without it takes the default, and any choice resumes."""
+    saved = trainer.model_config(small_config()).__dict__.copy()
+    del saved["attention"]
+    checkpoint.check_model_matches(saved, trainer.model_config(small_config()), "run")
+    xla = trainer.model_config(small_config(**{"model.attention": "xla"}))
+    checkpoint.check_model_matches(saved, xla, "run")
+    assert checkpoint.saved_model(saved)["attention"] == "einsum"
+
+
 # --- the checkpoint tool: info, export, import ---
 
 
