@@ -21,4 +21,6 @@ def get_config():
     c.model.head_dim = 32
     c.model.mlp_dim = 1024
     c.model.dtype = "float32"  # on this CPU bf16 matmuls are slower than f32 (bench.py measures both)
+    # Saving fewer activations is faster here: step 2.52 s vs 2.87 s without remat (median of 3).
+    c.model.remat = "dots_no_batch"
     return c
