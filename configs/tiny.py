@@ -68,4 +68,7 @@ def get_config() -> ConfigDict:
     c.data.eval_fraction = 0.05  # share of documents held out (chosen by a hash of their name)
     c.data.jsonl_field = "text"
     c.data.seed = 0  # shuffle seed
+    # Batches read and placed ahead on a background thread. -1: 2 on accelerators, 0 on CPU, where
+    # reading is cheap and the thread only competes with the step (measured 4% slower on tiny).
+    c.data.prefetch = -1
     return c

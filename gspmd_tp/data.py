@@ -159,16 +159,18 @@ class Prefetcher:
     `depth` placed batches wait in a queue, and one more in the thread's hands; get_state() is the
     position after the last batch handed out, not after the last one read ahead, so a checkpoint
     resumes exactly where training was. An error in the thread is raised by the next `next()`.
-    close() stops the thread.
+    close() stops the thread. depth 0 reads on the caller's thread, when next() is called.
     """
 
     def __init__(self, it: BatchIterator, place, depth: int = 2):
         self._it, self._place = it, place
         self._state = it.get_state()
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+            self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -189,6 +191,10 @@ class Prefetcher:
         return self
 
     def __next__(self):
+        if self._thread is None:
+            batch = self._place(next(self._it))
+            self._state = self._it.get_state()
+            return batch
         batch, state, error = self._queue.get()
         if error is not None:
             raise error
@@ -202,7 +208,8 @@ class Prefetcher:
     def close(self) -> None:
         """Stops the background thread (batches read ahead are dropped)."""
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def train_dataset(

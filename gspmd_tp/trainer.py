@@ -69,6 +69,8 @@ def check_config(config) -> None:
         raise UserError(
             f"config.batch_size={config.batch_size} is not divisible by the {jax.process_count()} processes"
         )
+    if config.data.prefetch < -1:
+        raise UserError(f"config.data.prefetch must be -1 (auto), 0 or more, got {config.data.prefetch}")
     if config.init_from and not os.path.isfile(config.init_from):
         raise UserError(f"config.init_from: no file {config.init_from}")
     if not config.data.train_files and config.model.vocab_size < data.BYTE_VOCAB:
@@ -308,8 +310,9 @@ def train(config, workdir: str) -> dict:
     watch = faults.NonFiniteWatch(c.skip_nonfinite_steps, log)
     last_saved = start if start else None
     last_row: dict = {}
-    # Batches are read and placed on a background thread; `data_wait_ms` is what the loop still waits.
-    batches = data.Prefetcher(data_iter, lambda b: data.global_batch(b, s.batch_sharding))
+    # `data_wait_ms` is what the loop waits for its next batch, read ahead or not.
+    depth = c.data.prefetch if c.data.prefetch >= 0 else (0 if jax.devices()[0].platform == "cpu" else 2)
+    batches = data.Prefetcher(data_iter, lambda b: data.global_batch(b, s.batch_sharding), depth)
     window = {"start": time.perf_counter(), "data_wait": []}  # one wait per step dispatched
 
     def report(step: int, stats, steps: int, eval_params=None) -> None:

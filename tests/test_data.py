@@ -264,6 +264,17 @@ def test_prefetcher_reads_ahead_but_its_state_follows_what_was_handed_out():
     assert ids(next(resumed)) == ids(next(plain))
 
 
+def test_prefetcher_without_a_thread_reads_when_asked():
+    stream = data.train_dataset(windows_tokens(WINDOWS, SEQ), SEQ, BATCH, 0, 0, 1)
+    plain, placed = iter(stream), []
+    inline = data.Prefetcher(iter(stream), lambda b: placed.append(ids(b)) or b, depth=0)
+    for n in range(1, 4):
+        assert ids(next(inline)) == ids(next(plain))
+        assert len(placed) == n  # nothing read ahead
+        assert inline.get_state() == plain.get_state()
+    inline.close()
+
+
 def test_prefetcher_raises_the_reading_error_in_the_loop():
     def place(batch):
         raise UserError("disk went away")
