@@ -8,6 +8,7 @@ the current mesh and rule file give it. Nothing in the workdir is written or rem
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -16,8 +17,29 @@ from ml_collections import ConfigDict
 
 from gspmd_tp import checkpoint, trainer
 from gspmd_tp.errors import UserError
+from gspmd_tp.rules import RULES_DIR
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+# Every shipped config starts from this one: its keys are the defaults of keys a run saved before
+# they existed does not have.
+DEFAULT_CONFIG = RULES_DIR.parent / "configs" / "tiny.py"
+
+
+def _default_config() -> dict:
+    spec = importlib.util.spec_from_file_location("gspmd_tp_default_config", DEFAULT_CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config().to_dict()
+
+
+def _laid_over(defaults: dict, saved: dict) -> dict:
+    """`saved`, with the keys it lacks (at any depth) taken from `defaults`."""
+    merged = dict(defaults)
+    for key, value in saved.items():
+        if isinstance(value, dict) and isinstance(defaults.get(key), dict):
+            value = _laid_over(defaults[key], value)
+        merged[key] = value
+    return merged
 
 
 def split_overrides(args: list[str]) -> dict[str, str]:
@@ -76,7 +98,7 @@ def saved_config(workdir: str, overrides: dict[str, str]) -> tuple[int, dict, Co
             f"train one first: python train.py --workdir={workdir}"
         )
     step, meta = found[0]
-    config = ConfigDict(meta["config"])
+    config = ConfigDict(_laid_over(_default_config(), meta["config"]))
     config.model = ConfigDict(checkpoint.saved_model(meta["model"]))  # what its parameters are
     return step, meta, apply_overrides(config, overrides)
 

@@ -3,6 +3,7 @@ loss-curve PNG, and one-line errors."""
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -48,6 +49,19 @@ def test_bad_input_is_one_line(trained_workdir, monkeypatch, capsys, args, messa
     assert evaluate.main(["--workdir", str(trained_workdir), *args]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err, err
+
+
+def test_a_run_saved_before_newer_config_keys_still_evaluates(trained_workdir, tmp_path, capsys):
+    """Keys added to the config since a run was saved (data.prefetch, model.attention) take defaults."""
+    old = tmp_path / "old"
+    shutil.copytree(trained_workdir, old)
+    for meta_file in old.glob("checkpoints/*/meta/metadata"):
+        meta = json.loads(meta_file.read_text())
+        del meta["config"]["data"]["prefetch"], meta["config"]["model"]["attention"]
+        del meta["model"]["attention"]
+        meta_file.write_text(json.dumps(meta))
+    assert evaluate.main(["--workdir", str(old), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 4
 
 
 def test_no_checkpoint_or_metrics_is_one_line(tmp_path, capsys):
