@@ -36,7 +36,7 @@ from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import mesh_string
 from gspmd_tp.model import Decoding, Transformer
-from gspmd_tp.rules import check_divisible
+from gspmd_tp.rules import axes_of, check_divisible
 
 DEFAULT_MAX_NEW_TOKENS = 100
 DEFAULT_TEMPERATURE = 0.8  # a little sharper than the model's distribution, as in nanoGPT
@@ -118,9 +118,7 @@ def fit_length(token_lists: list[list[int]], max_new_tokens: int | None, seq_len
 
 def batch_rows(s: trainer.Setup, prompts: int) -> int:
     """Rows of the decoding batch: the prompts, rounded up to divide over the mesh axes of `batch`."""
-    spec = s.rules.spec((axes.BATCH,))[0]
-    names = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-    ways = math.prod(s.mesh.shape[a] for a in names)
+    ways = math.prod(s.mesh.shape[a] for a in axes_of(s.rules.spec((axes.BATCH,))[0]))
     return -(-prompts // ways) * ways
 
 

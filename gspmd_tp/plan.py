@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from gspmd_tp import axes, hlo, trainer
+from gspmd_tp.rules import axes_of
 from gspmd_tp.state import logical_specs, path_str
 
 REPLICATED_FLAG_BYTES = 1 << 20  # flag replicated leaves from 1 MiB up
@@ -85,12 +86,6 @@ def _chip(device_kind: str) -> dict | None:
                  if device_kind.startswith(k)), None)  # fmt: skip
 
 
-def _axes_of(spec_entry) -> tuple[str, ...]:
-    if spec_entry is None:
-        return ()
-    return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
-
-
 def leaf_table(s: trainer.Setup, threshold: int = REPLICATED_FLAG_BYTES) -> list[dict]:
     """One row per parameter and optimizer-state array: path, shape, logical axes, spec, bytes.
 
@@ -106,9 +101,9 @@ def leaf_table(s: trainer.Setup, threshold: int = REPLICATED_FLAG_BYTES) -> list
         names = tuple(leaf.names) if is_box(leaf) else (None,) * len(leaf.shape)
         value = leaf.value if is_box(leaf) else leaf
         spec = tuple(sharding.spec) + (None,) * (len(value.shape) - len(sharding.spec))
-        shards = math.prod(mesh_shape[a] for entry in spec for a in _axes_of(entry))
+        shards = math.prod(mesh_shape[a] for entry in spec for a in axes_of(entry))
         total = int(np.prod(value.shape)) * np.dtype(value.dtype).itemsize
-        used = {a for entry in spec for a in _axes_of(entry)}
+        used = {a for entry in spec for a in axes_of(entry)}
         # A mesh axis could shard this leaf if some unsharded dimension divides by its size.
         could = [
             a
@@ -126,7 +121,7 @@ def leaf_table(s: trainer.Setup, threshold: int = REPLICATED_FLAG_BYTES) -> list
                 "kind": "params" if p.startswith("params/") else "opt_state",
                 "shape": list(value.shape),
                 "logical": list(names),
-                "spec": [list(_axes_of(e)) if isinstance(e, tuple) else e for e in spec],
+                "spec": [list(axes_of(e)) if isinstance(e, tuple) else e for e in spec],
                 "bytes": total,
                 "bytes_per_device": total // shards,
                 "replicated_over": could if total >= threshold else [],
@@ -149,9 +144,9 @@ def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[s
     """
     c, cfg = s.config, s.model_cfg
     mesh_shape = dict(s.mesh.shape)
-    batch_axes = set(_axes_of(s.rules.spec((axes.BATCH,))[0]))
-    tp_axes = set(_axes_of(s.rules.spec((axes.MLP,))[0]))
-    vocab_axes = set(_axes_of(s.rules.spec((axes.VOCAB,))[0]))
+    batch_axes = set(axes_of(s.rules.spec((axes.BATCH,))[0]))
+    tp_axes = set(axes_of(s.rules.spec((axes.MLP,))[0]))
+    vocab_axes = set(axes_of(s.rules.spec((axes.VOCAB,))[0]))
     d_ways = math.prod(mesh_shape[a] for a in batch_axes)
     m = math.prod(mesh_shape[a] for a in tp_axes)
     k = c.grad_accum
@@ -163,7 +158,7 @@ def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[s
     # an all-gather plus a reduce-scatter: the same ring bytes, except that XLA:CPU lowers the
     # reduce-scatter as a whole all-reduce, so there the pair costs 3/2 of the all-reduce.
     residual = s.rules.spec((axes.BATCH, axes.NORM_LENGTH, axes.EMBED))
-    scattered = any(set(_axes_of(e)) & tp_axes for e in list(residual)[1:])
+    scattered = any(set(axes_of(e)) & tp_axes for e in list(residual)[1:])
     if scattered and backend == "cpu":
         tensor_parallel *= 1.5
 
@@ -171,7 +166,7 @@ def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[s
     for row in rows:
         if row["kind"] != "params":
             continue
-        used = {a for e in row["spec"] if e for a in ([e] if isinstance(e, str) else e)}
+        used = {a for e in row["spec"] for a in axes_of(e)}
         g = math.prod(mesh_shape[a] for a in batch_axes - used)
         f = math.prod(mesh_shape[a] for a in batch_axes & used)
         local = row["bytes_per_device"]

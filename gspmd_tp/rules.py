@@ -44,6 +44,13 @@ class Rules:
         return {name for name, _ in self.rules}
 
 
+def axes_of(spec_entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry: None, an axis name, or a tuple of them."""
+    if spec_entry is None:
+        return ()
+    return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
+
+
 def resolve_path(name_or_path: str) -> Path:
     """A path as given if it exists, else rules/NAME.yaml from the shipped rule files."""
     path = Path(name_or_path)
