@@ -312,7 +312,7 @@ def train(config, workdir: str) -> dict:
     last_row: dict = {}
     # `data_wait_ms` is what the loop waits for its next batch, read ahead or not.
     depth = c.data.prefetch if c.data.prefetch >= 0 else (0 if jax.devices()[0].platform == "cpu" else 2)
-    batches = data.Prefetcher(data_iter, lambda b: data.global_batch(b, s.batch_sharding), depth)
+    batches = None
     window = {"start": time.perf_counter(), "data_wait": []}  # one wait per step dispatched
 
     def report(step: int, stats, steps: int, eval_params=None) -> None:
@@ -346,6 +346,9 @@ def train(config, workdir: str) -> dict:
     pending = None  # a logged step whose stats are read once the next step is dispatched
     try:
         with state_lib.sharding_context(s.mesh, s.rules), faults.StopSignal(log) as stop:
+            # Read ahead only once a stop signal is handled: one that comes while a batch is being
+            # read must save and stop, not kill the run.
+            batches = data.Prefetcher(data_iter, lambda b: data.global_batch(b, s.batch_sharding), depth)
             for step in range(start + 1, c.steps + 1):
                 t = time.perf_counter()
                 batch = next(batches)
@@ -380,7 +383,8 @@ def train(config, workdir: str) -> dict:
             if pending is not None:
                 report(*pending)
     finally:
-        batches.close()
+        if batches is not None:
+            batches.close()
         # Also on an error: let a save in flight finish, so the newest checkpoint on disk is complete.
         mngr.wait_until_finished()
         mngr.close()
