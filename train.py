@@ -37,7 +37,7 @@ def main(argv):
 
     try:
         distributed.initialize(
-            _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DISTRIBUTED.value
+            _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DISTRIBUTED.value, _HEARTBEAT.value
         )
         train(config, _WORKDIR.value)
     except UserError as e:
