@@ -47,7 +47,7 @@ def get_config() -> ConfigDict:
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.dtype = "float32"  # on CPU bf16 matmuls are slower than f32
-    c.model.remat = "none"  # none | full | dots | dots_no_batch
+    c.model.remat = "none"  # none | full | dots | dots_no_batch | dots_no_batch_comm
     # einsum | xla | cudnn (jax.nn.dot_product_attention; cudnn: GPU, bf16). On CPU xla is no faster.
     c.model.attention = "einsum"
     c.model.scan_layers = True

@@ -20,6 +20,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from gspmd_tp.axes import (
     BATCH,
@@ -34,11 +35,21 @@ from gspmd_tp.axes import (
     VOCAB,
 )
 
+# Activations that a rule file may make a collective produce: each sublayer's input once it is
+# whole-width (an all-gather under sequence parallelism and 2D) and its output once reduced to the
+# residual stream's layout (an all-reduce or reduce-scatter under tensor parallelism).
+COLLECTIVE_OUTPUTS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+
 REMAT_POLICIES = {
     "none": None,  # no rematerialization
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
     "dots": jax.checkpoint_policies.checkpoint_dots,  # keep matmul outputs
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # dots_no_batch, plus the collective outputs: the backward pass repeats no communication.
+    "dots_no_batch_comm": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*COLLECTIVE_OUTPUTS),
+    ),
 }
 
 
@@ -306,11 +317,11 @@ class Block(nn.Module):
         # Norms run where the residual stream lives (norm_length); the projections need whole
         # sequences (length). Under sequence parallelism the second constraint is the all-gather.
         h = _constrain(RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_ble), (BATCH, NORM_LENGTH, EMBED))
-        h = _constrain(h, _WHOLE_WIDTH)
-        x_ble = x_ble + Attention(cfg, name="attn")(h, positions)
+        h = checkpoint_name(_constrain(h, _WHOLE_WIDTH), "attn_in")
+        x_ble = x_ble + checkpoint_name(Attention(cfg, name="attn")(h, positions), "attn_out")
         h = _constrain(RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_ble), (BATCH, NORM_LENGTH, EMBED))
-        h = _constrain(h, _WHOLE_WIDTH)
-        x_ble = x_ble + FeedForward(cfg, name="mlp")(h)
+        h = checkpoint_name(_constrain(h, _WHOLE_WIDTH), "mlp_in")
+        x_ble = x_ble + checkpoint_name(FeedForward(cfg, name="mlp")(h), "mlp_out")
         return _constrain(x_ble, (BATCH, NORM_LENGTH, EMBED)), None
 
 

@@ -1,6 +1,8 @@
 """Eight simulated CPU devices for every test (a device count already in XLA_FLAGS wins)."""
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -12,7 +14,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 # Many tests compile the same small programs (and train.py subprocesses recompile on resume): a
 # compilation cache shared by the session and its subprocesses cuts the suite's CPU time by a third.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="gspmd_tp_jax_cache_"))
+# The process that makes the directory (pytest, before its xdist workers start) removes it at exit.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="gspmd_tp_jax_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # libtpu is installed for the TPU ahead-of-time tests; on a machine without a TPU it must not try

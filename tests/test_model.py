@@ -80,7 +80,7 @@ def test_scan_equals_unrolled_layers():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch", "dots_no_batch_comm"])
 def test_remat_policies_give_the_same_gradients(policy):
     params = init(CFG)
     remat_cfg = ModelConfig(**{**CFG.__dict__, "remat": policy})

@@ -99,6 +99,21 @@ def test_replicated_leaves_are_flagged_under_dp():
     assert any(p.startswith("opt_state/") for p in flagged)  # the moments too
 
 
+@pytest.mark.parametrize("rules", ["megatron_1d_sp", "megatron_2d"])
+def test_remat_that_keeps_collective_outputs_repeats_no_communication(rules):
+    """dots_no_batch recomputes the sublayer inputs in the backward pass, and with them their
+    all-gathers; dots_no_batch_comm keeps what the collectives produced and moves the bytes of no
+    remat at all."""
+
+    def sent(remat):
+        c = small_config(rules=rules, mesh="dp=2,mp=4", **{"model.remat": remat})
+        return plan.plan(c)["bytes_per_device"]
+
+    none = sent("none")
+    assert sent("dots_no_batch") > 1.05 * none
+    assert sent("dots_no_batch_comm") == pytest.approx(none, rel=0.01)
+
+
 def test_data_parallel_matches_analysis():
     p = plan.plan(small_config(rules="dp", mesh="dp=8,mp=1"))
     assert p["ratio"] == pytest.approx(1.0, abs=0.05)
