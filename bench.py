@@ -19,6 +19,9 @@ _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (median, min and max are
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps after compiling.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
 _JSON_OUT = flags.DEFINE_string("json_out", "", "Also write the JSON report to this file.")
+_PROFILE = flags.DEFINE_string(
+    "profile_dir", "", "Also trace one step per rule file x mesh here and report where its time goes."
+)
 
 
 def main(argv):
@@ -32,7 +35,7 @@ def main(argv):
     rules = _RULES.value.split(",") if _RULES.value else [config.rules]
     meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
     try:
-        report = benchmark.run(config, rules, meshes, _STEPS.value, _WARMUP.value)
+        report = benchmark.run(config, rules, meshes, _STEPS.value, _WARMUP.value, _PROFILE.value)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -7,7 +7,13 @@ of the two: figures that compare across machines, which a slow dtype cannot flat
 
 from __future__ import annotations
 
+import collections
 import copy
+import glob
+import gzip
+import json
+import os
+import re
 import statistics
 import time
 
@@ -33,9 +39,70 @@ def matmul_rate(dtype, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
-def bench_one(config, steps: int, warmup: int) -> dict:
-    """One rule file x mesh: compile, warm up, time `steps` steps (each waited for). The roofline
-    fraction is left to `run`, which measures the roofline."""
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+GROUPS = ("matrix products", "collectives", "copies, transposes", "broadcasts", "other elementwise")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (?:\([^=]*?\)|\S+) ([\w\-]+)\((.*)$")
+
+
+def classify(hlo_text: str) -> dict[str, str]:
+    """Each instruction of a compiled HLO module -> one of GROUPS. A fusion is a matrix product
+    when its computation holds a dot or a convolution (elementwise work fused into it included);
+    otherwise it goes by the ops XLA named it after."""
+    computations: dict[str, list[str]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and "{" in line:
+            current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            computations[current] = []
+        elif current is not None and (m := _INSTRUCTION.match(line)):
+            computations[current].append(m.group(2))
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, opcode, rest = m.groups()
+        if opcode in ("while", "conditional", "call"):  # their bodies' instructions are counted
+            continue
+        called = re.search(r"calls=%([\w.\-]+)", rest)
+        ops = set(computations.get(called.group(1), [])) if called else set()
+        ops.add(opcode)
+        if any(op.startswith(COLLECTIVES) for op in ops):
+            out[name] = "collectives"
+        elif ops & {"dot", "convolution"}:
+            out[name] = "matrix products"
+        elif any(k in name for k in ("copy", "transpose")) or opcode in ("copy", "transpose"):
+            out[name] = "copies, transposes"
+        elif "broadcast" in name or opcode == "broadcast":
+            out[name] = "broadcasts"
+        else:
+            out[name] = "other elementwise"
+    return out
+
+
+def profile_step(step, state, batch, directory: str) -> dict:
+    """Traces one step with jax.profiler into `directory` and returns, per GROUPS entry, the
+    milliseconds per device spent in the compiled step's instructions and their share."""
+    groups = classify(step.as_text())
+    with jax.profiler.trace(directory):
+        jax.block_until_ready(step(state, batch))
+    traces = sorted(glob.glob(os.path.join(directory, "**", "*.trace.json.gz"), recursive=True))
+    if not traces:
+        return {}
+    with gzip.open(traces[-1]) as f:
+        events = json.load(f).get("traceEvents", [])
+    us = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") in groups:
+            us[groups[e["name"]]] += e.get("dur", 0)
+    total = sum(us.values()) or 1
+    devices = len(jax.devices())
+    return {k: {"ms_per_device": us[k] / 1e3 / devices, "share": us[k] / total} for k in GROUPS}
+
+
+def bench_one(config, steps: int, warmup: int, profile_dir: str = "") -> dict:
+    """One rule file x mesh: compile, warm up, time `steps` steps (each waited for); with
+    `profile_dir`, then trace one more step there. The roofline fraction is left to `run`."""
     s = trainer.setup(config)
     t0 = time.perf_counter()
     step = trainer.compile_train_step(s)
@@ -54,6 +121,7 @@ def bench_one(config, steps: int, warmup: int) -> dict:
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times)
+    profile = profile_step(step, state, batch, profile_dir) if profile_dir else None
     tokens_per_sec = config.batch_size * config.seq_len / step_s
     flops = flops_per_token(s.model_cfg, config.seq_len)
     device = s.mesh.devices.flat[0]
@@ -78,11 +146,15 @@ def bench_one(config, steps: int, warmup: int) -> dict:
         },
         "collective_bytes_per_device": sum(v["ring_bytes_per_device"] for v in comm.values()),
         "loss": float(stats["loss"]),
+        "profile": profile,
     }
 
 
-def run(config, rules_list: list[str], meshes: list[str], steps: int, warmup: int) -> dict:
-    """Benchmarks every rule file x mesh; on CPU also the matmul roofline, in the same run.
+def run(
+    config, rules_list: list[str], meshes: list[str], steps: int, warmup: int, profile_dir: str = ""
+) -> dict:
+    """Benchmarks every rule file x mesh; on CPU also the matmul roofline, in the same run. With
+    `profile_dir`, each is also profiled (a trace per rule file x mesh under it).
 
     The matmul rates are measured before and after the steps and the higher of each kept: a
     momentarily busy machine must not lower the roofline and so flatter the fraction."""
@@ -94,7 +166,12 @@ def run(config, rules_list: list[str], meshes: list[str], steps: int, warmup: in
         for mesh in meshes:
             c = copy.deepcopy(config)
             c.rules, c.mesh = rules, mesh
-            results.append(bench_one(c, steps, warmup))
+            where = (
+                os.path.join(profile_dir, f"{rules}_{mesh.replace('=', '').replace(',', '_')}")
+                if profile_dir
+                else ""
+            )
+            results.append(bench_one(c, steps, warmup, where))
     rates = {name: max(rate, matmul_rate(dtypes[name])) for name, rate in rates.items()}
     roofline = max(rates.values()) if rates else None
     for r in results:
@@ -124,4 +201,14 @@ def format_table(report: dict) -> str:
             f"{r['step_s_min'] * 1e3:>7.1f} {r['step_s_max'] * 1e3:>7.1f} {r['compile_s']:>9.2f} {mfu:>6} "
             f"{roof:>8} {r['collective_bytes_per_device'] / 2**20:>9.2f}"
         )
+    profiled = [r for r in report["results"] if r.get("profile")]
+    if profiled:
+        groups = GROUPS
+        lines.append("share of the profiled step's device time:")
+        lines.append(f"{'rules':<16} {'mesh':<12} " + " ".join(f"{g:>18}" for g in groups))
+        for r in profiled:
+            shares = [r["profile"].get(g, {}).get("share", 0.0) for g in groups]
+            lines.append(
+                f"{r['rules']:<16} {r['mesh']:<12} " + " ".join(f"{100 * x:>17.1f}%" for x in shares)
+            )
     return "\n".join(lines)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import small_config
 
 from gspmd_tp import benchmark
@@ -25,6 +26,40 @@ def test_report_rows_have_the_documented_fields():
         roof = max(report["matmul_flops_per_sec"].values())
         assert abs(r["roofline_fraction"] - r["model_flops_per_sec"] / roof) < 1e-9
         assert r["collective_bytes_per_device"] > 0
+
+
+def test_profile_splits_the_step_time_into_groups(tmp_path):
+    report = benchmark.run(small_config(), ["megatron_1d"], ["dp=2,mp=4"], 1, 1, profile_dir=str(tmp_path))
+    profile = report["results"][0]["profile"]
+    assert set(profile) == set(benchmark.GROUPS)
+    assert sum(g["share"] for g in profile.values()) == pytest.approx(1.0)
+    # megatron_1d all-reduces every layer's activations; every step multiplies matrices.
+    assert profile["matrix products"]["share"] > 0.05 and profile["collectives"]["share"] > 0
+    assert "share of the profiled step's device time" in benchmark.format_table(report)
+
+
+def test_classify_goes_by_what_a_fusion_computes():
+    text = """HloModule m
+%fused_dot (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %p1 = f32[4,4]{1,0} parameter(1)
+  %dot.1 = f32[4,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %exp.1 = f32[4,4]{1,0} exponential(%dot.1)
+}
+ENTRY %main (a: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %copy_fusion = f32[4,4]{1,0} fusion(%a), kind=kLoop, calls=%fused_dot
+  %all-reduce.3 = f32[4,4]{1,0} all-reduce(%copy_fusion), replica_groups={}, to_apply=%add
+  %broadcast.2 = f32[4,4]{1,0} broadcast(%all-reduce.3), dimensions={0,1}
+  ROOT %transpose.1 = f32[4,4]{0,1} transpose(%broadcast.2), dimensions={1,0}
+}
+"""
+    groups = benchmark.classify(text)
+    assert groups["copy_fusion"] == "matrix products"  # a dot inside, whatever the name says
+    assert groups["all-reduce.3"] == "collectives"
+    assert groups["broadcast.2"] == "broadcasts"
+    assert groups["transpose.1"] == "copies, transposes"
+    assert groups["exp.1"] == "other elementwise"
 
 
 def test_cli_json(tmp_path):
