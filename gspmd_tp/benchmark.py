@@ -13,7 +13,6 @@ import glob
 import gzip
 import json
 import os
-import re
 import statistics
 import time
 
@@ -39,51 +38,10 @@ def matmul_rate(dtype, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-GROUPS = ("matrix products", "collectives", "copies, transposes", "broadcasts", "other elementwise")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (?:\([^=]*?\)|\S+) ([\w\-]+)\((.*)$")
-
-
-def classify(hlo_text: str) -> dict[str, str]:
-    """Each instruction of a compiled HLO module -> one of GROUPS. A fusion is a matrix product
-    when its computation holds a dot or a convolution (elementwise work fused into it included);
-    otherwise it goes by the ops XLA named it after."""
-    computations: dict[str, list[str]] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        if line and not line[0].isspace() and "{" in line:
-            current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-            computations[current] = []
-        elif current is not None and (m := _INSTRUCTION.match(line)):
-            computations[current].append(m.group(2))
-    out = {}
-    for line in hlo_text.splitlines():
-        m = _INSTRUCTION.match(line)
-        if not m:
-            continue
-        name, opcode, rest = m.groups()
-        if opcode in ("while", "conditional", "call"):  # their bodies' instructions are counted
-            continue
-        called = re.search(r"calls=%([\w.\-]+)", rest)
-        ops = set(computations.get(called.group(1), [])) if called else set()
-        ops.add(opcode)
-        if any(op.startswith(COLLECTIVES) for op in ops):
-            out[name] = "collectives"
-        elif ops & {"dot", "convolution"}:
-            out[name] = "matrix products"
-        elif any(k in name for k in ("copy", "transpose")) or opcode in ("copy", "transpose"):
-            out[name] = "copies, transposes"
-        elif "broadcast" in name or opcode == "broadcast":
-            out[name] = "broadcasts"
-        else:
-            out[name] = "other elementwise"
-    return out
-
-
 def profile_step(step, state, batch, directory: str) -> dict:
-    """Traces one step with jax.profiler into `directory` and returns, per GROUPS entry, the
+    """Traces one step with jax.profiler into `directory` and returns, per hlo.GROUPS entry, the
     milliseconds per device spent in the compiled step's instructions and their share."""
-    groups = classify(step.as_text())
+    groups = hlo.classify(step.as_text())
     with jax.profiler.trace(directory):
         jax.block_until_ready(step(state, batch))
     traces = sorted(glob.glob(os.path.join(directory, "**", "*.trace.json.gz"), recursive=True))
@@ -97,7 +55,7 @@ def profile_step(step, state, batch, directory: str) -> dict:
             us[groups[e["name"]]] += e.get("dur", 0)
     total = sum(us.values()) or 1
     devices = len(jax.devices())
-    return {k: {"ms_per_device": us[k] / 1e3 / devices, "share": us[k] / total} for k in GROUPS}
+    return {k: {"ms_per_device": us[k] / 1e3 / devices, "share": us[k] / total} for k in hlo.GROUPS}
 
 
 def bench_one(config, steps: int, warmup: int, profile_dir: str = "") -> dict:
@@ -203,11 +161,10 @@ def format_table(report: dict) -> str:
         )
     profiled = [r for r in report["results"] if r.get("profile")]
     if profiled:
-        groups = GROUPS
         lines.append("share of the profiled step's device time:")
-        lines.append(f"{'rules':<16} {'mesh':<12} " + " ".join(f"{g:>18}" for g in groups))
+        lines.append(f"{'rules':<16} {'mesh':<12} " + " ".join(f"{g:>18}" for g in hlo.GROUPS))
         for r in profiled:
-            shares = [r["profile"].get(g, {}).get("share", 0.0) for g in groups]
+            shares = [r["profile"].get(g, {}).get("share", 0.0) for g in hlo.GROUPS]
             lines.append(
                 f"{r['rules']:<16} {r['mesh']:<12} " + " ".join(f"{100 * x:>17.1f}%" for x in shares)
             )

@@ -132,6 +132,41 @@ def _op_name(attributes: str) -> str:
     return m.group(1) if m else ""
 
 
+# Where a profiled step's time goes, by what each instruction computes.
+GROUPS = ("matrix products", "collectives", "copies, transposes", "broadcasts", "other elementwise")
+
+
+def classify(text: str) -> dict[str, str]:
+    """Each instruction of a compiled HLO module -> one of GROUPS. A fusion is a matrix product
+    when its computation holds a dot or a convolution (elementwise work fused into it included);
+    otherwise it goes by the ops XLA named it after. Loops and calls are left out: their bodies'
+    instructions are classified themselves."""
+    comps, _ = _computations(text)
+    opcodes = {
+        c: {m.group(3) for line in lines if (m := _INSTRUCTION.match(line))} for c, lines in comps.items()
+    }
+    out = {}
+    for lines in comps.values():
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m or m.group(3) in ("while", "conditional", "call"):
+                continue
+            name, _, opcode, rest = m.groups()
+            called = re.search(r"calls=%?([\w.\-]+)", rest)
+            ops = opcodes.get(called.group(1), set()) | {opcode} if called else {opcode}
+            if any(op.removesuffix("-start") in KINDS for op in ops):
+                out[name] = "collectives"
+            elif ops & {"dot", "convolution"}:
+                out[name] = "matrix products"
+            elif "copy" in name or "transpose" in name or opcode in ("copy", "transpose"):
+                out[name] = "copies, transposes"
+            elif "broadcast" in name or opcode == "broadcast":
+                out[name] = "broadcasts"
+            else:
+                out[name] = "other elementwise"
+    return out
+
+
 def collectives(text: str, num_devices: int) -> list[Collective]:
     """Every collective of the program with its bytes, group size and execution count."""
     comps, _ = _computations(text)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import small_config
 
-from gspmd_tp import benchmark
+from gspmd_tp import benchmark, hlo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,7 +31,7 @@ def test_report_rows_have_the_documented_fields():
 def test_profile_splits_the_step_time_into_groups(tmp_path):
     report = benchmark.run(small_config(), ["megatron_1d"], ["dp=2,mp=4"], 1, 1, profile_dir=str(tmp_path))
     profile = report["results"][0]["profile"]
-    assert set(profile) == set(benchmark.GROUPS)
+    assert set(profile) == set(hlo.GROUPS)
     assert sum(g["share"] for g in profile.values()) == pytest.approx(1.0)
     # megatron_1d all-reduces every layer's activations; every step multiplies matrices.
     assert profile["matrix products"]["share"] > 0 and profile["collectives"]["share"] > 0
@@ -54,7 +54,7 @@ ENTRY %main (a: f32[4,4]) -> f32[4,4] {
   ROOT %transpose.1 = f32[4,4]{0,1} transpose(%broadcast.2), dimensions={1,0}
 }
 """
-    groups = benchmark.classify(text)
+    groups = hlo.classify(text)
     assert groups["copy_fusion"] == "matrix products"  # a dot inside, whatever the name says
     assert groups["all-reduce.3"] == "collectives"
     assert groups["broadcast.2"] == "broadcasts"
