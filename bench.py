@@ -28,7 +28,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
-    host_devices.request(config.host_device_count)  # before jax is imported
+    host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported
     from gspmd_tp import benchmark
     from gspmd_tp.errors import UserError
 

@@ -30,7 +30,7 @@ def main(argv):
     # Library INFO logs (orbax prints several lines per save) would bury the progress lines.
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
-    host_devices.request(config.host_device_count)  # before jax is imported
+    host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported
     from gspmd_tp import distributed
     from gspmd_tp.errors import UserError
     from gspmd_tp.trainer import train

@@ -27,6 +27,8 @@ def get_config() -> ConfigDict:
     # Simulated devices when running on the CPU; set before jax is imported. A device count the
     # caller already put in XLA_FLAGS wins. Ignored by accelerators.
     c.host_device_count = 8
+    # With simulated devices: glibc malloc keeps freed memory for reuse (gspmd_tp/host_devices.py).
+    c.host_malloc_tuning = True
     c.peak_flops_per_device = 0.0  # > 0 overrides the per-device peak used for MFU
     # False: a NaN/Inf loss or gradient stops the run (the last good checkpoint stays the newest).
     # True: such a step keeps the old parameters and optimizer state and training goes on.
@@ -50,6 +52,9 @@ def get_config() -> ConfigDict:
     c.model.remat = "none"  # none | full | dots | dots_no_batch | dots_no_batch_comm
     # einsum | xla | cudnn (jax.nn.dot_product_attention; cudnn: GPU, bf16). On CPU xla is no faster.
     c.model.attention = "einsum"
+    # einsum only: queries in blocks of this many positions, each scoring only the keys up to its
+    # end (skips the masked upper triangle; exact). 0: the whole square at once.
+    c.model.attention_block = 0
     c.model.scan_layers = True
 
     c.optim = ConfigDict()

@@ -76,6 +76,10 @@ class ModelConfig:
     # jax.nn.dot_product_attention with that implementation (cudnn: fused flash attention, GPU
     # only, bf16/fp16). Sampling from the key/value cache always takes the einsum path.
     attention: str = "einsum"
+    # einsum path, training and evaluation: queries in blocks of this many positions, each block
+    # scoring only the keys up to its own end, so the causal upper triangle beyond the diagonal
+    # blocks is never computed (0: one block, the whole square). Exact: same result either way.
+    attention_block: int = 0
     scan_layers: bool = True
 
     @property
@@ -108,6 +112,8 @@ class ModelConfig:
             problems.append(f"model.remat {self.remat!r} is not one of {sorted(REMAT_POLICIES)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             problems.append(f"model.dtype {self.dtype!r} is not float32, bfloat16 or float16")
+        if self.attention_block < 0:
+            problems.append(f"model.attention_block must be 0 (off) or positive, got {self.attention_block}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             problems.append(f"model.attention {self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
         elif self.attention == "cudnn" and self.dtype == "float32":
@@ -223,6 +229,17 @@ def rotary(x, positions, theta: float):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
+def _attend(q, k, v, mask, dtype):
+    """Softmax attention of grouped queries q (batch, q, kv_heads, group, head_dim) over keys and
+    values (batch, s, kv_heads, head_dim) where `mask` (broadcasting to (batch, kv_heads, group, q,
+    s)) allows; the scores and softmax in float32. Returns (batch, q, kv_heads, group, head_dim)."""
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    scores = _constrain(scores, (BATCH, KV_HEADS, None, LENGTH, None))
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped key/value heads and a fused qkv kernel."""
 
@@ -263,13 +280,25 @@ class Attention(nn.Module):
             q = q.reshape(b, length, k_heads, group, hd)
             if decoding is not None:  # keys and values: the cache so far plus these tokens
                 k, v, causal = _extend_cache(self, k, v, decoding)
-            scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-            scores = _constrain(scores, (BATCH, KV_HEADS, None, LENGTH, None))
-            if decoding is None:
-                causal = positions[:, None] >= positions[None, :]  # (q, s)
-            scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-            probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-            out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, length, cfg.num_heads, hd)
+                out = _attend(q, k, v, causal, dtype)
+            else:
+                # Query block [start, end) sees keys [0, end): the keys after a block's end are
+                # masked for every one of its queries, so they are left out rather than masked.
+                block = cfg.attention_block if 0 < cfg.attention_block < length else length
+                out = jnp.concatenate(
+                    [
+                        _attend(
+                            q[:, start : start + block],
+                            k[:, : start + block],
+                            v[:, : start + block],
+                            positions[start : start + block, None] >= positions[None, : start + block],
+                            dtype,
+                        )
+                        for start in range(0, length, block)
+                    ],
+                    axis=1,
+                )
+            out = out.reshape(b, length, cfg.num_heads, hd)
         out = _constrain(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
         y = jnp.einsum("blhd,hde->ble", out, w_out.astype(dtype))
         # No _constrain_cotangent here (see there): XLA:CPU then gathers this gradient once per

@@ -138,6 +138,24 @@ def test_dot_product_attention_equals_the_einsum_path():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("block", [4, 5, 12])
+def test_blocked_causal_attention_equals_the_whole_square(block):
+    """Query blocks that score only the keys up to their end give the logits and gradients of the
+    whole masked square: blocks dividing the length (4), not dividing it (5: 5+5+2), one block (12)."""
+    params = init(CFG)
+    blocked = ModelConfig(**{**CFG.__dict__, "attention_block": block})
+
+    def logits_and_grads(cfg):
+        f = lambda p: Transformer(cfg).apply({"params": p}, TOKENS)
+        return f(params), jax.grad(lambda p: (f(p) ** 2).mean())(params)
+
+    (l0, g0), (l1, g1) = logits_and_grads(CFG), logits_and_grads(blocked)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert any("attention_block must be" in p for p in ModelConfig(attention_block=-1).validate())
+
+
 def test_attention_choice_is_validated():
     assert any("model.attention 'flash'" in p for p in ModelConfig(attention="flash").validate())
     assert any("needs model.dtype bfloat16" in p for p in ModelConfig(attention="cudnn").validate())
