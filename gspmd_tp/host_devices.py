@@ -32,8 +32,10 @@ def request(count: int, tune: bool = True) -> None:
 
 def tune_malloc() -> bool:
     """On a host without accelerators, makes glibc's malloc keep and reuse freed memory: one arena
-    (so no buffer is too big for its arena's heap), no mmap'd chunks, no trimming. Call it before
-    jax is imported (its threads pick their arenas then). Returns whether it was applied."""
+    (so no buffer is too big for its arena's heap), no mmap'd chunks, no trimming (-1: never).
+    Call it before jax is imported (its threads pick their arenas then). The heap grows to its
+    steady size over the first ~15 steps and stays there, about twice the untuned peak (bench_cpu
+    dp=2,mp=4: 3.7 GB against 1.9 GB resident). Returns whether it was applied."""
     if any(glob.glob(pattern) for pattern in _ACCELERATOR_NODES):
         return False
     try:
@@ -43,7 +45,7 @@ def tune_malloc() -> bool:
         return False
     return all(
         mallopt(param, value) == 1
-        for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
+        for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
     )
 
 
