@@ -78,7 +78,7 @@ class ModelConfig:
     attention: str = "einsum"
     # einsum path, training and evaluation: queries in blocks of this many positions, each block
     # scoring only the keys up to its own end, so the causal upper triangle beyond the diagonal
-    # blocks is never computed (0: one block, the whole square). Exact: same result either way.
+    # blocks is never computed (0: one block, the whole square). The same result, to rounding.
     attention_block: int = 0
     scan_layers: bool = True
 
