@@ -25,6 +25,10 @@ _PROFILE = flags.DEFINE_string(
     "profile_dir", "", "Also trace one step per rule file x mesh here and report where its time goes."
 )
 
+_PHASES = flags.DEFINE_bool(
+    "phases", False, "Also time the forward pass and the gradient alone: forward / backward / optimizer."
+)
+
 
 def main(argv):
     del argv
@@ -37,7 +41,9 @@ def main(argv):
     rules = _RULES.value.split(",") if _RULES.value else [config.rules]
     meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
     try:
-        report = benchmark.run(config, rules, meshes, _STEPS.value, _WARMUP.value, _PROFILE.value)
+        report = benchmark.run(
+            config, rules, meshes, _STEPS.value, _WARMUP.value, _PROFILE.value, _PHASES.value
+        )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

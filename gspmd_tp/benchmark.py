@@ -22,7 +22,7 @@ import numpy as np
 
 from gspmd_tp import hlo, metrics, trainer
 from gspmd_tp import state as state_lib
-from gspmd_tp.model import flops_per_token
+from gspmd_tp.model import Transformer, flops_per_token
 
 
 def matmul_rate(dtype, n: int = 2048, repeats: int = 5) -> float:
@@ -58,9 +58,46 @@ def profile_step(step, state, batch, directory: str) -> dict:
     return {k: {"ms_per_device": us[k] / 1e3 / devices, "share": us[k] / total} for k in hlo.GROUPS}
 
 
-def bench_one(config, steps: int, warmup: int, profile_dir: str = "") -> dict:
+def time_phases(s, step, state, batch, steps: int) -> tuple[dict, object]:
+    """Median seconds of the whole step, of the loss and its gradient, and of the forward pass alone
+    (the loss), the latter two compiled on their own under the run's shardings. The three are timed
+    in interleaved rounds, so a busy spell of a shared machine lands on all of them, and their
+    differences split the step into forward, backward and optimizer update. Returns (times, state)."""
+    model = Transformer(s.model_cfg)
+    c = s.config
+    with state_lib.sharding_context(s.mesh, s.rules):
+        forward = trainer.make_eval_step(s).lower(s.abstract_state.params, batch).compile()
+        gradient = (
+            jax.jit(
+                lambda p, t: trainer.accumulated_grads(
+                    model, c.grad_accum, s.shardings.params, p, t, c.loss_chunk
+                ),
+                in_shardings=(s.shardings.params, s.batch_sharding),
+                out_shardings=(state_lib.replicated(s.mesh), s.shardings.params),
+            )
+            .lower(s.abstract_state.params, batch)
+            .compile()
+        )
+    times = {"phase_step_s": [], "gradient_s": [], "forward_s": []}
+    for i in range(steps + 1):  # round 0 warms the two new functions up
+        t = time.perf_counter()
+        state, _ = step(state, batch)
+        jax.block_until_ready(state)
+        t_step = time.perf_counter() - t
+        for name, fn in (("gradient_s", gradient), ("forward_s", forward)):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(state.params, batch))
+            if i:
+                times[name].append(time.perf_counter() - t)
+        if i:
+            times["phase_step_s"].append(t_step)
+    return {k: statistics.median(v) for k, v in times.items()}, state
+
+
+def bench_one(config, steps: int, warmup: int, profile_dir: str = "", phases: bool = False) -> dict:
     """One rule file x mesh: compile, warm up, time `steps` steps (each waited for); with
-    `profile_dir`, then trace one more step there. The roofline fraction is left to `run`."""
+    `profile_dir`, then trace one more step there; with `phases`, also time the forward pass and
+    the gradient alone (time_phases). The roofline fraction is left to `run`."""
     s = trainer.setup(config)
     t0 = time.perf_counter()
     step = trainer.compile_train_step(s)
@@ -80,6 +117,9 @@ def bench_one(config, steps: int, warmup: int, profile_dir: str = "") -> dict:
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times)
     profile = profile_step(step, state, batch, profile_dir) if profile_dir else None
+    split = {}
+    if phases:
+        split, state = time_phases(s, step, state, batch, steps)
     tokens_per_sec = config.batch_size * config.seq_len / step_s
     flops = flops_per_token(s.model_cfg, config.seq_len)
     device = s.mesh.devices.flat[0]
@@ -105,14 +145,22 @@ def bench_one(config, steps: int, warmup: int, profile_dir: str = "") -> dict:
         "collective_bytes_per_device": sum(v["ring_bytes_per_device"] for v in comm.values()),
         "loss": float(stats["loss"]),
         "profile": profile,
+        **split,
     }
 
 
 def run(
-    config, rules_list: list[str], meshes: list[str], steps: int, warmup: int, profile_dir: str = ""
+    config,
+    rules_list: list[str],
+    meshes: list[str],
+    steps: int,
+    warmup: int,
+    profile_dir: str = "",
+    phases: bool = False,
 ) -> dict:
     """Benchmarks every rule file x mesh; on CPU also the matmul roofline, in the same run. With
-    `profile_dir`, each is also profiled (a trace per rule file x mesh under it).
+    `profile_dir`, each is also profiled (a trace per rule file x mesh under it); with `phases`,
+    its step is split into forward, backward and optimizer (time_phases).
 
     The matmul rates are measured before and after the steps and the higher of each kept: a
     momentarily busy machine must not lower the roofline and so flatter the fraction."""
@@ -129,11 +177,19 @@ def run(
                 if profile_dir
                 else ""
             )
-            results.append(bench_one(c, steps, warmup, where))
+            results.append(bench_one(c, steps, warmup, where, phases))
     rates = {name: max(rate, matmul_rate(dtypes[name])) for name, rate in rates.items()}
     roofline = max(rates.values()) if rates else None
     for r in results:
         r["roofline_fraction"] = r["model_flops_per_sec"] / roofline if roofline else None
+        if "forward_s" in r:
+            # The forward pass is a third of the model FLOPs (2N of 6N, and so the attention term).
+            step_flops = r["model_flops_per_sec"] * r["step_s"]
+            r["backward_s"] = r["gradient_s"] - r["forward_s"]
+            r["optimizer_s"] = r["phase_step_s"] - r["gradient_s"]
+            if roofline:
+                r["forward_roofline_fraction"] = step_flops / 3 / r["forward_s"] / roofline
+                r["backward_roofline_fraction"] = 2 * step_flops / 3 / r["backward_s"] / roofline
     return {
         "device_kind": jax.devices()[0].device_kind,
         "devices": jax.device_count(),
@@ -159,6 +215,21 @@ def format_table(report: dict) -> str:
             f"{r['step_s_min'] * 1e3:>7.1f} {r['step_s_max'] * 1e3:>7.1f} {r['compile_s']:>9.2f} {mfu:>6} "
             f"{roof:>8} {r['collective_bytes_per_device'] / 2**20:>9.2f}"
         )
+    split = [r for r in report["results"] if "forward_s" in r]
+    if split:
+        lines.append("the step split (the step, loss and gradient, forward alone; interleaved medians):")
+        lines.append(
+            f"{'rules':<16} {'mesh':<12} {'step ms':>9} {'forward ms':>10} {'roofline':>8} "
+            f"{'backward ms':>11} {'roofline':>8} {'optimizer ms':>12}"
+        )
+        for r in split:
+            fwd, bwd = r.get("forward_roofline_fraction"), r.get("backward_roofline_fraction")
+            lines.append(
+                f"{r['rules']:<16} {r['mesh']:<12} {r['phase_step_s'] * 1e3:>9.1f} "
+                f"{r['forward_s'] * 1e3:>10.1f} "
+                f"{(f'{100 * fwd:.1f}%' if fwd is not None else 'n/a'):>8} {r['backward_s'] * 1e3:>11.1f} "
+                f"{(f'{100 * bwd:.1f}%' if bwd is not None else 'n/a'):>8} {r['optimizer_s'] * 1e3:>12.1f}"
+            )
     profiled = [r for r in report["results"] if r.get("profile")]
     if profiled:
         lines.append("share of the profiled step's device time:")

@@ -145,32 +145,32 @@ def _loss_sums(model: Transformer, params, tokens, loss_chunk: int = 0):
 def accumulated_grads(model: Transformer, accum: int, param_shardings, params, tokens, loss_chunk: int = 0):
     """(mean token loss, gradient of it) for (batch, seq_len + 1) tokens, over `accum` microbatches.
 
-    Losses and gradients are summed over microbatches and divided once by the tokens of the whole
-    batch, so any `accum` gives the full-batch gradient.
+    Each microbatch differentiates its loss sum already divided by the tokens of the whole batch
+    (a constant), so the gradients sum to the full-batch gradient for any `accum` and no pass over
+    the gradients is left to divide them afterwards.
     """
+    b, t = tokens.shape
+    count = b * (t - 1)
 
     def grad_sums(tokens_i):
-        return jax.value_and_grad(lambda p: _loss_sums(model, p, tokens_i, loss_chunk), has_aux=True)(params)
+        return jax.value_and_grad(lambda p: _loss_sums(model, p, tokens_i, loss_chunk)[0] / count)(params)
 
     if accum == 1:
-        (loss_sum, count), grads = grad_sums(tokens)
-    else:
-        b, t = tokens.shape
-        # Microbatch i takes rows i, i + accum, ...: each stays spread over the batch axes.
-        micro = tokens.reshape(b // accum, accum, t).swapaxes(0, 1)
-        micro = nn.with_logical_constraint(micro, (None, axes.BATCH, None))
+        return grad_sums(tokens)
+    # Microbatch i takes rows i, i + accum, ...: each stays spread over the batch axes.
+    micro = tokens.reshape(b // accum, accum, t).swapaxes(0, 1)
+    micro = nn.with_logical_constraint(micro, (None, axes.BATCH, None))
 
-        def body(carry, tokens_i):
-            grads_acc, loss_acc = carry
-            (loss_i, _), grads_i = grad_sums(tokens_i)
-            grads_acc = jax.tree.map(jnp.add, grads_acc, grads_i)
-            grads_acc = jax.lax.with_sharding_constraint(grads_acc, param_shardings)
-            return (grads_acc, loss_acc + loss_i), None
+    def body(carry, tokens_i):
+        grads_acc, loss_acc = carry
+        loss_i, grads_i = grad_sums(tokens_i)
+        grads_acc = jax.tree.map(jnp.add, grads_acc, grads_i)
+        grads_acc = jax.lax.with_sharding_constraint(grads_acc, param_shardings)
+        return (grads_acc, loss_acc + loss_i), None
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        (grads, loss_sum), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
-        count = b * (t - 1)
-    return loss_sum / count, jax.tree.map(lambda g: g / count, grads)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
+    return loss, grads
 
 
 def make_train_step(s: Setup):

@@ -38,6 +38,20 @@ def test_profile_splits_the_step_time_into_groups(tmp_path):
     assert "share of the profiled step's device time" in benchmark.format_table(report)
 
 
+def test_phases_split_the_step_into_forward_backward_and_optimizer():
+    report = benchmark.run(small_config(), ["megatron_1d"], ["dp=4,mp=2"], 2, 1, phases=True)
+    r = report["results"][0]
+    assert r["forward_s"] > 0 and r["gradient_s"] > 0
+    assert r["backward_s"] == pytest.approx(r["gradient_s"] - r["forward_s"])
+    assert r["optimizer_s"] == pytest.approx(r["phase_step_s"] - r["gradient_s"])
+    # A third of the step's model FLOPs in the forward pass, two thirds in the backward pass.
+    roof = max(report["matmul_flops_per_sec"].values())
+    flops = r["model_flops_per_sec"] * r["step_s"]
+    assert r["forward_roofline_fraction"] * roof * r["forward_s"] == pytest.approx(flops / 3)
+    assert r["backward_roofline_fraction"] * roof * r["backward_s"] == pytest.approx(2 * flops / 3)
+    assert "the step split" in benchmark.format_table(report)
+
+
 def test_classify_goes_by_what_a_fusion_computes():
     text = """HloModule m
 %fused_dot (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {
