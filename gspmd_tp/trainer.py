@@ -152,18 +152,18 @@ def accumulated_grads(model: Transformer, accum: int, param_shardings, params, t
     b, t = tokens.shape
     count = b * (t - 1)
 
-    def grad_sums(tokens_i):
+    def loss_and_grad(tokens_i):
         return jax.value_and_grad(lambda p: _loss_sums(model, p, tokens_i, loss_chunk)[0] / count)(params)
 
     if accum == 1:
-        return grad_sums(tokens)
+        return loss_and_grad(tokens)
     # Microbatch i takes rows i, i + accum, ...: each stays spread over the batch axes.
     micro = tokens.reshape(b // accum, accum, t).swapaxes(0, 1)
     micro = nn.with_logical_constraint(micro, (None, axes.BATCH, None))
 
     def body(carry, tokens_i):
         grads_acc, loss_acc = carry
-        loss_i, grads_i = grad_sums(tokens_i)
+        loss_i, grads_i = loss_and_grad(tokens_i)
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads_i)
         grads_acc = jax.lax.with_sharding_constraint(grads_acc, param_shardings)
         return (grads_acc, loss_acc + loss_i), None
