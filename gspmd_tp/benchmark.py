@@ -110,11 +110,15 @@ def bench_one(config, steps: int, warmup: int, profile_dir: str = "", phases: bo
         state, stats = step(state, batch)
     jax.block_until_ready(state)
     times = []
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     for _ in range(steps):
         t = time.perf_counter()
         state, stats = step(state, batch)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t)
+    # Cores this process kept busy over the timed steps (on CPU: how much of the machine the
+    # simulated devices use; below the core count, devices wait on one another).
+    cpu_busy = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     step_s = statistics.median(times)
     profile = profile_step(step, state, batch, profile_dir) if profile_dir else None
     split = {}
@@ -143,6 +147,7 @@ def bench_one(config, steps: int, warmup: int, profile_dir: str = "", phases: bo
             "temporaries": mem.temp_size_in_bytes,
         },
         "collective_bytes_per_device": sum(v["ring_bytes_per_device"] for v in comm.values()),
+        "host_cpu_busy_cores": cpu_busy,
         "loss": float(stats["loss"]),
         "profile": profile,
         **split,
@@ -205,7 +210,7 @@ def format_table(report: dict) -> str:
         lines.append(f"jit matmul 2048^3 {dtype}: {rate / 1e9:,.1f} GFLOP/s")
     lines.append(
         f"{'rules':<16} {'mesh':<12} {'tokens/s':>10} {'step ms':>9} {'min':>7} {'max':>7} "
-        f"{'compile s':>9} {'MFU':>6} {'roofline':>8} {'comm MiB':>9}"
+        f"{'compile s':>9} {'MFU':>6} {'roofline':>8} {'comm MiB':>9} {'cpu busy':>8}"
     )
     for r in report["results"]:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
@@ -213,7 +218,7 @@ def format_table(report: dict) -> str:
         lines.append(
             f"{r['rules']:<16} {r['mesh']:<12} {r['tokens_per_sec']:>10,.0f} {r['step_s'] * 1e3:>9.1f} "
             f"{r['step_s_min'] * 1e3:>7.1f} {r['step_s_max'] * 1e3:>7.1f} {r['compile_s']:>9.2f} {mfu:>6} "
-            f"{roof:>8} {r['collective_bytes_per_device'] / 2**20:>9.2f}"
+            f"{roof:>8} {r['collective_bytes_per_device'] / 2**20:>9.2f} {r['host_cpu_busy_cores']:>8.2f}"
         )
     split = [r for r in report["results"] if "forward_s" in r]
     if split:

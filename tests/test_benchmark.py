@@ -1,6 +1,7 @@
 """bench: times the real step and reports the documented fields (no speed asserted here)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ def test_report_rows_have_the_documented_fields():
         roof = max(report["matmul_flops_per_sec"].values())
         assert abs(r["roofline_fraction"] - r["model_flops_per_sec"] / roof) < 1e-9
         assert r["collective_bytes_per_device"] > 0
+        # CPU time over wall time of the timed steps: the step runs on this machine's cores.
+        assert 0 < r["host_cpu_busy_cores"] <= len(os.sched_getaffinity(0)) * 1.05
 
 
 def test_profile_splits_the_step_time_into_groups(tmp_path):
