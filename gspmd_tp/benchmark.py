@@ -38,15 +38,17 @@ def matmul_rate(dtype, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
-def profile_step(step, state, batch, directory: str) -> dict:
-    """Traces one step with jax.profiler into `directory` and returns, per hlo.GROUPS entry, the
-    milliseconds per device spent in the compiled step's instructions and their share."""
+def profile_step(step, state, batch, directory: str) -> tuple[dict, object]:
+    """Traces one step with jax.profiler into `directory`. Returns, per hlo.GROUPS entry, the
+    milliseconds per device spent in the compiled step's instructions and their share, and the
+    new state (the step donates the old one)."""
     groups = hlo.classify(step.as_text())
     with jax.profiler.trace(directory):
-        jax.block_until_ready(step(state, batch))
+        state, _ = step(state, batch)
+        jax.block_until_ready(state)
     traces = sorted(glob.glob(os.path.join(directory, "**", "*.trace.json.gz"), recursive=True))
     if not traces:
-        return {}
+        return {}, state
     with gzip.open(traces[-1]) as f:
         events = json.load(f).get("traceEvents", [])
     us = collections.Counter()
@@ -55,7 +57,7 @@ def profile_step(step, state, batch, directory: str) -> dict:
             us[groups[e["name"]]] += e.get("dur", 0)
     total = sum(us.values()) or 1
     devices = len(jax.devices())
-    return {k: {"ms_per_device": us[k] / 1e3 / devices, "share": us[k] / total} for k in hlo.GROUPS}
+    return {k: {"ms_per_device": us[k] / 1e3 / devices, "share": us[k] / total} for k in hlo.GROUPS}, state
 
 
 def time_phases(s, step, state, batch, steps: int) -> tuple[dict, object]:
@@ -120,7 +122,9 @@ def bench_one(config, steps: int, warmup: int, profile_dir: str = "", phases: bo
     # simulated devices use; below the core count, devices wait on one another).
     cpu_busy = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     step_s = statistics.median(times)
-    profile = profile_step(step, state, batch, profile_dir) if profile_dir else None
+    profile = None
+    if profile_dir:
+        profile, state = profile_step(step, state, batch, profile_dir)
     split = {}
     if phases:
         split, state = time_phases(s, step, state, batch, steps)
