@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from gspmd_tp.axes import BATCH, LENGTH, VOCAB
+from gspmd_tp.model import output_projection
 
 
 def cross_entropy_sums(logits_blv, targets_bl):
@@ -40,7 +41,7 @@ def chunked_cross_entropy_sums(hidden_ble, head_ev, targets_bl, chunk: int):
     @jax.checkpoint  # recompute each block's logits in the backward pass instead of saving them
     def block(hidden, targets):
         hidden = nn.with_logical_constraint(hidden, (BATCH, LENGTH, None))
-        logits = jnp.einsum("bce,ev->bcv", hidden, head_ev.astype(hidden.dtype))
+        logits = output_projection(hidden, head_ev.astype(hidden.dtype))
         logits = nn.with_logical_constraint(logits.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
         return cross_entropy_sums(logits, targets)[0]
 

@@ -354,6 +354,31 @@ class Block(nn.Module):
         return _constrain(x_ble, (BATCH, NORM_LENGTH, EMBED)), None
 
 
+@jax.custom_vjp
+def output_projection(x_ble, head_ev):
+    """Logits: x (batch, length, embed) @ head (embed, vocab), with a hand-written gradient.
+
+    Autodiff takes the head's gradient as (g^T x)^T: XLA:CPU then transposes the (tokens, vocab)
+    output gradient for the product and the (vocab, embed) result again where the optimizer reads
+    it. Written as x^T g, only the small (tokens, embed) operand is transposed and the gradient
+    comes out in the head's own layout (BENCHMARKS.md). The same values either way.
+    """
+    return jnp.einsum("ble,ev->blv", x_ble, head_ev)
+
+
+def _output_projection_fwd(x_ble, head_ev):
+    return output_projection(x_ble, head_ev), (x_ble, head_ev)
+
+
+def _output_projection_bwd(res, g_blv):
+    x_ble, head_ev = res
+    g_blv = g_blv.astype(x_ble.dtype)
+    return jnp.einsum("blv,ev->ble", g_blv, head_ev), jnp.einsum("ble,blv->ev", x_ble, g_blv)
+
+
+output_projection.defvjp(_output_projection_fwd, _output_projection_bwd)
+
+
 class Transformer(nn.Module):
     """tokens (batch, length) int32 -> logits (batch, length, vocab) float32."""
 
@@ -405,7 +430,7 @@ class Transformer(nn.Module):
             )
         if return_hidden:
             return x_ble, head_ev
-        logits = jnp.einsum("ble,ev->blv", x_ble, head_ev.astype(dtype))
+        logits = output_projection(x_ble, head_ev.astype(dtype))
         return _constrain(logits.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gspmd_tp.model import ModelConfig, Transformer, rotary
+from gspmd_tp.model import ModelConfig, Transformer, output_projection, rotary
 
 CFG = ModelConfig(
     vocab_size=256, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64
@@ -90,6 +90,20 @@ def test_remat_policies_give_the_same_gradients(policy):
 
     for g0, g1 in zip(jax.tree.leaves(loss(CFG)), jax.tree.leaves(loss(remat_cfg)), strict=True):
         np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_output_projection_gradient_equals_autodiff(dtype):
+    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (2, 5, 8), dtype)
+    w = jax.random.normal(kw, (8, 12), dtype)
+    g = jax.random.normal(kg, (2, 5, 12), dtype)
+    plain = jax.vjp(lambda a, b: jnp.einsum("ble,ev->blv", a, b), x, w)
+    ours = jax.vjp(output_projection, x, w)
+    np.testing.assert_array_equal(ours[0], plain[0])
+    for a, b in zip(ours[1](g), plain[1](g), strict=True):
+        assert a.dtype == b.dtype == dtype
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
 
 
 def test_tied_embeddings_have_no_lm_head():
