@@ -6,28 +6,77 @@ in XLA_FLAGS always wins; accelerators ignore the flag.
 With simulated devices the train step's temporaries live in host memory, allocated and freed by
 glibc's malloc at every step. A buffer over 64 MiB requested from a worker thread's arena is
 always mmap'd and munmap'd, so each step faults its pages in afresh (2-10% of the CPU time in the
-kernel, BENCHMARKS.md). `tune_malloc` keeps freed memory for reuse instead.
+kernel, BENCHMARKS.md). `tune_malloc` keeps freed memory for reuse instead, and `use_huge_pages`
+has glibc back that heap with transparent huge pages: the step's arrays are tens of MiB, and with
+4 KiB pages its memory-bound loops miss the TLB.
 """
 
 import ctypes
 import glob
 import os
+import sys
 
 _FLAG = "xla_force_host_platform_device_count"
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 # Device nodes of accelerators whose buffers are not host memory; there the tuning is left out.
 _ACCELERATOR_NODES = ("/dev/nvidia[0-9]*", "/dev/accel*", "/dev/vfio/[0-9]*", "/dev/kfd")
+# glibc >= 2.35 reads this tunable at process start only: malloc then madvises its heap MADV_HUGEPAGE.
+_HUGE_PAGES = "glibc.malloc.hugetlb=1"
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def request(count: int, tune: bool = True) -> None:
     """Asks XLA for `count` host (CPU) devices unless XLA_FLAGS already names a count; with
-    `tune` and count > 0, also `tune_malloc()`."""
+    `tune` and count > 0, also `use_huge_pages()` (which may restart the process) and `tune_malloc()`."""
+    if count > 0 and tune:
+        use_huge_pages()
     flags = os.environ.get("XLA_FLAGS", "")
     if count > 0 and _FLAG not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --{_FLAG}={count}".strip()
     if count > 0 and tune:
         tune_malloc()
+
+
+def _cpu_only_glibc() -> ctypes.CDLL | None:
+    """libc, where this host has no accelerator and libc is glibc; else None."""
+    if any(glob.glob(pattern) for pattern in _ACCELERATOR_NODES):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt  # noqa: B018 (glibc has it; musl and others do not)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def huge_pages_missing() -> bool:
+    """True where glibc's malloc could back its heap with transparent huge pages but was not told to:
+    a CPU-only host, glibc >= 2.35, THP not switched off, and no glibc.malloc.hugetlb tunable yet."""
+    libc = _cpu_only_glibc()
+    if libc is None or "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    libc.gnu_get_libc_version.restype = ctypes.c_char_p
+    version = tuple(int(x) for x in libc.gnu_get_libc_version().decode().split(".")[:2])
+    try:
+        with open(_THP_MODE) as f:
+            thp_off = "[never]" in f.read()
+    except OSError:
+        thp_off = True
+    return version >= (2, 35) and not thp_off
+
+
+def use_huge_pages() -> None:
+    """Where `huge_pages_missing()`, runs this same command again (same pid, arguments and
+    interpreter options) with the glibc tunable set, since glibc reads it only at process start.
+    Call it first thing: nothing before it survives but the environment."""
+    if not huge_pages_missing():
+        return
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    os.environ["GLIBC_TUNABLES"] = f"{tunables}:{_HUGE_PAGES}" if tunables else _HUGE_PAGES
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, sys.orig_argv)
 
 
 def tune_malloc() -> bool:
@@ -36,15 +85,11 @@ def tune_malloc() -> bool:
     Call it before jax is imported (its threads pick their arenas then). The heap grows to its
     steady size over the first ~15 steps and stays there, about twice the untuned peak (bench_cpu
     dp=2,mp=4: 3.7 GB against 1.9 GB resident). Returns whether it was applied."""
-    if any(glob.glob(pattern) for pattern in _ACCELERATOR_NODES):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
+    libc = _cpu_only_glibc()
+    if libc is None:
         return False
     return all(
-        mallopt(param, value) == 1
+        libc.mallopt(param, value) == 1
         for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
     )
 

@@ -2,6 +2,8 @@
 
 import ctypes
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -48,3 +50,39 @@ def test_malloc_tuning_applies_on_a_cpu_host(monkeypatch):
     monkeypatch.setattr(host_devices.ctypes, "CDLL", Libc)
     assert host_devices.tune_malloc() is True
     assert dict(calls) == {-8: 1, -4: 0, -1: -1}
+
+
+def test_huge_pages_are_left_out_where_asked_for_already_or_on_accelerator_hosts(monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
+    assert host_devices.huge_pages_missing() is False
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setattr(host_devices.glob, "glob", lambda p: ["/dev/accel0"])
+    assert host_devices.huge_pages_missing() is False
+
+
+_SCRIPT = """
+import os, sys
+print("run", os.getpid(), os.environ.get("GLIBC_TUNABLES"), sys.argv[1:], flush=True)
+from gspmd_tp import host_devices
+host_devices.request(8, tune=True)
+print("tuned", os.getpid(), os.environ.get("GLIBC_TUNABLES"), flush=True)
+"""
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc only")
+def test_request_restarts_the_process_once_with_huge_pages(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=7")  # a tunable the caller set stays
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    restarts = host_devices.huge_pages_missing()  # False where glibc is older than 2.35 or THP is off
+    script = tmp_path / "s.py"
+    script.write_text(_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), "--flag=1"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    runs = [line.split(" ", 3) for line in out if line.startswith("run")]
+    (tuned,) = [line.split(" ") for line in out if line.startswith("tuned")]
+    assert len(runs) == (2 if restarts else 1)
+    assert {r[1] for r in runs} == {tuned[1]}  # the same process throughout
+    assert all(r[3] == "['--flag=1']" for r in runs)
+    want = "glibc.malloc.tcache_count=7" + (":glibc.malloc.hugetlb=1" if restarts else "")
+    assert tuned[2] == want
