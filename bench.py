@@ -17,7 +17,7 @@ _RULES = flags.DEFINE_string("rules", "", "Comma-separated rule files (default: 
 _MESHES = flags.DEFINE_string("meshes", "", "Space-separated meshes (default: config.mesh).")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (median, min and max are reported).")
 _WARMUP = flags.DEFINE_integer(
-    "warmup", 10, "Untimed steps after compiling (CPU: the tuned malloc heap settles in ~10 to 15)."
+    "warmup", 15, "Untimed steps after compiling (CPU: the tuned malloc heap settles in ~10 to 15)."
 )
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
 _JSON_OUT = flags.DEFINE_string("json_out", "", "Also write the JSON report to this file.")
