@@ -69,8 +69,10 @@ def huge_pages_missing() -> bool:
 def use_huge_pages() -> None:
     """Where `huge_pages_missing()`, runs this same command again (same pid, arguments and
     interpreter options) with the glibc tunable set, since glibc reads it only at process start.
-    Call it first thing: nothing before it survives but the environment."""
-    if not huge_pages_missing():
+    Call it first thing: nothing before it survives but the environment. A process that is not a
+    script run from a file (a notebook, an interactive or `-c` session, stdin) is left as it is."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not main or not os.path.isfile(main) or sys.flags.interactive or not huge_pages_missing():
         return
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     os.environ["GLIBC_TUNABLES"] = f"{tunables}:{_HUGE_PAGES}" if tunables else _HUGE_PAGES

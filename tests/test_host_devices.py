@@ -86,3 +86,10 @@ def test_request_restarts_the_process_once_with_huge_pages(tmp_path, monkeypatch
     assert all(r[3] == "['--flag=1']" for r in runs)
     want = "glibc.malloc.tcache_count=7" + (":glibc.malloc.hugetlb=1" if restarts else "")
     assert tuned[2] == want
+
+
+def test_a_process_not_run_from_a_script_file_is_not_restarted(monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    code = _SCRIPT.replace("sys.argv[1:]", "[]")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.count("run ") == 1 and "tuned" in out and "hugetlb" not in out
