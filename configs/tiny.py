@@ -57,6 +57,8 @@ def get_config() -> ConfigDict:
     # end (skips the masked upper triangle; exact). 0: the whole square at once.
     c.model.attention_block = 0
     c.model.scan_layers = True
+    # auto | explicit | xla: the projections' weight gradients (auto: explicit on CPU, faster there)
+    c.model.projection_grad = "auto"
 
     c.optim = ConfigDict()
     c.optim.lr = 3e-3  # small model, short run: a high peak rate

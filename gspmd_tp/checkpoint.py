@@ -29,7 +29,7 @@ STATE, DATA, META = "state", "data", "meta"
 # stream (or from another init), so a workdir with different ones holds another run.
 RUN_IDENTITY = ("seed", "seq_len", "data.train_files", "data.seed", "data.jsonl_field")
 # Model keys that change how the model computes, not what its parameters are: they may differ.
-FREE_MODEL_KEYS = ("dtype", "remat", "attention")
+FREE_MODEL_KEYS = ("dtype", "remat", "attention", "projection_grad")
 
 
 def checkpoint_dir(workdir: str) -> str:

@@ -40,20 +40,30 @@ from gspmd_tp.axes import (
 # residual stream's layout (an all-reduce or reduce-scatter under tensor parallelism).
 COLLECTIVE_OUTPUTS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 
+# The output of every weight projection (project): a hand-written gradient hides its product from
+# the dot-based policies, so they keep it by this name.
+PROJECTION = "projection"
+_save_projections = jax.checkpoint_policies.save_only_these_names(PROJECTION)
+
 REMAT_POLICIES = {
     "none": None,  # no rematerialization
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
-    "dots": jax.checkpoint_policies.checkpoint_dots,  # keep matmul outputs
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.save_from_both_policies(  # keep matmul outputs
+        jax.checkpoint_policies.checkpoint_dots, _save_projections
+    ),
+    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _save_projections
+    ),
     # dots_no_batch, plus the collective outputs: the backward pass repeats no communication.
     "dots_no_batch_comm": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(*COLLECTIVE_OUTPUTS),
+        jax.checkpoint_policies.save_only_these_names(PROJECTION, *COLLECTIVE_OUTPUTS),
     ),
 }
 
 
 ATTENTION_IMPLEMENTATIONS = ("einsum", "xla", "cudnn")
+PROJECTION_GRADS = ("auto", "explicit", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +91,9 @@ class ModelConfig:
     # blocks is never computed (0: one block, the whole square). The same result, to rounding.
     attention_block: int = 0
     scan_layers: bool = True
+    # The projections' weight gradients: explicit transposes the smaller operand itself (faster on
+    # XLA:CPU, BENCHMARKS.md); xla leaves it to autodiff; auto: explicit on CPU, xla elsewhere.
+    projection_grad: str = "auto"
 
     @property
     def group(self) -> int:
@@ -114,6 +127,10 @@ class ModelConfig:
             problems.append(f"model.dtype {self.dtype!r} is not float32, bfloat16 or float16")
         if self.attention_block < 0:
             problems.append(f"model.attention_block must be 0 (off) or positive, got {self.attention_block}")
+        if self.projection_grad not in PROJECTION_GRADS:
+            problems.append(
+                f"model.projection_grad {self.projection_grad!r} is not one of {PROJECTION_GRADS}"
+            )
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             problems.append(f"model.attention {self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
         elif self.attention == "cudnn" and self.dtype == "float32":
@@ -154,6 +171,70 @@ def _constrain_cotangent(x, names):
 # the all-gather, and the gathered copy is what the backward pass keeps for the weight gradient
 # (otherwise it gathers the input a second time); elsewhere it changes nothing.
 _WHOLE_WIDTH = (BATCH, LENGTH, None)
+
+
+def _local_size(shape, names) -> int:
+    """Elements of one device's shard of an array of `shape` with logical axis `names`, under the
+    logical rules and mesh being traced with (the whole array where there are none)."""
+    mesh = dict(jax.sharding.get_abstract_mesh().shape)
+    size = 1
+    for dim, axis in zip(shape, nn.logical_to_mesh_axes(names), strict=True):
+        mesh_axes = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+        shards = 1
+        for a in mesh_axes:
+            shards *= mesh.get(a, 1)
+        size *= max(dim // shards, 1)
+    return size
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _project(x, w, n_in, transpose_input):
+    return jnp.tensordot(x, w, axes=n_in)
+
+
+def _project_fwd(x, w, n_in, transpose_input):
+    return _project(x, w, n_in, transpose_input), (x, w)
+
+
+def _project_bwd(n_in, transpose_input, res, g):
+    # The weight gradient contracts the tokens, the leading axes of both x and g. XLA:CPU's
+    # product kernels want them minor on the left operand, so one operand is transposed first: x
+    # when its share of the weight's axes is the smaller, else g (and the small result after).
+    # The barrier keeps the transpose from being folded back into the product, which XLA:CPU
+    # would then hand to Eigen's slower transposed-operand path.
+    x, w = res
+    g = g.astype(x.dtype)
+    n_out = w.ndim - n_in
+    tokens = (0, 1)
+    dx = jnp.tensordot(g, w, axes=(tuple(range(2, 2 + n_out)), tuple(range(n_in, n_in + n_out))))
+    if transpose_input:  # (in, tokens) @ (tokens, out)
+        x_t = jax.lax.optimization_barrier(jnp.transpose(x, tuple(range(2, 2 + n_in)) + tokens))
+        dw = jnp.tensordot(x_t, g, axes=((n_in, n_in + 1), tokens))
+    else:  # ((out, tokens) @ (tokens, in))^T
+        g_t = jax.lax.optimization_barrier(jnp.transpose(g, tuple(range(2, 2 + n_out)) + tokens))
+        dw_t = jnp.tensordot(g_t, x, axes=((n_out, n_out + 1), tokens))
+        dw = jnp.transpose(dw_t, tuple(range(n_out, n_out + n_in)) + tuple(range(n_out)))
+    return dx, dw.astype(w.dtype)
+
+
+_project.defvjp(_project_fwd, _project_bwd)
+
+
+def explicit_projection_grad(setting: str) -> bool:
+    """Whether ModelConfig.projection_grad `setting` means the hand-written weight gradient."""
+    return setting == "explicit" or (setting == "auto" and jax.default_backend() == "cpu")
+
+
+def project(x, w, w_names, n_in: int = 1, explicit_grad: bool = False):
+    """x (batch, length, *in) @ w (*in, *out) -> (batch, length, *out), `in` being w's first n_in
+    axes (logical names `w_names`). With explicit_grad, the weight gradient transposes whichever
+    of x and the output gradient is the smaller on each device (see _project_bwd), and the output
+    is named PROJECTION so that the remat policies keep it as they keep a product."""
+    if not explicit_grad:
+        return jnp.tensordot(x, w, axes=n_in)
+    w_in = _local_size(w.shape[:n_in], w_names[:n_in])
+    w_out = _local_size(w.shape[n_in:], w_names[n_in:])
+    return checkpoint_name(_project(x, w, n_in, w_in < w_out), PROJECTION)
 
 
 def _param(module, name, init, shape, names):
@@ -250,6 +331,7 @@ class Attention(nn.Module):
         """positions: (length,); or a Decoding, to attend through (and extend) the "cache" collection."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
+        explicit = explicit_projection_grad(cfg.projection_grad)
         k_heads, group, hd = cfg.num_kv_heads, cfg.group, cfg.head_dim
         decoding = positions if isinstance(positions, Decoding) else None
         if decoding is not None:
@@ -262,7 +344,7 @@ class Attention(nn.Module):
         )
         w_out = _param(self, "out", out_init, (cfg.num_heads, hd, cfg.d_model), (HEADS, HEAD_DIM, EMBED))
 
-        qkv = jnp.einsum("ble,ekgd->blkgd", x_ble, w_qkv.astype(dtype))
+        qkv = project(x_ble, w_qkv.astype(dtype), (EMBED, KV_HEADS, None, HEAD_DIM), 1, explicit)
         qkv = _constrain(qkv, (BATCH, LENGTH, KV_HEADS, None, HEAD_DIM))
         q = qkv[:, :, :, :group].reshape(b, length, cfg.num_heads, hd)
         q = _constrain(rotary(q, positions, cfg.rope_theta) * hd**-0.5, (BATCH, LENGTH, HEADS, HEAD_DIM))
@@ -300,7 +382,7 @@ class Attention(nn.Module):
                 )
             out = out.reshape(b, length, cfg.num_heads, hd)
         out = _constrain(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
-        y = jnp.einsum("blhd,hde->ble", out, w_out.astype(dtype))
+        y = project(out, w_out.astype(dtype), (HEADS, HEAD_DIM, EMBED), 2, explicit)
         # No _constrain_cotangent here (see there): XLA:CPU then gathers this gradient once per
         # consumer under 2D, one extra all-gather per layer that the TPU compiler does not make.
         return _constrain(y, (BATCH, NORM_LENGTH, EMBED))
@@ -315,6 +397,7 @@ class FeedForward(nn.Module):
     def __call__(self, x_ble):
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
+        explicit = explicit_projection_grad(cfg.projection_grad)
         w_in = _param(
             self, "gate_up", nn.initializers.normal(0.02), (cfg.d_model, 2, cfg.mlp_dim), (EMBED, None, MLP)
         )
@@ -325,11 +408,11 @@ class FeedForward(nn.Module):
             (cfg.mlp_dim, cfg.d_model),
             (MLP, EMBED),
         )
-        gate_up = jnp.einsum("ble,ecm->blcm", x_ble, w_in.astype(dtype))
+        gate_up = project(x_ble, w_in.astype(dtype), (EMBED, None, MLP), 1, explicit)
         gate_up = _constrain(gate_up, (BATCH, LENGTH, None, MLP))
         hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
         hidden = _constrain(hidden, (BATCH, LENGTH, MLP))
-        y = jnp.einsum("blm,me->ble", hidden, w_out.astype(dtype))
+        y = project(hidden, w_out.astype(dtype), (MLP, EMBED), 1, explicit)
         return _constrain(_constrain_cotangent(y, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))
 
 

@@ -9,7 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gspmd_tp import model as model_lib
+from gspmd_tp.mesh import make_mesh
 from gspmd_tp.model import ModelConfig, Transformer, output_projection, rotary
+from gspmd_tp.rules import load_rules
+from gspmd_tp.state import sharding_context
 
 CFG = ModelConfig(
     vocab_size=256, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64
@@ -106,6 +110,58 @@ def test_output_projection_gradient_equals_autodiff(dtype):
         np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("n_in", [1, 2])
+@pytest.mark.parametrize("transpose_input", [True, False])
+def test_explicit_projection_gradient_equals_autodiff(n_in, transpose_input):
+    kx, kw, kg = jax.random.split(jax.random.key(4), 3)
+    x = jax.random.normal(kx, (2, 5, 3, 4) if n_in == 2 else (2, 5, 12))
+    w = jax.random.normal(kw, (3, 4, 6, 7) if n_in == 2 else (12, 6, 7))
+    g = jax.random.normal(kg, (2, 5, 6, 7))
+    plain = jax.vjp(lambda a, b: jnp.tensordot(a, b, axes=n_in), x, w)
+    ours = jax.vjp(lambda a, b: model_lib._project(a, b, n_in, transpose_input), x, w)
+    np.testing.assert_allclose(ours[0], plain[0], rtol=1e-6)
+    for a, b in zip(ours[1](g), plain[1](g), strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("remat", ["none", "dots_no_batch"])
+def test_projection_grad_settings_give_the_same_gradients(remat):
+    params = init(CFG)
+
+    def grads(setting):
+        cfg = ModelConfig(**{**CFG.__dict__, "remat": remat, "projection_grad": setting})
+        return jax.grad(lambda p: Transformer(cfg).apply({"params": p}, TOKENS).mean())(params)
+
+    for g0, g1 in zip(jax.tree.leaves(grads("xla")), jax.tree.leaves(grads("explicit")), strict=True):
+        np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-7)
+
+
+def test_dots_no_batch_keeps_the_explicit_projections():
+    """The hand-written gradient hides the product from the dot policy; its name must keep it, or
+    the backward pass would compute every projection a second time."""
+    params = init(CFG)
+
+    def dots(remat):
+        cfg = ModelConfig(**{**CFG.__dict__, "remat": remat, "projection_grad": "explicit"})
+        jaxpr = jax.make_jaxpr(jax.grad(lambda p: Transformer(cfg).apply({"params": p}, TOKENS).mean()))(
+            params
+        )
+        return str(jaxpr).count("dot_general")
+
+    assert dots("dots_no_batch") < dots("full")
+
+
+def test_projection_local_sizes_follow_the_rule_file():
+    mesh = make_mesh("dp=2,mp=4", ["dp", "mp"])
+    with sharding_context(mesh, load_rules("megatron_1d")):
+        assert model_lib._local_size((1024, 256), ("mlp", "embed")) == 256 * 256
+        assert model_lib._local_size((16, 256), ("batch", "length")) == 8 * 256
+    assert model_lib._local_size((1024, 256), ("mlp", "embed")) == 1024 * 256  # no rules: whole
+    assert model_lib.explicit_projection_grad("auto") == (jax.default_backend() == "cpu")
+    assert not model_lib.explicit_projection_grad("xla") and model_lib.explicit_projection_grad("explicit")
+
+
 def test_tied_embeddings_have_no_lm_head():
     tied = init(ModelConfig(**{**CFG.__dict__, "tie_embeddings": True}))
     assert "lm_head" not in tied and "lm_head" in init(CFG)
@@ -131,8 +187,9 @@ def test_model_code_names_no_mesh_axis():
 
 
 def test_config_validation_names_the_problem():
-    bad = ModelConfig(num_heads=6, num_kv_heads=4, remat="sometimes")
+    bad = ModelConfig(num_heads=6, num_kv_heads=4, remat="sometimes", projection_grad="manual")
     problems = bad.validate()
+    assert any("model.projection_grad 'manual'" in p for p in problems)
     assert any("num_heads (6) must be a multiple of model.num_kv_heads (4)" in p for p in problems)
     assert any("model.remat 'sometimes'" in p for p in problems)
 
