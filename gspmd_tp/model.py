@@ -220,9 +220,10 @@ def _project_bwd(n_in, transpose_input, res, g):
 _project.defvjp(_project_fwd, _project_bwd)
 
 
-def explicit_projection_grad(setting: str) -> bool:
-    """Whether ModelConfig.projection_grad `setting` means the hand-written weight gradient."""
-    return setting == "explicit" or (setting == "auto" and jax.default_backend() == "cpu")
+def explicit_projection_grad(setting: str, platform: str | None = None) -> bool:
+    """Whether ModelConfig.projection_grad `setting` means the hand-written weight gradient on
+    `platform` (by default JAX's default backend): "auto" means it on CPU only."""
+    return setting == "explicit" or (setting == "auto" and (platform or jax.default_backend()) == "cpu")
 
 
 def project(x, w, w_names, n_in: int = 1, explicit_grad: bool = False):

@@ -19,7 +19,7 @@ from gspmd_tp import loss as loss_lib
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import make_mesh, mesh_string
-from gspmd_tp.model import ModelConfig, Transformer, flops_per_token, param_count
+from gspmd_tp.model import ModelConfig, Transformer, explicit_projection_grad, flops_per_token, param_count
 from gspmd_tp.rules import Rules, load_rules
 
 
@@ -115,6 +115,9 @@ def setup(config, devices=None) -> Setup:
     platform = mesh.devices.flat[0].platform
     if model_cfg.attention == "cudnn" and platform != "gpu":
         raise UserError(f"config.model.attention='cudnn' needs GPU devices; this run's are {platform}")
+    # "auto" follows the devices the step compiles for, not the host (a TPU plan made on a laptop).
+    explicit = explicit_projection_grad(model_cfg.projection_grad, platform)
+    model_cfg = dataclasses.replace(model_cfg, projection_grad="explicit" if explicit else "xla")
     state_lib.validate(model_cfg, rules, mesh, config.batch_size // config.grad_accum, config.seq_len)
     tx, schedule = optim.make_optimizer(config.optim, config.steps)
     abstract, shardings = state_lib.state_shardings(model_cfg, tx, mesh, rules, config.seq_len)

@@ -49,6 +49,12 @@ def test_compiled_step_really_shards():
     assert qkv.addressable_shards[0].data.shape[2] == qkv.shape[2] // 4  # kv_heads over mp=4
 
 
+def test_auto_projection_grad_follows_the_run_devices():
+    """auto: the hand-written projection gradients for CPU devices, autodiff's for accelerators."""
+    assert trainer.setup(small_config()).model_cfg.projection_grad == "explicit"
+    assert trainer.setup(small_config(**{"model.projection_grad": "xla"})).model_cfg.projection_grad == "xla"
+
+
 @pytest.mark.parametrize("rules, mesh", [("dp", "dp=8,mp=1"), ("megatron_2d", "dp=2,mp=4")])
 def test_gradient_accumulation_equals_full_batch(rules, mesh):
     c = small_config(rules=rules, mesh=mesh, batch_size=16)
