@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import flax
 import flax.linen as nn
@@ -34,6 +35,7 @@ from gspmd_tp.axes import (
     NORM_LENGTH,
     VOCAB,
 )
+from gspmd_tp.rules import axes_of
 
 # Activations that a rule file may make a collective produce: each sublayer's input once it is
 # whole-width (an all-gather under sequence parallelism and 2D) and its output once reduced to the
@@ -179,10 +181,7 @@ def _local_size(shape, names) -> int:
     mesh = dict(jax.sharding.get_abstract_mesh().shape)
     size = 1
     for dim, axis in zip(shape, nn.logical_to_mesh_axes(names), strict=True):
-        mesh_axes = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
-        shards = 1
-        for a in mesh_axes:
-            shards *= mesh.get(a, 1)
+        shards = math.prod(mesh.get(a, 1) for a in axes_of(axis))
         size *= max(dim // shards, 1)
     return size
 
