@@ -186,16 +186,25 @@ def _local_size(shape, names) -> int:
     return size
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _project(x, w, n_in, transpose_input):
+def _merges(shape, names, n_in: int) -> bool:
+    """Whether a weight of `shape` (logical axis `names`, the first n_in of them its input axes)
+    can be read as a matrix (inputs, outputs) under the rules and mesh being traced with: where
+    only the first axis of each group is split across devices, each device holds a contiguous
+    block of the merged axis, and the merge is a reshape that moves nothing."""
+    whole = [_local_size((dim,), (name,)) == dim for dim, name in zip(shape, names, strict=True)]
+    return len(shape) > 2 and all(whole[1:n_in]) and all(whole[n_in + 1 :])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _project(x, w, n_in, transpose_input, merge):
     return jnp.tensordot(x, w, axes=n_in)
 
 
-def _project_fwd(x, w, n_in, transpose_input):
-    return _project(x, w, n_in, transpose_input), (x, w)
+def _project_fwd(x, w, n_in, transpose_input, merge):
+    return _project(x, w, n_in, transpose_input, merge), (x, w)
 
 
-def _project_bwd(n_in, transpose_input, res, g):
+def _project_bwd(n_in, transpose_input, merge, res, g):
     # The weight gradient contracts the tokens, the leading axes of both x and g. XLA:CPU's
     # product kernels want them minor on the left operand, so one operand is transposed first: x
     # when its share of the weight's axes is the smaller, else g (and the small result after).
@@ -203,6 +212,14 @@ def _project_bwd(n_in, transpose_input, res, g):
     # would then hand to Eigen's slower transposed-operand path.
     x, w = res
     g = g.astype(x.dtype)
+    x_shape, w_shape = x.shape, w.shape
+    if merge:
+        # The products on two-dimensional operands: XLA rewrites a product over several axes into
+        # one over two and transposes the weight (all of it, every step) to do so.
+        x = x.reshape(x_shape[:2] + (-1,))
+        g = g.reshape(g.shape[:2] + (-1,))
+        w = w.reshape(x.shape[2], g.shape[2])
+        n_in = 1
     n_out = w.ndim - n_in
     tokens = (0, 1)
     dx = jnp.tensordot(g, w, axes=(tuple(range(2, 2 + n_out)), tuple(range(n_in, n_in + n_out))))
@@ -213,7 +230,7 @@ def _project_bwd(n_in, transpose_input, res, g):
         g_t = jax.lax.optimization_barrier(jnp.transpose(g, tuple(range(2, 2 + n_out)) + tokens))
         dw_t = jnp.tensordot(g_t, x, axes=((n_out, n_out + 1), tokens))
         dw = jnp.transpose(dw_t, tuple(range(n_out, n_out + n_in)) + tuple(range(n_out)))
-    return dx, dw.astype(w.dtype)
+    return dx.reshape(x_shape), dw.reshape(w_shape).astype(w.dtype)
 
 
 _project.defvjp(_project_fwd, _project_bwd)
@@ -228,13 +245,15 @@ def explicit_projection_grad(setting: str, platform: str | None = None) -> bool:
 def project(x, w, w_names, n_in: int = 1, explicit_grad: bool = False):
     """x (batch, length, *in) @ w (*in, *out) -> (batch, length, *out), `in` being w's first n_in
     axes (logical names `w_names`). With explicit_grad, the weight gradient transposes whichever
-    of x and the output gradient is the smaller on each device (see _project_bwd), and the output
-    is named PROJECTION so that the remat policies keep it as they keep a product."""
+    of x and the output gradient is the smaller on each device (see _project_bwd), the backward
+    products read a weight of more than two axes as a matrix where the rules allow (_merges), and
+    the output is named PROJECTION so that the remat policies keep it as they keep a product."""
     if not explicit_grad:
         return jnp.tensordot(x, w, axes=n_in)
     w_in = _local_size(w.shape[:n_in], w_names[:n_in])
     w_out = _local_size(w.shape[n_in:], w_names[n_in:])
-    return checkpoint_name(_project(x, w, n_in, w_in < w_out), PROJECTION)
+    merge = _merges(w.shape, w_names, n_in)
+    return checkpoint_name(_project(x, w, n_in, w_in < w_out, merge), PROJECTION)
 
 
 def _param(module, name, init, shape, names):

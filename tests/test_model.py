@@ -112,13 +112,14 @@ def test_output_projection_gradient_equals_autodiff(dtype):
 
 @pytest.mark.parametrize("n_in", [1, 2])
 @pytest.mark.parametrize("transpose_input", [True, False])
-def test_explicit_projection_gradient_equals_autodiff(n_in, transpose_input):
+@pytest.mark.parametrize("merge", [True, False])
+def test_explicit_projection_gradient_equals_autodiff(n_in, transpose_input, merge):
     kx, kw, kg = jax.random.split(jax.random.key(4), 3)
     x = jax.random.normal(kx, (2, 5, 3, 4) if n_in == 2 else (2, 5, 12))
     w = jax.random.normal(kw, (3, 4, 6, 7) if n_in == 2 else (12, 6, 7))
     g = jax.random.normal(kg, (2, 5, 6, 7))
     plain = jax.vjp(lambda a, b: jnp.tensordot(a, b, axes=n_in), x, w)
-    ours = jax.vjp(lambda a, b: model_lib._project(a, b, n_in, transpose_input), x, w)
+    ours = jax.vjp(lambda a, b: model_lib._project(a, b, n_in, transpose_input, merge), x, w)
     np.testing.assert_allclose(ours[0], plain[0], rtol=1e-6)
     for a, b in zip(ours[1](g), plain[1](g), strict=True):
         assert a.shape == b.shape
@@ -135,6 +136,28 @@ def test_projection_grad_settings_give_the_same_gradients(remat):
 
     for g0, g1 in zip(jax.tree.leaves(grads("xla")), jax.tree.leaves(grads("explicit")), strict=True):
         np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_merged_axes_keep_the_weight_untransposed(merge):
+    """With its axes merged, the input gradient reads the weight as it is stored; unmerged, XLA
+    copies all of it transposed (the product has two contracting axes)."""
+    x, w, g = jnp.ones((2, 16, 32)), jnp.ones((32, 2, 64)), jnp.ones((2, 16, 2, 64))
+    dx = jax.jit(jax.grad(lambda a, b, c: jnp.vdot(model_lib._project(a, b, 1, True, merge), c)))
+    text = dx.lower(x, w, g).compile().as_text()
+    assert bool(re.search(r"= \S+ (transpose|copy)\(", text)) != merge
+
+
+def test_projection_axes_merge_where_the_rule_file_allows():
+    mesh = make_mesh("dp=2,mp=4", ["dp", "mp"])
+    qkv = ((256, 8, 3, 32), ("embed", "kv_heads", None, "head_dim"), 1)
+    gate_up = ((256, 2, 1024), ("embed", None, "mlp"), 1)
+    out = ((8, 32, 256), ("heads", "head_dim", "embed"), 2)
+    down = ((1024, 256), ("mlp", "embed"), 1)
+    with sharding_context(mesh, load_rules("megatron_1d")):
+        # Merging (2, 1024/4) would not leave each device a contiguous block of 2048.
+        assert [model_lib._merges(*w) for w in (qkv, gate_up, out, down)] == [True, False, True, False]
+    assert model_lib._merges(*gate_up)  # nothing sharded
 
 
 def test_dots_no_batch_keeps_the_explicit_projections():
