@@ -229,6 +229,9 @@ def _project_bwd(n_in, transpose_input, merge, res, g):
     else:  # ((out, tokens) @ (tokens, in))^T
         g_t = jax.lax.optimization_barrier(jnp.transpose(g, tuple(range(2, 2 + n_out)) + tokens))
         dw_t = jnp.tensordot(g_t, x, axes=((n_out, n_out + 1), tokens))
+        # And the result's: XLA would otherwise fold its transpose into the product, whose left
+        # operand it would then read transposed.
+        dw_t = jax.lax.optimization_barrier(dw_t)
         dw = jnp.transpose(dw_t, tuple(range(n_out, n_out + n_in)) + tuple(range(n_out)))
     return dx.reshape(x_shape), dw.reshape(w_shape).astype(w.dtype)
 

@@ -148,6 +148,21 @@ def test_merged_axes_keep_the_weight_untransposed(merge):
     assert bool(re.search(r"= \S+ (transpose|copy)\(", text)) != merge
 
 
+@pytest.mark.parametrize("merge", [True, False])
+@pytest.mark.parametrize("transpose_input", [True, False])
+def test_weight_gradient_products_contract_their_left_operands_minor_axis(merge, transpose_input):
+    """Every product of the weight gradient reads its left operand as stored: a product that
+    contracts the major axis goes to XLA:CPU's slower transposed-operand path."""
+    x, w, g = jnp.ones((2, 16, 32)), jnp.ones((32, 2, 4)), jnp.ones((2, 16, 2, 4))
+
+    def loss(a, b, c):
+        return jnp.vdot(model_lib._project(a, b, 1, transpose_input, merge), c)
+
+    text = jax.jit(jax.grad(loss, argnums=1)).lower(x, w, g).compile().as_text()
+    dots = re.findall(r" dot\(.*?lhs_contracting_dims=\{(\d+)\}", text)
+    assert dots and set(dots) == {"1"}
+
+
 def test_projection_axes_merge_where_the_rule_file_allows():
     mesh = make_mesh("dp=2,mp=4", ["dp", "mp"])
     qkv = ((256, 8, 3, 32), ("embed", "kv_heads", None, "head_dim"), 1)
