@@ -2,6 +2,8 @@
 
     python bench.py --config=configs/bench_cpu.py --rules=megatron_1d \
         --meshes="dp=8,mp=1 dp=2,mp=4" [--steps=10 --warmup=3 --json --json_out=FILE]
+    python bench.py --config=configs/bench_cpu.py --meshes="dp=8,mp=1" \
+        --variants="model.remat=none;model.attention_block=128" [--rounds=5 --round_steps=3]
 """
 
 import json
@@ -28,6 +30,14 @@ _PROFILE = flags.DEFINE_string(
 _PHASES = flags.DEFINE_bool(
     "phases", False, "Also time the forward pass and the gradient alone: forward / backward / optimizer."
 )
+_VARIANTS = flags.DEFINE_string(
+    "variants",
+    "",
+    "Time the config against variants of it instead, in alternating rounds: sets of config "
+    "overrides, ';' between sets, ',' inside one (model.remat=none;model.attention_block=128).",
+)
+_ROUNDS = flags.DEFINE_integer("rounds", 5, "With --variants: alternating rounds.")
+_ROUND_STEPS = flags.DEFINE_integer("round_steps", 3, "With --variants: timed steps per round.")
 
 
 def main(argv):
@@ -41,8 +51,18 @@ def main(argv):
     rules = _RULES.value.split(",") if _RULES.value else [config.rules]
     meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
     try:
+        variants = benchmark.parse_variants(_VARIANTS.value) if _VARIANTS.value else None
         report = benchmark.run(
-            config, rules, meshes, _STEPS.value, _WARMUP.value, _PROFILE.value, _PHASES.value
+            config,
+            rules,
+            meshes,
+            _STEPS.value,
+            _WARMUP.value,
+            _PROFILE.value,
+            _PHASES.value,
+            variants,
+            _ROUNDS.value,
+            _ROUND_STEPS.value,
         )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspmd_tp import hlo, metrics, trainer
+from gspmd_tp import hlo, metrics, restore, trainer
 from gspmd_tp import state as state_lib
+from gspmd_tp.errors import UserError
 from gspmd_tp.model import Transformer, flops_per_token
 
 
@@ -96,11 +97,10 @@ def time_phases(s, step, state, batch, steps: int) -> tuple[dict, object]:
     return {k: statistics.median(v) for k, v in times.items()}, state
 
 
-def bench_one(config, steps: int, warmup: int, profile_dir: str = "", phases: bool = False) -> dict:
-    """One rule file x mesh: compile, warm up, time `steps` steps (each waited for); with
-    `profile_dir`, then trace one more step there; with `phases`, also time the forward pass and
-    the gradient alone (time_phases). The roofline fraction is left to `run`."""
-    s = trainer.setup(config)
+def _compiled(config, warmup: int, s: trainer.Setup | None = None):
+    """(setup, compiled step, state, batch, compile seconds) for `config` (whose setup `s` may be
+    given), after `warmup` steps."""
+    s = s or trainer.setup(config)
     t0 = time.perf_counter()
     step = trainer.compile_train_step(s)
     compile_s = time.perf_counter() - t0
@@ -109,8 +109,16 @@ def bench_one(config, steps: int, warmup: int, profile_dir: str = "", phases: bo
     tokens = rng.integers(0, config.model.vocab_size, (config.batch_size, config.seq_len + 1), np.int32)
     batch = jax.device_put(tokens, s.batch_sharding)
     for _ in range(warmup):
-        state, stats = step(state, batch)
+        state, _ = step(state, batch)
     jax.block_until_ready(state)
+    return s, step, state, batch, compile_s
+
+
+def bench_one(config, steps: int, warmup: int, profile_dir: str = "", phases: bool = False) -> dict:
+    """One rule file x mesh: compile, warm up, time `steps` steps (each waited for); with
+    `profile_dir`, then trace one more step there; with `phases`, also time the forward pass and
+    the gradient alone (time_phases). The roofline fraction is left to `run`."""
+    s, step, state, batch, compile_s = _compiled(config, warmup)
     times = []
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for _ in range(steps):
@@ -158,6 +166,79 @@ def bench_one(config, steps: int, warmup: int, profile_dir: str = "", phases: bo
     }
 
 
+def parse_variants(text: str) -> list[dict[str, str]]:
+    """[{"model.remat": "none"}, {"model.attention_block": "128", "model.dtype": "bfloat16"}] from
+    "model.remat=none;model.attention_block=128,model.dtype=bfloat16": sets of config overrides,
+    `;` between sets and `,` inside one."""
+    variants = []
+    for part in text.split(";"):
+        overrides = {}
+        for item in part.split(","):
+            key, eq, value = item.strip().partition("=")
+            if not eq or not key:
+                raise UserError(f"--variants: {item.strip()!r} in {part.strip()!r} is not KEY=VALUE")
+            overrides[key] = value
+        variants.append(overrides)
+    return variants
+
+
+def variant_name(overrides: dict[str, str]) -> str:
+    """How a variant is shown: its overrides as KEY=VALUE,..., or "(as configured)"."""
+    return ",".join(f"{k}={v}" for k, v in overrides.items()) or "(as configured)"
+
+
+def variant_setups(config, variants: list[dict[str, str]]) -> list[tuple]:
+    """(name, config, setup) of `config` as given and of each variant of it (a set of config
+    overrides): every override and setup checked, nothing compiled yet."""
+    try:
+        configs = [restore.apply_overrides(copy.deepcopy(config), o) for o in [{}, *variants]]
+        setups = [trainer.setup(c) for c in configs]
+    except UserError as e:
+        raise UserError(f"--variants: {e}") from None
+    return list(zip([variant_name(o) for o in [{}, *variants]], configs, setups, strict=True))
+
+
+def compare_variants(prepared: list[tuple], rounds: int, round_steps: int, warmup: int) -> list[dict]:
+    """The steps of variant_setups' configs, each compiled in this process and warmed up, then
+    timed in alternating rounds of `round_steps` steps: a busy spell of a shared machine lands on
+    all of them alike. One row per variant, the configured step first, with `change` its median
+    step time over the configured one's, less one."""
+    names, configs, setups = zip(*prepared, strict=True)
+    runs = [[*_compiled(c, warmup, s), []] for c, s in zip(configs, setups, strict=True)]
+    for _ in range(rounds):
+        for run in runs:
+            s, step, state, batch, _, times = run
+            for _ in range(round_steps):
+                t = time.perf_counter()
+                state, _ = step(state, batch)
+                jax.block_until_ready(state)
+                times.append(time.perf_counter() - t)
+            run[2] = state
+    rows = []
+    for name, c, (s, _, _, _, compile_s, times) in zip(names, configs, runs, strict=True):
+        step_s = statistics.median(times)
+        tokens_per_sec = c.batch_size * c.seq_len / step_s
+        flops = flops_per_token(s.model_cfg, c.seq_len)
+        peak = metrics.peak_flops(s.mesh.devices.flat[0].device_kind, c.peak_flops_per_device)
+        rows.append(
+            {
+                "rules": c.rules,
+                "mesh": c.mesh,
+                "variant": name,
+                "tokens_per_sec": tokens_per_sec,
+                "step_s": step_s,
+                "step_s_min": min(times),
+                "step_s_max": max(times),
+                "compile_s": compile_s,
+                "model_flops_per_sec": flops * tokens_per_sec,
+                "mfu": metrics.mfu(flops, tokens_per_sec, s.mesh.size, peak),
+                "roofline_fraction": None,
+                "change": step_s / statistics.median(runs[0][5]) - 1,
+            }
+        )
+    return rows
+
+
 def run(
     config,
     rules_list: list[str],
@@ -166,13 +247,30 @@ def run(
     warmup: int,
     profile_dir: str = "",
     phases: bool = False,
+    variants: list[dict[str, str]] | None = None,
+    rounds: int = 5,
+    round_steps: int = 3,
 ) -> dict:
     """Benchmarks every rule file x mesh; on CPU also the matmul roofline, in the same run. With
     `profile_dir`, each is also profiled (a trace per rule file x mesh under it); with `phases`,
-    its step is split into forward, backward and optimizer (time_phases).
+    its step is split into forward, backward and optimizer (time_phases). With `variants`, each
+    rule file x mesh is instead timed against those variants of the config (compare_variants,
+    `rounds` alternating rounds of `round_steps` steps after `warmup`), one row per variant.
 
     The matmul rates are measured before and after the steps and the higher of each kept: a
     momentarily busy machine must not lower the roofline and so flatter the fraction."""
+    if variants and (profile_dir or phases):
+        raise UserError(
+            "--variants times whole steps against each other; run --profile_dir and --phases without it"
+        )
+    if variants and min(rounds, round_steps) < 1:
+        raise UserError(f"--rounds={rounds} and --round_steps={round_steps} must both be at least 1")
+    prepared = {}
+    for rules in rules_list if variants else []:
+        for mesh in meshes:
+            c = copy.deepcopy(config)
+            c.rules, c.mesh = rules, mesh
+            prepared[rules, mesh] = variant_setups(c, variants)
     platform = jax.devices()[0].platform
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16} if platform == "cpu" else {}
     rates = {name: matmul_rate(dtype) for name, dtype in dtypes.items()}
@@ -186,7 +284,10 @@ def run(
                 if profile_dir
                 else ""
             )
-            results.append(bench_one(c, steps, warmup, where, phases))
+            if variants:
+                results.extend(compare_variants(prepared[rules, mesh], rounds, round_steps, warmup))
+            else:
+                results.append(bench_one(c, steps, warmup, where, phases))
     rates = {name: max(rate, matmul_rate(dtypes[name])) for name, rate in rates.items()}
     roofline = max(rates.values()) if rates else None
     for r in results:
@@ -216,6 +317,20 @@ def format_table(report: dict) -> str:
         f"{'rules':<16} {'mesh':<12} {'tokens/s':>10} {'step ms':>9} {'min':>7} {'max':>7} "
         f"{'compile s':>9} {'MFU':>6} {'roofline':>8} {'comm MiB':>9} {'cpu busy':>8}"
     )
+    compared = [r for r in report["results"] if "variant" in r]
+    if compared:
+        lines[-1] = (
+            f"{'rules':<16} {'mesh':<12} {'tokens/s':>10} {'step ms':>9} {'min':>7} {'max':>7} "
+            f"{'change':>7} {'roofline':>8}  variant (alternating rounds)"
+        )
+        for r in compared:
+            roof = f"{100 * r['roofline_fraction']:.1f}%" if r["roofline_fraction"] is not None else "n/a"
+            lines.append(
+                f"{r['rules']:<16} {r['mesh']:<12} {r['tokens_per_sec']:>10,.0f} {r['step_s'] * 1e3:>9.1f} "
+                f"{r['step_s_min'] * 1e3:>7.1f} {r['step_s_max'] * 1e3:>7.1f} {100 * r['change']:>+6.1f}% "
+                f"{roof:>8}  {r['variant']}"
+            )
+        return "\n".join(lines)
     for r in report["results"]:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         roof = f"{100 * r['roofline_fraction']:.1f}%" if r["roofline_fraction"] is not None else "n/a"

@@ -10,6 +10,7 @@ import pytest
 from conftest import small_config
 
 from gspmd_tp import benchmark, hlo
+from gspmd_tp.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,3 +94,62 @@ def test_cli_json(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout)["results"][0]["rules"] == "megatron_1d"
     assert json.loads(out.read_text())["results"][0]["tokens_per_sec"] > 0
+
+
+def test_parse_variants():
+    assert benchmark.parse_variants("model.remat=none;model.attention_block=128,model.dtype=bfloat16") == [
+        {"model.remat": "none"},
+        {"model.attention_block": "128", "model.dtype": "bfloat16"},
+    ]
+    with pytest.raises(UserError, match="'model.remat' in 'model.remat' is not KEY=VALUE"):
+        benchmark.parse_variants("model.remat")
+
+
+def test_variants_are_timed_against_the_configured_step():
+    variants = [{"model.attention_block": "16"}]
+    report = benchmark.run(
+        small_config(), ["megatron_1d"], ["dp=4,mp=2"], 1, 1, variants=variants, rounds=2, round_steps=1
+    )
+    rows = report["results"]
+    assert [r["variant"] for r in rows] == ["(as configured)", "model.attention_block=16"]
+    assert rows[0]["change"] == 0.0
+    roof = max(report["matmul_flops_per_sec"].values())
+    for r in rows:
+        assert r["mesh"] == "dp=4,mp=2" and r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
+        assert r["change"] == pytest.approx(r["step_s"] / rows[0]["step_s"] - 1)
+        assert r["roofline_fraction"] == pytest.approx(r["model_flops_per_sec"] / roof)
+    table = benchmark.format_table(report)
+    assert "change" in table and "model.attention_block=16" in table
+
+
+@pytest.mark.parametrize(
+    "variant, message",
+    [
+        ({"model.remat_policy": "none"}, "has no key 'model.remat_policy'"),
+        ({"model.attention_block": "many"}, "expected int"),
+        ({"model.remat": "sometimes"}, "remat"),
+    ],
+)
+def test_a_bad_variant_stops_the_comparison_before_anything_compiles(monkeypatch, variant, message):
+    monkeypatch.setattr(benchmark, "matmul_rate", lambda *a: pytest.fail("measured before checking"))
+    monkeypatch.setattr(benchmark, "_compiled", lambda *a: pytest.fail("compiled before checking"))
+    with pytest.raises(UserError, match=message) as info:
+        benchmark.run(small_config(), ["megatron_1d"], ["dp=4,mp=2"], 1, 0, variants=[variant])
+    assert str(info.value).startswith("--variants: ")
+
+
+def test_variants_refuse_profiles_and_phases(tmp_path):
+    with pytest.raises(UserError, match="--variants"):
+        benchmark.run(small_config(), ["megatron_1d"], ["dp=4,mp=2"], 1, 0, phases=True, variants=[{}])
+
+
+def test_cli_bad_variant_is_one_line_error():
+    run = subprocess.run(
+        [sys.executable, "bench.py", "--config=configs/bench_cpu.py",
+         "--variants=model.remat=none;model.nope=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == (
+        "error: --variants: --config.model.nope: the run's config has no key 'model.nope'"
+    )
