@@ -33,8 +33,9 @@ _PHASES = flags.DEFINE_bool(
 _VARIANTS = flags.DEFINE_string(
     "variants",
     "",
-    "Time the config against variants of it instead, in alternating rounds: sets of config "
-    "overrides, ';' between sets, ',' inside one (model.remat=none;model.attention_block=128).",
+    "Time the config against variants of it instead, in alternating rounds (--rounds x "
+    "--round_steps timed steps each, in place of --steps): sets of config overrides, ';' between "
+    "sets, ',' inside one (model.remat=none;model.attention_block=128).",
 )
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "With --variants: alternating rounds.")
 _ROUND_STEPS = flags.DEFINE_integer("round_steps", 3, "With --variants: timed steps per round.")
