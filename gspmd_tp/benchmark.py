@@ -201,8 +201,8 @@ def variant_setups(config, variants: list[dict[str, str]]) -> list[tuple]:
 def compare_variants(prepared: list[tuple], rounds: int, round_steps: int, warmup: int) -> list[dict]:
     """The steps of variant_setups' configs, each compiled in this process and warmed up, then
     timed in alternating rounds of `round_steps` steps: a busy spell of a shared machine lands on
-    all of them alike. One row per variant, the configured step first, with `change` its median
-    step time over the configured one's, less one."""
+    all of them alike (all of them held in memory at once). One row per variant, the configured
+    step first, with `change` its median step time over the configured one's, less one."""
     names, configs, setups = zip(*prepared, strict=True)
     runs = [[*_compiled(c, warmup, s), []] for c, s in zip(configs, setups, strict=True)]
     for _ in range(rounds):
