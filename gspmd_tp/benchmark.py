@@ -114,35 +114,24 @@ def _compiled(config, warmup: int, s: trainer.Setup | None = None):
     return s, step, state, batch, compile_s
 
 
-def bench_one(config, steps: int, warmup: int, profile_dir: str = "", phases: bool = False) -> dict:
-    """One rule file x mesh: compile, warm up, time `steps` steps (each waited for); with
-    `profile_dir`, then trace one more step there; with `phases`, also time the forward pass and
-    the gradient alone (time_phases). The roofline fraction is left to `run`."""
-    s, step, state, batch, compile_s = _compiled(config, warmup)
-    times = []
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    for _ in range(steps):
+def _time_steps(step, state, batch, n: int, times: list[float]):
+    """Runs `n` steps, each waited for, appending their seconds to `times`; (state, last stats)."""
+    stats = None
+    for _ in range(n):
         t = time.perf_counter()
         state, stats = step(state, batch)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t)
-    # Cores this process kept busy over the timed steps (on CPU: how much of the machine the
-    # simulated devices use; below the core count, devices wait on one another).
-    cpu_busy = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+    return state, stats
+
+
+def _speed(s, config, times: list[float], compile_s: float) -> dict:
+    """The fields every report row has, from the step times of `config` (setup `s`): throughput,
+    median / min / max step time, compile time, model FLOP/s and MFU (the roofline left to run)."""
     step_s = statistics.median(times)
-    profile = None
-    if profile_dir:
-        profile, state = profile_step(step, state, batch, profile_dir)
-    split = {}
-    if phases:
-        split, state = time_phases(s, step, state, batch, steps)
     tokens_per_sec = config.batch_size * config.seq_len / step_s
     flops = flops_per_token(s.model_cfg, config.seq_len)
-    device = s.mesh.devices.flat[0]
-    peak = metrics.peak_flops(device.device_kind, config.peak_flops_per_device)
-    text = step.as_text()
-    comm = hlo.summarize(hlo.collectives(text, s.mesh.size))
-    mem = step.memory_analysis()
+    peak = metrics.peak_flops(s.mesh.devices.flat[0].device_kind, config.peak_flops_per_device)
     return {
         "rules": config.rules,
         "mesh": config.mesh,
@@ -154,6 +143,31 @@ def bench_one(config, steps: int, warmup: int, profile_dir: str = "", phases: bo
         "model_flops_per_sec": flops * tokens_per_sec,
         "mfu": metrics.mfu(flops, tokens_per_sec, s.mesh.size, peak),
         "roofline_fraction": None,
+    }
+
+
+def bench_one(config, steps: int, warmup: int, profile_dir: str = "", phases: bool = False) -> dict:
+    """One rule file x mesh: compile, warm up, time `steps` steps (each waited for); with
+    `profile_dir`, then trace one more step there; with `phases`, also time the forward pass and
+    the gradient alone (time_phases). The roofline fraction is left to `run`."""
+    s, step, state, batch, compile_s = _compiled(config, warmup)
+    times = []
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    state, stats = _time_steps(step, state, batch, steps, times)
+    # Cores this process kept busy over the timed steps (on CPU: how much of the machine the
+    # simulated devices use; below the core count, devices wait on one another).
+    cpu_busy = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+    profile = None
+    if profile_dir:
+        profile, state = profile_step(step, state, batch, profile_dir)
+    split = {}
+    if phases:
+        split, state = time_phases(s, step, state, batch, steps)
+    text = step.as_text()
+    comm = hlo.summarize(hlo.collectives(text, s.mesh.size))
+    mem = step.memory_analysis()
+    return {
+        **_speed(s, config, times, compile_s),
         "memory_per_device": {
             "arguments": mem.argument_size_in_bytes,
             "temporaries": mem.temp_size_in_bytes,
@@ -207,36 +221,13 @@ def compare_variants(prepared: list[tuple], rounds: int, round_steps: int, warmu
     runs = [[*_compiled(c, warmup, s), []] for c, s in zip(configs, setups, strict=True)]
     for _ in range(rounds):
         for run in runs:
-            s, step, state, batch, _, times = run
-            for _ in range(round_steps):
-                t = time.perf_counter()
-                state, _ = step(state, batch)
-                jax.block_until_ready(state)
-                times.append(time.perf_counter() - t)
-            run[2] = state
-    rows = []
-    for name, c, (s, _, _, _, compile_s, times) in zip(names, configs, runs, strict=True):
-        step_s = statistics.median(times)
-        tokens_per_sec = c.batch_size * c.seq_len / step_s
-        flops = flops_per_token(s.model_cfg, c.seq_len)
-        peak = metrics.peak_flops(s.mesh.devices.flat[0].device_kind, c.peak_flops_per_device)
-        rows.append(
-            {
-                "rules": c.rules,
-                "mesh": c.mesh,
-                "variant": name,
-                "tokens_per_sec": tokens_per_sec,
-                "step_s": step_s,
-                "step_s_min": min(times),
-                "step_s_max": max(times),
-                "compile_s": compile_s,
-                "model_flops_per_sec": flops * tokens_per_sec,
-                "mfu": metrics.mfu(flops, tokens_per_sec, s.mesh.size, peak),
-                "roofline_fraction": None,
-                "change": step_s / statistics.median(runs[0][5]) - 1,
-            }
-        )
-    return rows
+            _, step, state, batch, _, times = run
+            run[2], _ = _time_steps(step, state, batch, round_steps, times)
+    base = statistics.median(runs[0][5])
+    return [
+        {**_speed(s, c, times, compile_s), "variant": name, "change": statistics.median(times) / base - 1}
+        for name, c, (s, _, _, _, compile_s, times) in zip(names, configs, runs, strict=True)
+    ]
 
 
 def run(
