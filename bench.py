@@ -46,12 +46,16 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported
-    from gspmd_tp import benchmark
+    from gspmd_tp import benchmark, outputs
     from gspmd_tp.errors import UserError
 
     rules = _RULES.value.split(",") if _RULES.value else [config.rules]
     meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
     try:
+        if _JSON_OUT.value:
+            outputs.check_file(_JSON_OUT.value, "--json_out")
+        if _PROFILE.value:
+            outputs.check_dir(_PROFILE.value, "--profile_dir")
         variants = benchmark.parse_variants(_VARIANTS.value) if _VARIANTS.value else None
         report = benchmark.run(
             config,
@@ -69,6 +73,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     if _JSON_OUT.value:
+        outputs.make_parent(_JSON_OUT.value)
         with open(_JSON_OUT.value, "w") as f:
             json.dump(report, f, indent=1)
     print(json.dumps(report) if _JSON.value else benchmark.format_table(report))

@@ -150,11 +150,13 @@ def _speed(s, config, times: list[float], compile_s: float) -> dict:
     }
 
 
-def bench_one(config, steps: int, warmup: int, profile_dir: str = "", phases: bool = False) -> dict:
-    """One rule file x mesh: compile, warm up, time `steps` steps (each waited for); with
-    `profile_dir`, then trace one more step there; with `phases`, also time the forward pass and
-    the gradient alone (time_phases). The roofline fraction is left to `run`."""
-    s, step, state, batch, compile_s = _compiled(config, warmup)
+def bench_one(
+    config, s: trainer.Setup, steps: int, warmup: int, profile_dir: str = "", phases: bool = False
+) -> dict:
+    """One rule file x mesh (`config` and its setup `s`): compile, warm up, time `steps` steps (each
+    waited for); with `profile_dir`, then trace one more step there; with `phases`, also time the
+    forward pass and the gradient alone (time_phases). The roofline fraction is left to `run`."""
+    s, step, state, batch, compile_s = _compiled(config, warmup, s)
     times = []
     cpu0, wall0 = time.process_time(), time.perf_counter()
     state, stats = _time_steps(step, state, batch, steps, times)
@@ -261,20 +263,24 @@ def run(
         )
     if variants and min(rounds, round_steps) < 1:
         raise UserError(f"--rounds={rounds} and --round_steps={round_steps} must both be at least 1")
+    if not variants and steps < 1:
+        raise UserError(f"--steps={steps} must be at least 1")
+    if warmup < 0:
+        raise UserError(f"--warmup={warmup} must be at least 0")
+    # Every rule file x mesh checked before anything is measured or compiled: a bad last one must
+    # not end the run after the others have been timed.
     prepared = {}
-    for rules in rules_list if variants else []:
+    for rules in rules_list:
         for mesh in meshes:
             c = copy.deepcopy(config)
             c.rules, c.mesh = rules, mesh
-            prepared[rules, mesh] = variant_setups(c, variants)
+            prepared[rules, mesh] = variant_setups(c, variants) if variants else (c, trainer.setup(c))
     platform = jax.devices()[0].platform
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16} if platform == "cpu" else {}
     rates = {name: matmul_rate(dtype) for name, dtype in dtypes.items()}
     results = []
     for rules in rules_list:
         for mesh in meshes:
-            c = copy.deepcopy(config)
-            c.rules, c.mesh = rules, mesh
             where = (
                 os.path.join(profile_dir, f"{rules}_{mesh.replace('=', '').replace(',', '_')}")
                 if profile_dir
@@ -283,7 +289,7 @@ def run(
             if variants:
                 results.extend(compare_variants(prepared[rules, mesh], rounds, round_steps, warmup))
             else:
-                results.append(bench_one(c, steps, warmup, where, phases))
+                results.append(bench_one(*prepared[rules, mesh], steps, warmup, where, phases))
     rates = {name: max(rate, matmul_rate(dtypes[name])) for name, rate in rates.items()}
     roofline = max(rates.values()) if rates else None
     for r in results:

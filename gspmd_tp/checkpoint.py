@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from gspmd_tp import outputs
 from gspmd_tp.errors import UserError
 from gspmd_tp.model import ModelConfig
 
@@ -262,6 +263,7 @@ def export_params(path: str, out: str, step: int | None = None) -> dict[str, tup
         ),
     )["params"]
     flat = _flat(params)
+    outputs.make_parent(out)
     np.savez(out, **flat)
     return {k: v.shape for k, v in flat.items()}
 
@@ -358,6 +360,7 @@ def main(argv=None) -> int:
         if args.command == "info":
             print(info(args.dir, args.step))
         else:
+            outputs.check_file(args.out, "OUT")
             shapes = export_params(args.dir, args.out, args.step)
             n = sum(int(np.prod(s)) for s in shapes.values())
             print(f"wrote {len(shapes)} parameters ({n:,} values) to {args.out}")

@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 from ml_collections import ConfigDict
 
-from gspmd_tp import checkpoint, trainer
+from gspmd_tp import checkpoint, outputs, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.model import ModelConfig
@@ -469,6 +469,10 @@ def main(argv) -> None:
     try:
         if not flags_.workdir or not flags_.hf_dir:
             raise UserError("--workdir and --hf_dir are required")
+        if command == "from-hf":
+            outputs.check_dir(flags_.workdir, "--workdir")
+        else:
+            outputs.check_dir(flags_.hf_dir, "--hf_dir")
         if command == "from-hf":
             config = flags_.config
             _set_cpu_devices(config.host_device_count)

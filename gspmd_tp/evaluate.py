@@ -25,7 +25,7 @@ import os
 
 import jax
 
-from gspmd_tp import data, restore, trainer
+from gspmd_tp import data, outputs, restore, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import mesh_string
@@ -100,6 +100,7 @@ def plot_losses(rows: list[dict], path: str, title: str, evaluated: dict | None 
     ax.legend()
     fig.tight_layout()
     try:
+        outputs.make_parent(path)
         fig.savefig(path, dpi=110)
     except OSError as e:
         raise UserError(f"--plot={path}: {e}") from None
@@ -136,6 +137,8 @@ def main(argv=None) -> int:
             overrides["eval_batches"] = str(args.eval_batches)
         if args.plot_only and not args.plot:
             raise UserError("--plot_only needs --plot=PNG")
+        if args.plot:
+            outputs.check_file(args.plot, "--plot")
         rows = read_metrics(args.workdir) if args.plot else None
         result = None
         if not args.plot_only:

@@ -40,7 +40,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from gspmd_tp import axes, hlo, trainer
+from gspmd_tp import axes, hlo, outputs, trainer
 from gspmd_tp.rules import axes_of
 from gspmd_tp.state import logical_specs, path_str
 
@@ -457,6 +457,7 @@ def chart(results: list[dict], path: str) -> None:
     for ax in axs:
         ax.set_xticks(x, labels, fontsize=7, rotation=30, ha="right")
     fig.tight_layout()
+    outputs.make_parent(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -471,6 +472,10 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     try:
+        if _CHART.value:
+            outputs.check_file(_CHART.value, "--chart")
+        if _DUMP_HLO.value:
+            outputs.check_dir(_DUMP_HLO.value, "--dump_hlo")
         if _COMPARE.value:
             meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
             results = compare(config, _COMPARE.value.split(","), meshes, _TARGET.value, _SLICES.value)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gspmd_tp import axes, checkpoint, data, faults, metrics, optim
+from gspmd_tp import axes, checkpoint, data, faults, metrics, optim, outputs
 from gspmd_tp import loss as loss_lib
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
@@ -264,6 +264,7 @@ def train(config, workdir: str) -> dict:
     A SIGTERM/SIGINT saves at the next step boundary and returns with "stopped" set; a second
     exits at once. A NaN/Inf loss or gradient raises UserError (or is skipped, per config).
     """
+    outputs.check_dir(workdir, "--workdir")
     s = setup(config)
     c = s.config
     workdir = os.path.abspath(workdir)

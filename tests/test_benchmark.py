@@ -158,3 +158,35 @@ def test_cli_bad_variant_is_one_line_error():
     assert run.stderr.strip().splitlines()[-1] == (
         "error: --variants: --config.model.nope: the run's config has no key 'model.nope'"
     )
+
+
+@pytest.mark.parametrize(
+    "meshes, steps, warmup, message",
+    [
+        (["dp=4,mp=2", "dp=3,mp=1"], 1, 0, "mesh 'dp=3,mp=1' has 3 devices but 8 are available"),
+        (["dp=4,mp=2"], 0, 0, "--steps=0 must be at least 1"),
+        (["dp=4,mp=2"], 1, -1, "--warmup=-1 must be at least 0"),
+    ],
+)
+def test_bad_input_stops_the_benchmark_before_anything_is_measured(
+    monkeypatch, meshes, steps, warmup, message
+):
+    # A bad last mesh must not end the run after the first has been compiled and timed.
+    monkeypatch.setattr(benchmark, "matmul_rate", lambda *a: pytest.fail("measured before checking"))
+    monkeypatch.setattr(benchmark, "_compiled", lambda *a: pytest.fail("compiled before checking"))
+    with pytest.raises(UserError, match=message):
+        benchmark.run(small_config(), ["megatron_1d"], meshes, steps, warmup)
+
+
+def test_cli_unwritable_json_out_is_one_line_error_before_any_work(tmp_path):
+    blocker = tmp_path / "results"
+    blocker.write_text("a file where the report's directory would go")
+    run = subprocess.run(
+        [sys.executable, "bench.py", "--config=configs/bench_cpu.py", f"--json_out={blocker}/bench.json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"error: --json_out={blocker}/bench.json: {blocker} is a file, not a directory"
+    )
+    assert "matmul" not in run.stdout + run.stderr

@@ -117,6 +117,13 @@ def test_info_export_and_import_onto_another_mesh(tmp_path):
         checkpoint.import_params(out, other.abstract_state.params)
 
 
+def test_export_to_an_unwritable_path_is_one_line_before_reading(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(checkpoint, "export_params", lambda *a: pytest.fail("read the checkpoint"))
+    assert checkpoint.main(["export", str(tmp_path), "/dev/null/params.npz"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "error: OUT=/dev/null/params.npz: /dev/null is a file, not a directory"
+
+
 def test_init_from_starts_a_fresh_run_from_exported_parameters(tmp_path, capsys):
     c = small_config(steps=2, log_every=1, eval_every=100)
     first = trainer.train(c, str(tmp_path / "a"))

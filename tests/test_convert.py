@@ -176,6 +176,21 @@ def _cli(*args):
     return result.stdout
 
 
+def test_commands_refuse_unwritable_outputs_in_one_line():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    for command, flags, message in [
+        ("from-hf", ["--hf_dir=/nonexistent", "--workdir=/dev/null/run"], "--workdir=/dev/null/run"),
+        ("to-hf", ["--workdir=/nonexistent", "--hf_dir=/dev/null/hf"], "--hf_dir=/dev/null/hf"),
+    ]:
+        result = subprocess.run(
+            [sys.executable, "-m", "gspmd_tp.convert", command, *flags],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        last = result.stderr.strip().splitlines()[-1]
+        assert last == f"error: {message}: /dev/null is a file, not a directory"
+
+
 def test_commands_import_fine_tune_with_train_py_and_export(tmp_path, hf_models):
     hf_dir, want = hf_models["untied"]
     run, out = tmp_path / "run", tmp_path / "hf"

@@ -42,6 +42,7 @@ def test_report_and_plot(trained_workdir, tmp_path, capsys):
         (["--eval_batches=0"], "--eval_batches must be positive, got 0"),
         (["--plot_only"], "--plot_only needs --plot=PNG"),
         (["--config.rules=nonexistent"], "rule file 'nonexistent' not found"),
+        (["--plot=/dev/null/loss.png"], "--plot=/dev/null/loss.png: /dev/null is a file, not a directory"),
     ],
 )
 def test_bad_input_is_one_line(trained_workdir, monkeypatch, capsys, args, message):

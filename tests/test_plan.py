@@ -146,6 +146,21 @@ def test_cli_json_compare_chart_and_hlo_dump(tmp_path):
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_unwritable_outputs_are_one_line_errors_before_compiling():
+    for flags, message in [
+        (["--compare=megatron_1d", "--chart=/dev/null/plan.png"], "--chart=/dev/null/plan.png"),
+        (["--dump_hlo=/dev/null/hlo"], "--dump_hlo=/dev/null/hlo"),
+    ]:
+        run = subprocess.run(
+            [sys.executable, "-m", "gspmd_tp.plan", "--config=configs/tiny.py", *flags],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+        last = run.stderr.strip().splitlines()[-1]
+        assert last == f"error: {message}: /dev/null is a file, not a directory"
+        assert run.stdout == ""
+
+
 def test_sequence_parallel_gathers_and_scatters_instead_of_all_reducing():
     one_d = plan.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"))
     sp = plan.plan(small_config(rules="megatron_1d_sp", mesh="dp=2,mp=4"))

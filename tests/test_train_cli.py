@@ -70,3 +70,7 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
         assert errors and message in errors[0], (flag, result.stderr[-2000:])
         assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()  # nothing written before the error
+    result = train("/dev/null/run", "--config.steps=2")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: --workdir=/dev/null/run: /dev/null is a file, not a directory"]

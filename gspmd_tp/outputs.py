@@ -1,0 +1,54 @@
+"""Output paths, checked before any work: a command that computes for minutes must not fail when it
+comes to write its result. The checks write nothing; `make_parent` creates a file's directory at
+write time.
+
+No jax import here, so entry points can check their flags first.
+"""
+
+import os
+
+from gspmd_tp.errors import UserError
+
+
+def _not_creatable(directory: str) -> str | None:
+    """Why directory `directory` could not be written to or created, or None where it could."""
+    if os.path.exists(directory):
+        if not os.path.isdir(directory):
+            return f"{directory} is a file, not a directory"
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return f"{directory} is not writable"
+        return None
+    ancestor = os.path.dirname(directory)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        return f"{ancestor} is a file, not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot create it: {ancestor} is not writable"
+    return None
+
+
+def check_dir(path: str, flag: str) -> None:
+    """Raises UserError ("FLAG=PATH: why") unless directory `path` exists and is writable, or can be
+    created (its nearest existing ancestor is a writable directory)."""
+    reason = _not_creatable(os.path.abspath(path))
+    if reason:
+        raise UserError(f"{flag}={path}: {reason}")
+
+
+def check_file(path: str, flag: str) -> None:
+    """Raises UserError ("FLAG=PATH: why") unless file `path` can be written: not a directory, not
+    a read-only file, and in a directory that exists and is writable or can be created."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise UserError(f"{flag}={path}: is a directory, not a file")
+    if os.path.exists(full) and not os.access(full, os.W_OK):
+        raise UserError(f"{flag}={path}: the file is not writable")
+    reason = _not_creatable(os.path.dirname(full))
+    if reason:
+        raise UserError(f"{flag}={path}: {reason}")
+
+
+def make_parent(path: str) -> None:
+    """Creates the directory that file `path` goes in, where it is missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

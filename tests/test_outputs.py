@@ -1,0 +1,58 @@
+"""Output paths are checked before any work, and the checks write nothing."""
+
+import os
+import re
+
+import pytest
+
+from gspmd_tp import outputs
+from gspmd_tp.errors import UserError
+
+
+def _whole(message: str) -> str:
+    """A pattern that matches exactly `message`."""
+    return f"^{re.escape(message)}$"
+
+
+def test_a_directory_that_exists_or_can_be_created_passes_and_nothing_is_written(tmp_path):
+    outputs.check_dir(str(tmp_path), "--workdir")
+    outputs.check_dir(str(tmp_path / "runs" / "a" / "b"), "--workdir")
+    outputs.check_file(str(tmp_path / "out" / "bench.json"), "--json_out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_in_the_way_is_named(tmp_path):
+    blocker = tmp_path / "runs"
+    blocker.write_text("")
+    why = f"{blocker} is a file, not a directory"
+    with pytest.raises(UserError, match=_whole(f"--workdir={blocker}/tiny: {why}")):
+        outputs.check_dir(str(blocker / "tiny"), "--workdir")
+    with pytest.raises(UserError, match=_whole(f"--workdir={blocker}: {why}")):
+        outputs.check_dir(str(blocker), "--workdir")
+    with pytest.raises(UserError, match=_whole(f"--chart={blocker}/a/c.png: {why}")):
+        outputs.check_file(str(blocker / "a" / "c.png"), "--chart")
+
+
+def test_a_directory_where_a_file_goes_is_refused(tmp_path):
+    with pytest.raises(UserError, match=_whole(f"OUT={tmp_path}: is a directory, not a file")):
+        outputs.check_file(str(tmp_path), "OUT")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
+def test_a_read_only_directory_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        with pytest.raises(UserError, match="cannot create it: .*locked is not writable"):
+            outputs.check_dir(str(locked / "run"), "--workdir")
+        with pytest.raises(UserError, match="locked is not writable"):
+            outputs.check_file(str(locked / "x.npz"), "OUT")
+    finally:
+        locked.chmod(0o755)
+
+
+def test_make_parent_creates_the_missing_directories(tmp_path):
+    path = tmp_path / "a" / "b" / "report.json"
+    outputs.make_parent(str(path))
+    assert path.parent.is_dir() and not path.exists()
