@@ -68,7 +68,7 @@ def get_config() -> ConfigDict:
     c.optim.b2 = 0.95
     c.optim.eps = 1e-8
     c.optim.weight_decay = 0.1
-    c.optim.clip_norm = 1.0
+    c.optim.clip_norm = 1.0  # global gradient norm; 0: no clipping
 
     c.data = ConfigDict()
     c.data.train_files = ""  # comma-separated globs of .txt/.jsonl; empty = the Python stdlib sources

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import optax
 
+from gspmd_tp.errors import UserError
+
 
 def _decays(path) -> bool:
     # Norm scales are not decayed (they multiply, and pulling them to 0 shrinks the signal).
@@ -15,6 +17,18 @@ def _decays(path) -> bool:
 def decay_mask(params):
     """True for leaves that get weight decay: everything but the norm scales."""
     return jax.tree_util.tree_map_with_path(lambda path, _: _decays(path), params)
+
+
+def check(optim) -> None:
+    """Checks config.optim's values; raises UserError naming the key."""
+    for key in ("lr", "warmup_steps", "eps", "weight_decay", "clip_norm"):
+        if optim[key] < 0:
+            raise UserError(f"config.optim.{key} must be 0 or more, got {optim[key]}")
+    if not 0 <= optim.min_lr_ratio <= 1:
+        raise UserError(f"config.optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
+    for key in ("b1", "b2"):
+        if not 0 <= optim[key] < 1:
+            raise UserError(f"config.optim.{key} must be in [0, 1), got {optim[key]}")
 
 
 def make_schedule(optim, total_steps: int) -> optax.Schedule:
@@ -30,10 +44,12 @@ def make_schedule(optim, total_steps: int) -> optax.Schedule:
 
 
 def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optimizer for config.optim; clipping sees the whole accumulated gradient."""
+    """The optimizer for config.optim; clipping sees the whole accumulated gradient (clip_norm 0:
+    no clipping)."""
     schedule = make_schedule(optim, total_steps)
+    clip = optax.clip_by_global_norm(optim.clip_norm) if optim.clip_norm > 0 else optax.identity()
     tx = optax.chain(
-        optax.clip_by_global_norm(optim.clip_norm),
+        clip,
         optax.adamw(
             schedule,
             b1=optim.b1,

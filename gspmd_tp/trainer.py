@@ -69,6 +69,7 @@ def check_config(config) -> None:
         raise UserError(
             f"config.batch_size={config.batch_size} is not divisible by the {jax.process_count()} processes"
         )
+    optim.check(config.optim)
     if config.data.prefetch < -1:
         raise UserError(f"config.data.prefetch must be -1 (auto), 0 or more, got {config.data.prefetch}")
     if config.init_from and not os.path.isfile(config.init_from):

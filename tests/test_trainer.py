@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from conftest import run_steps, small_config, token_batches
 
+from gspmd_tp import optim, trainer
 from gspmd_tp import state as state_lib
-from gspmd_tp import trainer
+from gspmd_tp.errors import UserError
 from gspmd_tp.model import Transformer
 from gspmd_tp.rules import RULES_DIR
 
@@ -99,3 +100,37 @@ def test_norm_scales_get_no_weight_decay():
     after = state.params
     np.testing.assert_array_equal(np.asarray(after["final_norm"]["scale"]), before["final_norm"]["scale"])
     assert jnp.all(jnp.isfinite(after["embedding"]))
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("lr", -1e-3, "config.optim.lr must be 0 or more, got -0.001"),
+        ("warmup_steps", -1, "config.optim.warmup_steps must be 0 or more, got -1"),
+        ("min_lr_ratio", 1.5, r"config.optim.min_lr_ratio must be in \[0, 1\], got 1.5"),
+        ("b2", 1.0, r"config.optim.b2 must be in \[0, 1\), got 1.0"),
+        ("clip_norm", -1.0, "config.optim.clip_norm must be 0 or more, got -1.0"),
+    ],
+)
+def test_bad_optimizer_values_are_named(key, value, message):
+    c = small_config()
+    c.optim[key] = value
+    with pytest.raises(UserError, match=message):
+        trainer.setup(c)
+
+
+def test_clip_norm_zero_turns_clipping_off():
+    c = small_config()
+    c.optim.warmup_steps, c.optim.weight_decay = 0, 0.0
+    c.optim.eps = 10.0  # large, so that Adam's first update depends on the gradient's scale
+    params, grads = {"w": jnp.zeros(2)}, {"w": jnp.array([30.0, 40.0])}  # global norm 50
+
+    def first_update(clip_norm):
+        c.optim.clip_norm = clip_norm
+        tx, _ = optim.make_optimizer(c.optim, 10)
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return np.asarray(updates["w"])
+
+    unclipped = first_update(0.0)
+    np.testing.assert_allclose(unclipped, first_update(1e9), rtol=1e-6)  # a bound never reached
+    assert np.abs(first_update(1.0)).max() < np.abs(unclipped).max() / 5
