@@ -70,6 +70,14 @@ def check_config(config) -> None:
             f"config.batch_size={config.batch_size} is not divisible by the {jax.process_count()} processes"
         )
     optim.check(config.optim)
+    if config.host_device_count < 0:
+        raise UserError(
+            f"config.host_device_count must be 0 (the host's devices) or more, got {config.host_device_count}"
+        )
+    if not 0 <= config.data.seed < 2**32:
+        raise UserError(f"config.data.seed must be in [0, 2**32), got {config.data.seed}")
+    if not config.data.eval_files and not 0 <= config.data.eval_fraction < 1:
+        raise UserError(f"config.data.eval_fraction must be in [0, 1), got {config.data.eval_fraction}")
     if config.data.prefetch < -1:
         raise UserError(f"config.data.prefetch must be -1 (auto), 0 or more, got {config.data.prefetch}")
     if config.init_from and not os.path.isfile(config.init_from):

@@ -230,6 +230,11 @@ def test_config_validation_names_the_problem():
     assert any("model.projection_grad 'manual'" in p for p in problems)
     assert any("num_heads (6) must be a multiple of model.num_kv_heads (4)" in p for p in problems)
     assert any("model.remat 'sometimes'" in p for p in problems)
+    problems = ModelConfig(rope_theta=0.0, norm_eps=-1e-5).validate()
+    assert problems == [
+        "model.rope_theta must be positive, got 0.0",
+        "model.norm_eps must be 0 or more, got -1e-05",
+    ]
 
 
 def test_dot_product_attention_equals_the_einsum_path():

@@ -119,6 +119,20 @@ def test_bad_optimizer_values_are_named(key, value, message):
         trainer.setup(c)
 
 
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("seed", -1, r"config.data.seed must be in \[0, 2\*\*32\), got -1"),
+        ("eval_fraction", 1.0, r"config.data.eval_fraction must be in \[0, 1\), got 1.0"),
+    ],
+)
+def test_bad_data_values_are_named(key, value, message):
+    c = small_config()
+    c.data[key] = value
+    with pytest.raises(UserError, match=message):
+        trainer.setup(c)
+
+
 def test_clip_norm_zero_turns_clipping_off():
     c = small_config()
     c.optim.warmup_steps, c.optim.weight_decay = 0, 0.0
@@ -134,3 +148,10 @@ def test_clip_norm_zero_turns_clipping_off():
     unclipped = first_update(0.0)
     np.testing.assert_allclose(unclipped, first_update(1e9), rtol=1e-6)  # a bound never reached
     assert np.abs(first_update(1.0)).max() < np.abs(unclipped).max() / 5
+
+
+def test_a_negative_host_device_count_is_named():
+    c = small_config()
+    c.host_device_count = -1
+    with pytest.raises(UserError, match=r"config.host_device_count must be 0 \(the host's devices\) or more"):
+        trainer.setup(c)
