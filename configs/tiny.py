@@ -21,7 +21,7 @@ def get_config() -> ConfigDict:
     c.seed = 0
     c.log_every = 25
     c.eval_every = 100
-    c.eval_batches = 4
+    c.eval_batches = 4  # held-out batches per evaluation (at most one pass over the held-out split)
     c.checkpoint_every = 100
     c.keep_checkpoints = 3
     # Simulated devices when running on the CPU; set before jax is imported. A device count the

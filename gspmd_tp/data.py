@@ -121,10 +121,19 @@ class BatchStream:
     means the same thing for any process count, mesh and batch size.
     """
 
-    def __init__(self, ds: grain.MapDataset, global_batch: int, process_index: int, process_count: int):
+    def __init__(
+        self,
+        ds: grain.MapDataset,
+        global_batch: int,
+        process_index: int,
+        process_count: int,
+        batches_per_pass: int | None = None,
+    ):
         self.ds, self.global_batch = ds, global_batch
         self.rows = global_batch // process_count
         self.first_row = process_index * self.rows
+        # Batches before the stream repeats an example (None: not counted, as for training).
+        self.batches_per_pass = batches_per_pass
 
     def __iter__(self) -> BatchIterator:
         return BatchIterator(self)
@@ -229,12 +238,17 @@ def train_dataset(
 def eval_dataset(
     tokens: np.ndarray, seq_len: int, global_batch: int, process_index: int, process_count: int
 ) -> BatchStream:
-    """The held-out windows in a fixed order (repeated if there are fewer than one batch)."""
+    """The held-out windows in a fixed order (repeated if there are fewer than one batch); its
+    `batches_per_pass` counts the whole batches in one pass over them (at least 1)."""
     windows = PackedWindows(tokens, seq_len)
     if len(windows) == 0:
         raise UserError(f"held-out split has no window of {seq_len + 1} tokens; add eval data")
     return BatchStream(
-        grain.MapDataset.source(windows).repeat(None), global_batch, process_index, process_count
+        grain.MapDataset.source(windows).repeat(None),
+        global_batch,
+        process_index,
+        process_count,
+        batches_per_pass=max(len(windows) // global_batch, 1),
     )
 
 

@@ -38,7 +38,8 @@ BYTES_PER_TOKEN = 1
 
 
 def evaluate_params(s: trainer.Setup, params) -> dict:
-    """Loss and perplexities of `params` over config.eval_batches held-out batches."""
+    """Loss and perplexities of `params` over config.eval_batches held-out batches (at most one
+    pass over them)."""
     c = s.config
     _, eval_tokens = data.load_corpus(c.data)
     eval_ds = data.eval_dataset(
@@ -46,7 +47,8 @@ def evaluate_params(s: trainer.Setup, params) -> dict:
     )
     with state_lib.sharding_context(s.mesh, s.rules):
         loss = trainer.evaluate(s, trainer.make_eval_step(s), params, eval_ds)
-    tokens = c.eval_batches * c.batch_size * c.seq_len  # every target of every batch counts
+    batches = trainer.eval_batch_count(s, eval_ds)
+    tokens = batches * c.batch_size * c.seq_len  # every target of every batch counts
     nats = loss * tokens
     n_bytes = tokens * BYTES_PER_TOKEN
     return {
@@ -56,7 +58,7 @@ def evaluate_params(s: trainer.Setup, params) -> dict:
         "bytes": n_bytes,
         "bits_per_byte": nats / n_bytes / math.log(2),
         "byte_perplexity": math.exp(nats / n_bytes),
-        "eval_batches": c.eval_batches,
+        "eval_batches": batches,
     }
 
 

@@ -241,11 +241,17 @@ def compile_train_step(s: Setup):
         return make_train_step(s).lower(s.abstract_state, abstract_batch(s, s.config.batch_size)).compile()
 
 
+def eval_batch_count(s: Setup, dataset) -> int:
+    """config.eval_batches, at most one pass over the held-out batches (no window counted twice)."""
+    per_pass = getattr(dataset, "batches_per_pass", None)
+    return min(s.config.eval_batches, per_pass) if per_pass else s.config.eval_batches
+
+
 def evaluate(s: Setup, eval_step, params, dataset, stop=lambda: False) -> float | None:
-    """Mean token loss over config.eval_batches held-out batches; None if `stop()` cut it short."""
+    """Mean token loss over eval_batch_count() held-out batches; None if `stop()` cut it short."""
     total, count = 0.0, 0.0
     it = iter(dataset)
-    for _ in range(s.config.eval_batches):
+    for _ in range(eval_batch_count(s, dataset)):
         if stop():
             return None
         loss_sum, n = eval_step(params, data.global_batch(next(it), s.batch_sharding))
@@ -287,6 +293,11 @@ def train(config, workdir: str) -> dict:
     pid, pcount = jax.process_index(), jax.process_count()
     train_ds = data.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, pid, pcount)
     eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, pid, pcount)
+    if eval_batch_count(s, eval_ds) < c.eval_batches:
+        log(
+            f"config.eval_batches={c.eval_batches} is more than the held-out split's "
+            f"{eval_ds.batches_per_pass} batches; evaluating those"
+        )
     data_iter = iter(train_ds)
 
     # Read-only look at the workdir: a different model or another run is an error before any write.

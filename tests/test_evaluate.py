@@ -71,3 +71,12 @@ def test_no_checkpoint_or_metrics_is_one_line(tmp_path, capsys):
     assert evaluate.main(["--workdir", str(tmp_path), "--plot=x.png", "--plot_only"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "metrics.jsonl: no such file" in err and "\n" not in err
+
+
+def test_more_batches_than_the_held_out_split_are_one_pass(trained_workdir, tmp_path, capsys):
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("x" * 800)  # 801 tokens with the separator: 25 windows of 32, 3 batches of 8
+    argv = ["--workdir", str(trained_workdir), "--eval_batches=50", f"--config.data.eval_files={held_out}"]
+    assert evaluate.main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["eval_batches"] == 3 and result["tokens"] == 3 * 8 * 32
