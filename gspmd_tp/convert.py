@@ -471,15 +471,13 @@ def main(argv) -> None:
             raise UserError("--workdir and --hf_dir are required")
         if command == "from-hf":
             outputs.check_dir(flags_.workdir, "--workdir")
-        else:
-            outputs.check_dir(flags_.hf_dir, "--hf_dir")
-        if command == "from-hf":
             config = flags_.config
             _set_cpu_devices(config.host_device_count)
             s = from_hf(flags_.hf_dir, flags_.workdir, config)
             print(f"wrote step 0 to {checkpoint.checkpoint_dir(flags_.workdir)}; fine-tune with:")
             print(_resume_command(s, flags_.workdir, flags_["config"].config_filename))
         else:
+            outputs.check_dir(flags_.hf_dir, "--hf_dir")
             _set_cpu_devices(flags_.host_device_count)
             files = to_hf(
                 flags_.workdir,

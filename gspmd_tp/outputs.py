@@ -11,20 +11,19 @@ from gspmd_tp.errors import UserError
 
 
 def _not_creatable(directory: str) -> str | None:
-    """Why directory `directory` could not be written to or created, or None where it could."""
-    if os.path.exists(directory):
-        if not os.path.isdir(directory):
-            return f"{directory} is a file, not a directory"
-        if not os.access(directory, os.W_OK | os.X_OK):
-            return f"{directory} is not writable"
-        return None
-    ancestor = os.path.dirname(directory)
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        return f"{ancestor} is a file, not a directory"
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"cannot create it: {ancestor} is not writable"
+    """Why directory `directory` could not be written to or created, or None where it could: the
+    nearest existing path at or above it must be a writable directory."""
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return (
+            f"{existing} is not writable"
+            if existing == directory
+            else f"cannot create it: {existing} is not writable"
+        )
     return None
 
 
