@@ -279,17 +279,16 @@ def run(
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16} if platform == "cpu" else {}
     rates = {name: matmul_rate(dtype) for name, dtype in dtypes.items()}
     results = []
-    for rules in rules_list:
-        for mesh in meshes:
-            where = (
-                os.path.join(profile_dir, f"{rules}_{mesh.replace('=', '').replace(',', '_')}")
-                if profile_dir
-                else ""
-            )
-            if variants:
-                results.extend(compare_variants(prepared[rules, mesh], rounds, round_steps, warmup))
-            else:
-                results.append(bench_one(*prepared[rules, mesh], steps, warmup, where, phases))
+    for (rules, mesh), prep in prepared.items():
+        if variants:
+            results.extend(compare_variants(prep, rounds, round_steps, warmup))
+            continue
+        where = (
+            os.path.join(profile_dir, f"{rules}_{mesh.replace('=', '').replace(',', '_')}")
+            if profile_dir
+            else ""
+        )
+        results.append(bench_one(*prep, steps, warmup, where, phases))
     rates = {name: max(rate, matmul_rate(dtypes[name])) for name, rate in rates.items()}
     roofline = max(rates.values()) if rates else None
     for r in results:
@@ -310,36 +309,38 @@ def run(
     }
 
 
+def _percent(fraction: float | None) -> str:
+    """A fraction as a percentage with one decimal, or "n/a" where there is none."""
+    return f"{100 * fraction:.1f}%" if fraction is not None else "n/a"
+
+
+def _timing(row: dict) -> str:
+    """The columns every table row starts with: rules, mesh, tokens/s, median / min / max step ms."""
+    return (
+        f"{row['rules']:<16} {row['mesh']:<12} {row['tokens_per_sec']:>10,.0f} {row['step_s'] * 1e3:>9.1f} "
+        f"{row['step_s_min'] * 1e3:>7.1f} {row['step_s_max'] * 1e3:>7.1f}"
+    )
+
+
 def format_table(report: dict) -> str:
     """The human-readable table of a run() report."""
     lines = [f"{report['devices']} {report['device_kind']} devices"]
     for dtype, rate in report["matmul_flops_per_sec"].items():
         lines.append(f"jit matmul 2048^3 {dtype}: {rate / 1e9:,.1f} GFLOP/s")
-    lines.append(
-        f"{'rules':<16} {'mesh':<12} {'tokens/s':>10} {'step ms':>9} {'min':>7} {'max':>7} "
-        f"{'compile s':>9} {'MFU':>6} {'roofline':>8} {'comm MiB':>9} {'cpu busy':>8}"
-    )
+    head = f"{'rules':<16} {'mesh':<12} {'tokens/s':>10} {'step ms':>9} {'min':>7} {'max':>7}"
     compared = [r for r in report["results"] if "variant" in r]
     if compared:
-        lines[-1] = (
-            f"{'rules':<16} {'mesh':<12} {'tokens/s':>10} {'step ms':>9} {'min':>7} {'max':>7} "
-            f"{'change':>7} {'roofline':>8}  variant (alternating rounds)"
-        )
+        lines.append(f"{head} {'change':>7} {'roofline':>8}  variant (alternating rounds)")
         for r in compared:
-            roof = f"{100 * r['roofline_fraction']:.1f}%" if r["roofline_fraction"] is not None else "n/a"
-            lines.append(
-                f"{r['rules']:<16} {r['mesh']:<12} {r['tokens_per_sec']:>10,.0f} {r['step_s'] * 1e3:>9.1f} "
-                f"{r['step_s_min'] * 1e3:>7.1f} {r['step_s_max'] * 1e3:>7.1f} {100 * r['change']:>+6.1f}% "
-                f"{roof:>8}  {r['variant']}"
-            )
+            roof = _percent(r["roofline_fraction"])
+            lines.append(f"{_timing(r)} {100 * r['change']:>+6.1f}% {roof:>8}  {r['variant']}")
         return "\n".join(lines)
+    lines.append(f"{head} {'compile s':>9} {'MFU':>6} {'roofline':>8} {'comm MiB':>9} {'cpu busy':>8}")
     for r in report["results"]:
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        roof = f"{100 * r['roofline_fraction']:.1f}%" if r["roofline_fraction"] is not None else "n/a"
         lines.append(
-            f"{r['rules']:<16} {r['mesh']:<12} {r['tokens_per_sec']:>10,.0f} {r['step_s'] * 1e3:>9.1f} "
-            f"{r['step_s_min'] * 1e3:>7.1f} {r['step_s_max'] * 1e3:>7.1f} {r['compile_s']:>9.2f} {mfu:>6} "
-            f"{roof:>8} {r['collective_bytes_per_device'] / 2**20:>9.2f} {r['host_cpu_busy_cores']:>8.2f}"
+            f"{_timing(r)} {r['compile_s']:>9.2f} {_percent(r['mfu']):>6} "
+            f"{_percent(r['roofline_fraction']):>8} {r['collective_bytes_per_device'] / 2**20:>9.2f} "
+            f"{r['host_cpu_busy_cores']:>8.2f}"
         )
     split = [r for r in report["results"] if "forward_s" in r]
     if split:
@@ -352,9 +353,8 @@ def format_table(report: dict) -> str:
             fwd, bwd = r.get("forward_roofline_fraction"), r.get("backward_roofline_fraction")
             lines.append(
                 f"{r['rules']:<16} {r['mesh']:<12} {r['phase_step_s'] * 1e3:>9.1f} "
-                f"{r['forward_s'] * 1e3:>10.1f} "
-                f"{(f'{100 * fwd:.1f}%' if fwd is not None else 'n/a'):>8} {r['backward_s'] * 1e3:>11.1f} "
-                f"{(f'{100 * bwd:.1f}%' if bwd is not None else 'n/a'):>8} {r['optimizer_s'] * 1e3:>12.1f}"
+                f"{r['forward_s'] * 1e3:>10.1f} {_percent(fwd):>8} {r['backward_s'] * 1e3:>11.1f} "
+                f"{_percent(bwd):>8} {r['optimizer_s'] * 1e3:>12.1f}"
             )
     profiled = [r for r in report["results"] if r.get("profile")]
     if profiled:
