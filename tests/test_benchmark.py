@@ -143,7 +143,7 @@ def test_a_bad_variant_stops_the_comparison_before_anything_compiles(monkeypatch
     assert str(info.value).startswith("--variants: ")
 
 
-def test_variants_refuse_profiles_and_phases(tmp_path):
+def test_variants_refuse_profiles_and_phases():
     with pytest.raises(UserError, match="--variants"):
         benchmark.run(small_config(), ["megatron_1d"], ["dp=4,mp=2"], 1, 0, phases=True, variants=[{}])
 
