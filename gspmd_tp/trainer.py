@@ -74,6 +74,9 @@ def check_config(config) -> None:
         raise UserError(
             f"config.host_device_count must be 0 (the host's devices) or more, got {config.host_device_count}"
         )
+    if config.peak_flops_per_device < 0:
+        peak = config.peak_flops_per_device
+        raise UserError(f"config.peak_flops_per_device must be 0 (the known peak) or more, got {peak}")
     if not 0 <= config.data.seed < 2**32:
         raise UserError(f"config.data.seed must be in [0, 2**32), got {config.data.seed}")
     if not config.data.eval_files and not 0 <= config.data.eval_fraction < 1:

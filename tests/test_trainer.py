@@ -150,8 +150,15 @@ def test_clip_norm_zero_turns_clipping_off():
     assert np.abs(first_update(1.0)).max() < np.abs(unclipped).max() / 5
 
 
-def test_a_negative_host_device_count_is_named():
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        ("host_device_count", r"config.host_device_count must be 0 \(the host's devices\) or more, got -1"),
+        ("peak_flops_per_device", r"config.peak_flops_per_device must be 0 \(the known peak\) or more"),
+    ],
+)
+def test_negative_run_values_are_named(key, message):
     c = small_config()
-    c.host_device_count = -1
-    with pytest.raises(UserError, match=r"config.host_device_count must be 0 \(the host's devices\) or more"):
+    c[key] = -1
+    with pytest.raises(UserError, match=message):
         trainer.setup(c)
