@@ -10,11 +10,11 @@ import json
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from gspmd_tp import host_devices
+from gspmd_tp.errors import UserError, define_config, parse_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/bench_cpu.py", "A configs/*.py file.")
+_CONFIG = define_config("configs/bench_cpu.py", "A configs/*.py file.")
 _RULES = flags.DEFINE_string("rules", "", "Comma-separated rule files (default: config.rules).")
 _MESHES = flags.DEFINE_string("meshes", "", "Space-separated meshes (default: config.mesh).")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (median, min and max are reported).")
@@ -47,7 +47,6 @@ def main(argv):
     config = _CONFIG.value
     host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported
     from gspmd_tp import benchmark, outputs
-    from gspmd_tp.errors import UserError
 
     rules = _RULES.value.split(",") if _RULES.value else [config.rules]
     meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
@@ -80,4 +79,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -7,11 +7,11 @@ import os
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from gspmd_tp import host_devices
+from gspmd_tp.errors import UserError, define_config, parse_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "A configs/*.py file.")
+_CONFIG = define_config("configs/tiny.py", "A configs/*.py file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, events.")
 flags.mark_flags_as_required(["workdir"])
 _COORDINATOR = flags.DEFINE_string("coordinator_address", "", "host:port of process 0 (multi-process).")
@@ -32,7 +32,6 @@ def main(argv):
     config = _CONFIG.value
     host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported
     from gspmd_tp import distributed
-    from gspmd_tp.errors import UserError
     from gspmd_tp.trainer import train
 
     try:
@@ -61,4 +60,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

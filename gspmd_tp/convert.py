@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ from ml_collections import ConfigDict
 
 from gspmd_tp import checkpoint, outputs, trainer
 from gspmd_tp import state as state_lib
-from gspmd_tp.errors import UserError
+from gspmd_tp.errors import UserError, define_config, loaded_config, parse_flags
 from gspmd_tp.model import ModelConfig
 
 # Our keys that a Hugging Face config.json determines; the rest of config.model (dtype, remat,
@@ -471,7 +472,7 @@ def main(argv) -> None:
             raise UserError("--workdir and --hf_dir are required")
         if command == "from-hf":
             outputs.check_dir(flags_.workdir, "--workdir")
-            config = flags_.config
+            config = loaded_config()
             _set_cpu_devices(config.host_device_count)
             s = from_hf(flags_.hf_dir, flags_.workdir, config)
             print(f"wrote step 0 to {checkpoint.checkpoint_dir(flags_.workdir)}; fine-tune with:")
@@ -502,9 +503,8 @@ def _set_cpu_devices(count: int) -> None:
 
 def _define_flags() -> None:
     from absl import flags
-    from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", "configs/tiny.py", "from-hf: run config (rules, mesh, optim).")
+    define_config("configs/tiny.py", "from-hf: run config (rules, mesh, optim).")
     flags.DEFINE_string("hf_dir", None, "Hugging Face model directory (read by from-hf, written by to-hf).")
     flags.DEFINE_string("workdir", None, "Run directory whose checkpoints/ is written or read.")
     flags.DEFINE_integer("step", None, "to-hf: checkpoint step to export (default: newest).")
@@ -521,4 +521,4 @@ if __name__ == "__main__":
     from absl import app
 
     _define_flags()
-    app.run(main)
+    app.run(main, flags_parser=functools.partial(parse_flags, load=False))  # to-hf needs no config

@@ -1,5 +1,79 @@
-"""The one exception type for mistakes a user can fix (bad rule file, mesh, config)."""
+"""The one exception type for mistakes a user can fix (bad rule file, mesh, config), and the
+--config flag of the entry points, whose mistakes are reported the same way."""
+
+import contextlib
+import os
+import sys
 
 
 class UserError(ValueError):
     """A one-line, user-fixable error. Entry points print it to stderr and exit non-zero."""
+
+
+def define_config(default: str, help_text: str):
+    """The --config flag (ml_collections): a configs/*.py file plus --config.KEY=VALUE overrides.
+
+    Without --config on the command line the default is loaded (and overridden) right here.
+    """
+    from ml_collections import config_flags
+
+    with _config_mistakes_exit(default=default):
+        return config_flags.DEFINE_config_file("config", default, help_text)
+
+
+def parse_flags(argv: list[str], load: bool = True) -> list[str]:
+    """app.run's flags_parser: absl's parsing, plus a --config file that does not load (with
+    `load`; else when first used, through loaded_config) or an override naming a key the config
+    lacks reported in one line on stderr (exit 1)."""
+    from absl import app
+
+    with _config_mistakes_exit(argv):
+        args = app.parse_flags_with_usage(argv)
+    if load:
+        loaded_config()
+    return args
+
+
+def loaded_config():
+    """The parsed --config, or one line on stderr and exit 1 where its file did not load."""
+    from absl import flags
+
+    with _config_mistakes_exit():
+        flags.FLAGS.config.keys()  # a file that failed to load raises on first use
+        return flags.FLAGS.config
+
+
+@contextlib.contextmanager
+def _config_mistakes_exit(argv: list[str] | None = None, default: str | None = None):
+    try:
+        yield
+    except (OSError, KeyError, AttributeError, TypeError) as e:
+        print(f"error: {_config_mistake(sys.argv if argv is None else argv, e, default)}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _config_mistake(argv: list[str], e: Exception, default: str | None) -> str:
+    overrides = [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
+    if isinstance(e, OSError):
+        given = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+        if given:
+            path = given[-1]
+        else:
+            if default is None:
+                from absl import flags
+
+                default = flags.FLAGS["config"].default_as_str.strip("'")
+            path = f"{default} (the default)"
+        if not os.path.isfile(path.split(":", 1)[0].split(" ", 1)[0]):
+            return f"--config={path}: no such file (cwd {os.getcwd()})"
+        return f"--config={path}: {str(e).splitlines()[0]}"
+    if isinstance(e, (KeyError, AttributeError)):
+        message = e
+        while isinstance(message, BaseException) and message.args:
+            message = message.args[0]  # ml_collections wraps a KeyError in an AttributeError
+        lines = str(message).splitlines() or [""]
+        key = lines[0].strip("'\"")
+        named = [o for o in overrides if key in o[len("--config.") :].split(".")]
+        hint = "".join(f" ({line.strip()})" for line in lines[1:] if line.strip())
+        return f"{named[0] if named else '--config'}: the config has no key {key!r}{hint}"
+    return f"{' '.join(overrides) or '--config'}: {type(e).__name__}: {e}"

@@ -98,7 +98,11 @@ def tune_malloc() -> bool:
 
 def count_from_argv(argv: list[str], default: int) -> int:
     """The value of a --config.host_device_count=N argument, else `default` (read before parsing)."""
-    for arg in argv:
-        if arg.startswith("--config.host_device_count="):
-            return int(arg.split("=", 1)[1])
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--config.host_device_count=") else None
+        if arg == "--config.host_device_count" and i + 1 < len(argv):
+            value = argv[i + 1]  # absl's space form
+        if value is not None:
+            # A value that is no integer is left to the flag parser, which names it in one line.
+            return int(value) if value.strip().lstrip("-").isdigit() else default
     return default

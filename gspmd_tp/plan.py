@@ -494,9 +494,10 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
     from absl import app, flags
-    from ml_collections import config_flags
 
-    _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "A configs/*.py file.")
+    from gspmd_tp.errors import define_config, parse_flags
+
+    _CONFIG = define_config("configs/tiny.py", "A configs/*.py file.")
     _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the report.")
     _COMPARE = flags.DEFINE_string("compare", "", "Comma-separated rule files to compare side by side.")
     _MESHES = flags.DEFINE_string(
@@ -508,4 +509,4 @@ if __name__ == "__main__":
         "target", None, "Compile for a TPU slice, e.g. tpu:v5p:4x4x4 (needs libtpu)."
     )
     _SLICES = flags.DEFINE_integer("slices", 1, "With --target: that many slices joined over DCN.")
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = [
     "--config.batch_size=8",
@@ -74,3 +76,37 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: --workdir=/dev/null/run: /dev/null is a file, not a directory"]
+
+
+@pytest.mark.parametrize(
+    "command, cwd, message",
+    [
+        (
+            ["train.py", "--workdir=WORKDIR", "--config=configs/tiny.py", "--config.rule=dp"],
+            ROOT,
+            """--config.rule: the config has no key 'rule' (Did you mean "rules" instead of "rule"?)""",
+        ),
+        (
+            ["train.py", "--workdir=WORKDIR", "--config=configs/nope.py"],
+            ROOT,
+            "--config=configs/nope.py: no such file (cwd ROOT)",
+        ),
+        # No --config: bench.py loads its default, and applies the overrides, while defining its flags.
+        (["bench.py", "--config.model.nope=1"], ROOT, "--config.model.nope: the config has no key 'nope'"),
+        (["-m", "gspmd_tp.plan"], "TMP", "--config=configs/tiny.py (the default): no such file (cwd TMP)"),
+    ],
+)
+def test_config_file_and_key_mistakes_are_one_line(tmp_path, command, cwd, message):
+    command = [a.replace("WORKDIR", str(tmp_path / "run")) for a in command]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cwd = tmp_path if cwd == "TMP" else cwd
+    if command[0].endswith(".py"):
+        command[0] = str(ROOT / command[0])
+    result = subprocess.run([sys.executable, *command], cwd=cwd, env=env, capture_output=True, text=True)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert (
+        result.stderr.strip().splitlines()[-1]
+        == f"error: {message.replace('TMP', str(tmp_path)).replace('ROOT', str(ROOT))}"
+    )
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
