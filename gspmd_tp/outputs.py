@@ -30,6 +30,8 @@ def _not_creatable(directory: str) -> str | None:
 def check_dir(path: str, flag: str) -> None:
     """Raises UserError ("FLAG=PATH: why") unless directory `path` exists and is writable, or can be
     created (its nearest existing ancestor is a writable directory)."""
+    if not path:
+        raise UserError(f"{flag} is empty")  # an unset shell variable, say: not the current directory
     reason = _not_creatable(os.path.abspath(path))
     if reason:
         raise UserError(f"{flag}={path}: {reason}")
@@ -38,6 +40,8 @@ def check_dir(path: str, flag: str) -> None:
 def check_file(path: str, flag: str) -> None:
     """Raises UserError ("FLAG=PATH: why") unless file `path` can be written: not a directory, not
     a read-only file, and in a directory that exists and is writable or can be created."""
+    if not path:
+        raise UserError(f"{flag} is empty")
     full = os.path.abspath(path)
     if os.path.isdir(full):
         raise UserError(f"{flag}={path}: is a directory, not a file")

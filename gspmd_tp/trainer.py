@@ -83,9 +83,8 @@ def check_config(config) -> None:
         raise UserError(f"config.data.eval_fraction must be in [0, 1), got {config.data.eval_fraction}")
     if config.data.prefetch < -1:
         raise UserError(f"config.data.prefetch must be -1 (auto), 0 or more, got {config.data.prefetch}")
-    if config.init_from and not os.path.isfile(config.init_from):
-        raise UserError(f"config.init_from: no file {config.init_from}")
-    if not config.data.train_files and config.model.vocab_size < data.BYTE_VOCAB:
+    # Every data source yields byte tokens, whatever the files hold.
+    if config.model.vocab_size < data.BYTE_VOCAB:
         raise UserError(f"config.model.vocab_size={config.model.vocab_size} is below the 256 byte tokens")
 
 
@@ -309,7 +308,9 @@ def train(config, workdir: str) -> dict:
         checkpoint.check_model_matches(meta["model"], s.model_cfg, workdir)
         checkpoint.check_same_run(meta["config"], c, workdir)
     imported = None
-    if not found and c.init_from:
+    if not found and c.init_from:  # read only by a fresh run: a resumed one may have lost the file
+        if not os.path.isfile(c.init_from):
+            raise UserError(f"config.init_from: no file {c.init_from}")
         imported = checkpoint.import_params(c.init_from, s.abstract_state.params)
 
     t0 = time.perf_counter()
@@ -386,8 +387,9 @@ def train(config, workdir: str) -> dict:
                     report(*pending)
                     pending = None
                 done = step == c.steps
-                if step % c.log_every == 0 or done or step == start + 1:
-                    if step % c.eval_every == 0 or done:  # evaluates this step's parameters: now
+                evaluating = step % c.eval_every == 0 or done
+                if step % c.log_every == 0 or evaluating or step == start + 1:
+                    if evaluating:  # evaluates this step's parameters: now
                         report(step, stats, len(window["data_wait"]), eval_params=state.params)
                     else:
                         pending = (step, stats, len(window["data_wait"]))

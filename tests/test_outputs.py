@@ -56,3 +56,10 @@ def test_make_parent_creates_the_missing_directories(tmp_path):
     path = tmp_path / "a" / "b" / "report.json"
     outputs.make_parent(str(path))
     assert path.parent.is_dir() and not path.exists()
+
+
+def test_an_empty_path_is_refused_not_taken_for_the_current_directory():
+    with pytest.raises(UserError, match=_whole("--workdir is empty")):
+        outputs.check_dir("", "--workdir")
+    with pytest.raises(UserError, match=_whole("--json_out is empty")):
+        outputs.check_file("", "--json_out")

@@ -1,5 +1,8 @@
 """The sharded train step computes what one device computes, under every rule file and mesh."""
 
+import json
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,4 +164,30 @@ def test_negative_run_values_are_named(key, message):
     c = small_config()
     c[key] = -1
     with pytest.raises(UserError, match=message):
+        trainer.setup(c)
+
+
+def test_evaluates_every_eval_every_steps_whatever_log_every(tmp_path):
+    c = small_config(steps=4, log_every=3, eval_every=2, checkpoint_every=4)
+    trainer.train(c, str(tmp_path))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the first, every 3rd, every 2nd, the last
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
+
+
+def test_resuming_needs_no_init_from_file(trained_workdir, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained_workdir, workdir)
+    last = trainer.train(small_config(steps=5, init_from=str(tmp_path / "gone.npz")), str(workdir))
+    assert last["step"] == 5  # resumed from step 4; the file is read by fresh runs only
+    with pytest.raises(UserError, match=r"config.init_from: no file .*gone.npz"):
+        trainer.train(small_config(init_from=str(tmp_path / "gone.npz")), str(tmp_path / "fresh"))
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_a_vocabulary_below_the_byte_tokens_is_named_for_any_data():
+    c = small_config()
+    c.model.vocab_size = 128
+    c.data.train_files = __file__  # own files hold bytes >= 128 as well
+    with pytest.raises(UserError, match="config.model.vocab_size=128 is below the 256 byte tokens"):
         trainer.setup(c)
