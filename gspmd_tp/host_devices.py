@@ -28,7 +28,9 @@ _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 def request(count: int, tune: bool = True) -> None:
     """Asks XLA for `count` host (CPU) devices unless XLA_FLAGS already names a count; with
-    `tune` and count > 0, also `use_huge_pages()` (which may restart the process) and `tune_malloc()`."""
+    `tune` and count > 0, also `use_huge_pages()` (which may restart the process) and `tune_malloc()`.
+    Also `cpu_platform_where_alone()`."""
+    cpu_platform_where_alone()
     if count > 0 and tune:
         use_huge_pages()
     flags = os.environ.get("XLA_FLAGS", "")
@@ -38,9 +40,24 @@ def request(count: int, tune: bool = True) -> None:
         tune_malloc()
 
 
+def has_accelerator_nodes() -> bool:
+    """Whether this host shows the device node of a GPU or TPU (Linux: /dev/nvidia0, /dev/accel0, ...)."""
+    return any(glob.glob(pattern) for pattern in _ACCELERATOR_NODES)
+
+
+def cpu_platform_where_alone() -> None:
+    """On a Linux host without accelerator device nodes, sets JAX_PLATFORMS=cpu unless it is set.
+
+    An installed libtpu (the test extra brings one, for plan --target) otherwise probes for a TPU
+    at every start: a second lost and five lines of warnings on stderr, above a one-line error.
+    """
+    if sys.platform.startswith("linux") and "JAX_PLATFORMS" not in os.environ and not has_accelerator_nodes():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def _cpu_only_glibc() -> ctypes.CDLL | None:
     """libc, where this host has no accelerator and libc is glibc; else None."""
-    if any(glob.glob(pattern) for pattern in _ACCELERATOR_NODES):
+    if has_accelerator_nodes():
         return None
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -95,3 +95,18 @@ def test_a_process_not_run_from_a_script_file_is_not_restarted(monkeypatch):
     code = _SCRIPT.replace("sys.argv[1:]", "[]")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.count("run ") == 1 and "tuned" in out and "hugetlb" not in out
+
+
+def test_jax_platforms_is_cpu_only_where_nothing_else_could_run(monkeypatch):
+    monkeypatch.setattr(host_devices.sys, "platform", "linux")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(host_devices.glob, "glob", lambda p: ["/dev/accel0"] if "accel" in p else [])
+    host_devices.cpu_platform_where_alone()
+    assert "JAX_PLATFORMS" not in os.environ  # a TPU host: jax picks the TPU
+    monkeypatch.setattr(host_devices.glob, "glob", lambda p: [])
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    host_devices.cpu_platform_where_alone()
+    assert os.environ["JAX_PLATFORMS"] == "cuda"  # the caller's choice stays
+    monkeypatch.delenv("JAX_PLATFORMS")
+    host_devices.cpu_platform_where_alone()
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
