@@ -73,7 +73,7 @@ def get_config() -> ConfigDict:
     c.data = ConfigDict()
     c.data.train_files = ""  # comma-separated globs of .txt/.jsonl; empty = the Python stdlib sources
     c.data.eval_files = ""  # empty = a held-out split of the training documents
-    c.data.eval_fraction = 0.05  # share of documents held out (chosen by a hash of their name)
+    c.data.eval_fraction = 0.05  # in (0, 1): documents held out by a hash of their name (not with eval_files)
     c.data.jsonl_field = "text"
     c.data.seed = 0  # shuffle seed
     # Batches read and placed ahead on a background thread. -1: 2 on accelerators, 0 on CPU, where

@@ -43,35 +43,79 @@ def _stdlib_documents() -> list[tuple[str, bytes]]:
 
 
 def _file_documents(patterns: str, field: str, what: str) -> list[tuple[str, bytes]]:
-    docs = []
+    docs, paths = [], []
     for pattern in [p.strip() for p in patterns.split(",") if p.strip()]:
-        paths = sorted(glob.glob(pattern, recursive=True))
-        if not paths:
+        matched = sorted(glob.glob(pattern, recursive=True))
+        if not matched:
             raise UserError(f"config.data.{what}: no file matches {pattern!r}")
-        for path in paths:
-            if path.endswith(".jsonl"):
-                with open(path, encoding="utf-8") as f:
-                    for i, line in enumerate(f):
-                        if not line.strip():
-                            continue
-                        try:
-                            text = json.loads(line)[field]
-                        except (json.JSONDecodeError, KeyError, TypeError):
-                            raise UserError(
-                                f"{path}:{i + 1}: expected a JSON object with a string field {field!r} "
-                                f"(config.data.jsonl_field)"
-                            ) from None
-                        docs.append((f"{path}:{i + 1}", str(text).encode("utf-8")))
-            elif path.endswith(".txt"):
-                docs.append((path, Path(path).read_bytes()))
-            else:
+        for path in matched:
+            if not path.endswith((".jsonl", ".txt")):
                 raise UserError(f"config.data.{what}: {path} is neither .txt nor .jsonl")
+            try:
+                docs += _jsonl_documents(path, field) if path.endswith(".jsonl") else [_txt_document(path)]
+            except OSError as e:
+                raise UserError(f"config.data.{what}: cannot read {path}: {e.strerror or e}") from None
+            paths.append(path)
+    if not docs:
+        # Only .jsonl files of blank lines get here: a .txt file is a document even when empty.
+        raise UserError(
+            f"config.data.{what}: {_plural(len(paths), 'file')} but no document "
+            f"(a .jsonl file holds one per non-blank line)"
+        )
+    return docs
+
+
+def _not_utf8(path: str, line: int, raw: bytes, e: UnicodeDecodeError) -> UserError:
+    return UserError(
+        f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); re-encode it as UTF-8"
+    )
+
+
+def _txt_document(path: str) -> tuple[str, bytes]:
+    return path, Path(path).read_bytes()  # tokens are bytes: any encoding trains
+
+
+def _jsonl_documents(path: str, field: str) -> list[tuple[str, bytes]]:
+    docs = []
+    # Binary lines split on "\n" only, as editors number them (text mode also splits on a lone "\r").
+    with open(path, "rb") as f:
+        for i, line in enumerate(f):
+            try:
+                line_text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_utf8(path, i + 1, line, e) from None
+            if i == 0:
+                line_text = line_text.removeprefix("\ufeff")  # a byte order mark some editors write
+            if not line_text.strip():
+                continue
+            try:
+                value = json.loads(line_text)
+            except json.JSONDecodeError:
+                problem = "not valid JSON"
+            else:
+                if not isinstance(value, dict):
+                    problem = "not an object"
+                elif field not in value:
+                    problem = "no such field"
+                elif not isinstance(value[field], str):  # str() would train on "None", "5", "['a']"
+                    problem = f"got {json.dumps(value[field])[:40]}"
+                else:
+                    docs.append((f"{path}:{i + 1}", value[field].encode("utf-8")))
+                    continue
+            raise UserError(
+                f"{path}:{i + 1}: expected a JSON object with a string field {field!r} "
+                f"(config.data.jsonl_field); {problem}"
+            )
     return docs
 
 
 def _held_out(name: str, fraction: float) -> bool:
     digest = int.from_bytes(hashlib.sha1(name.encode()).digest()[:4], "little")
     return digest % 100_000 < fraction * 100_000
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _pack(docs: list[tuple[str, bytes]]) -> np.ndarray:
@@ -83,17 +127,44 @@ def _pack(docs: list[tuple[str, bytes]]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros((0,), np.uint8)
 
 
+def check(data) -> None:
+    """Checks config.data's held-out split keys; raises UserError naming the key."""
+    if data.eval_files:
+        return  # eval_fraction is not used
+    if data.eval_fraction == 0:
+        # The trainer evaluates every eval_every steps and at the end; there is no run without eval.
+        raise UserError(
+            "config.data.eval_fraction=0 holds out no document and config.data.eval_files is empty, but "
+            "training evaluates on held-out data; set config.data.eval_files or eval_fraction in (0, 1)"
+        )
+    if not 0 < data.eval_fraction < 1:
+        raise UserError(f"config.data.eval_fraction must be in (0, 1), got {data.eval_fraction}")
+
+
 def load_corpus(data) -> tuple[np.ndarray, np.ndarray]:
     """(train tokens, held-out tokens) as uint8 streams, per config.data."""
+    check(data)
     if data.train_files:
         docs = _file_documents(data.train_files, data.jsonl_field, "train_files")
+        source = "config.data.train_files"
     else:
         docs = _stdlib_documents()
+        source = "the default corpus (config.data.train_files is empty)"
     if data.eval_files:
-        train, held = docs, _file_documents(data.eval_files, data.jsonl_field, "eval_files")
-    else:
-        train = [d for d in docs if not _held_out(d[0], data.eval_fraction)]
-        held = [d for d in docs if _held_out(d[0], data.eval_fraction)]
+        return _pack(docs), _pack(_file_documents(data.eval_files, data.jsonl_field, "eval_files"))
+    train = [d for d in docs if not _held_out(d[0], data.eval_fraction)]
+    held = [d for d in docs if _held_out(d[0], data.eval_fraction)]
+    if not train or not held:
+        # With a few documents (a .txt file is one) a hash split often leaves one side empty.
+        which = f"its only document, {docs[0][0]}," if len(docs) == 1 else f"all {len(docs)} documents"
+        went = (
+            "stayed in training, leaving the held-out split empty" if train else "went to the held-out split"
+        )
+        raise UserError(
+            f"{source}: {which} {went} (config.data.eval_fraction={data.eval_fraction} holds out whole "
+            f"documents by a hash of their names; a .txt file is one document and a .jsonl line is one); "
+            f"set config.data.eval_files or add files"
+        )
     return _pack(train), _pack(held)
 
 
@@ -228,8 +299,9 @@ def train_dataset(
     windows = PackedWindows(tokens, seq_len)
     if len(windows) < global_batch:
         raise UserError(
-            f"training corpus has {len(windows)} windows of {seq_len + 1} tokens, fewer than "
-            f"config.batch_size={global_batch}"
+            f"training corpus has {len(windows)} windows of {seq_len + 1} tokens ({len(tokens)} tokens), "
+            f"fewer than config.batch_size={global_batch}; add text to config.data.train_files or lower "
+            f"config.batch_size or config.seq_len"
         )
     ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat(None)
     return BatchStream(ds, global_batch, process_index, process_count)
@@ -242,7 +314,11 @@ def eval_dataset(
     `batches_per_pass` counts the whole batches in one pass over them (at least 1)."""
     windows = PackedWindows(tokens, seq_len)
     if len(windows) == 0:
-        raise UserError(f"held-out split has no window of {seq_len + 1} tokens; add eval data")
+        raise UserError(
+            f"held-out split has no window of {seq_len + 1} tokens (it has {len(tokens)}); set "
+            f"config.data.eval_files to more text (without it, config.data.eval_fraction holds out whole "
+            f"documents by a hash of their names) or lower config.seq_len"
+        )
     return BatchStream(
         grain.MapDataset.source(windows).repeat(None),
         global_batch,

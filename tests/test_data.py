@@ -1,6 +1,7 @@
 """The input pipeline: corpus split, user files and their errors, windows, shuffling, sharding."""
 
 import json
+import re
 import time
 
 import jax
@@ -28,10 +29,10 @@ def data_config(**overrides):
     return d
 
 
-def write(path, text: str):
-    """Writes `text` to `path` (parents created) and returns the path as a string."""
+def write(path, text: str | bytes):
+    """Writes `text` (as UTF-8) or bytes to `path` (parents created) and returns the path as a string."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
     return str(path)
 
 
@@ -124,17 +125,57 @@ ERRORS = [  # files to write, the config key, its glob, what the message must sa
     ),
     pytest.param({"t.txt": "x"}, "eval_files", "no*.txt", r"eval_files: no file matches", id="eval-no-match"),
     pytest.param(
-        {"d.jsonl": '{"text": 1}\n{"body": 2}\n'},
+        {"d.jsonl": '{"text": "a"}\n{"body": 2}\n'},
         "train_files",
         "d.jsonl",
-        r"d\.jsonl:2: .*'text'",
+        r"d\.jsonl:2: .*'text' \(config\.data\.jsonl_field\); no such field$",
         id="field",
     ),
     pytest.param(
-        {"d.jsonl": '{"text": 1}\n\n[\n'}, "train_files", "d.jsonl", r"d\.jsonl:3: .*'text'", id="bad-json"
+        {"d.jsonl": '{"text": "a"}\n\n[\n'},
+        "train_files",
+        "d.jsonl",
+        r"d\.jsonl:3: .*'text' .*; not valid JSON$",
+        id="bad-json",
+    ),
+    # A value that is not a string would be trained on as its Python str() ("None", "5", "['a']").
+    *[
+        pytest.param(
+            {"d.jsonl": f'{{"text": "a"}}\n{{"text": {value}}}\n'},
+            "train_files",
+            "d.jsonl",
+            rf"d\.jsonl:2: expected a JSON object with a string field 'text' .*; got {re.escape(value)}$",
+            id=f"not-a-string-{kind}",
+        )
+        for kind, value in [("null", "null"), ("number", "5"), ("list", '["a"]'), ("object", '{"b": "c"}')]
+    ],
+    pytest.param(
+        {"d.jsonl": '{"text": "ok"}\n{"text": "caf\xe9"}\n'.encode("latin-1")},
+        "train_files",
+        "d.jsonl",
+        r"d\.jsonl:2: not UTF-8 \(byte 0xe9 at column 14\); re-encode it as UTF-8$",
+        id="jsonl-not-utf8",
     ),
     pytest.param(
-        {"d.jsonl": '["a"]\n'}, "train_files", "d.jsonl", r"d\.jsonl:1: expected a JSON object", id="list"
+        {"d.jsonl": "\n  \n"},
+        "train_files",
+        "*.jsonl",
+        r"train_files: 1 file but no document \(a \.jsonl file holds one per non-blank line\)$",
+        id="blank-jsonl",
+    ),
+    pytest.param(
+        {"dir.txt/inner.txt": "x"},
+        "train_files",
+        "*.txt",
+        r"train_files: cannot read .*dir\.txt: Is a directory$",
+        id="directory",
+    ),
+    pytest.param(
+        {"d.jsonl": '["a"]\n'},
+        "train_files",
+        "d.jsonl",
+        r"d\.jsonl:1: expected a JSON object.*; not an object$",
+        id="list",
     ),
     pytest.param(
         {"n.md": "# hi"}, "train_files", "*.md", r"n\.md is neither \.txt nor \.jsonl", id="extension"
@@ -154,17 +195,76 @@ def test_load_corpus_errors(tmp_path, files, key, pattern, message):
 
 def test_corpus_smaller_than_one_batch(tmp_path):
     write(tmp_path / "small.txt", "x" * 40)
-    # Nothing held out: the split hashes the file's path, which would hold this one out 1 time in 20.
-    config = data_config(train_files=str(tmp_path / "small.txt"), eval_files="", eval_fraction=0.0)
+    write(tmp_path / "eval.txt", "y" * 40)  # no hash split: it would hold this one file out 1 time in 20
+    config = data_config(train_files=str(tmp_path / "small.txt"), eval_files=str(tmp_path / "eval.txt"))
     train, _ = data.load_corpus(config)
     # 40 bytes + separator = 41 tokens: 5 windows of 8 + 1, fewer than a batch of 8.
-    with pytest.raises(UserError, match=r"5 windows of 9 tokens, fewer than config\.batch_size=8"):
+    with pytest.raises(
+        UserError,
+        match=r"5 windows of 9 tokens \(41 tokens\), fewer than config\.batch_size=8; add text to "
+        r"config\.data\.train_files or lower",
+    ):
         data.train_dataset(train, seq_len=8, global_batch=8, seed=0, process_index=0, process_count=1)
 
 
-def test_empty_held_out_split_is_an_error():
-    with pytest.raises(UserError, match="held-out split has no window of 9 tokens"):
+def test_held_out_split_smaller_than_a_window():
+    with pytest.raises(UserError, match=r"held-out split has no window of 9 tokens \(it has 5\); set config"):
         data.eval_dataset(np.zeros((5,), np.uint8), 8, 8, 0, 1)
+
+
+# The hash split is by document: with one .txt file (one document) or a few, one side is often empty.
+# Relative paths make the documents' names, and so the split, the same on every run.
+SPLIT_ERRORS = [  # files, what the message must say (eval_fraction 0.05: "corpus2.txt" is held out)
+    pytest.param(
+        ["corpus2.txt"],
+        r"^config\.data\.train_files: its only document, corpus2\.txt, went to the held-out split "
+        r"\(config\.data\.eval_fraction=0\.05 holds out whole documents by a hash of their names; a \.txt "
+        r"file is one document .*\); set config\.data\.eval_files or add files$",
+        id="only-one-held-out",
+    ),
+    pytest.param(
+        ["corpus0.txt"],
+        r"^config\.data\.train_files: its only document, corpus0\.txt, stayed in training, leaving the "
+        r"held-out split empty \(config\.data\.eval_fraction=0\.05 .*\); set config\.data\.eval_files",
+        id="only-one-in-training",
+    ),
+    pytest.param(
+        ["part0.txt", "part1.txt"],
+        r"^config\.data\.train_files: all 2 documents stayed in training, leaving the held-out split empty",
+        id="few-in-training",
+    ),
+]
+
+
+@pytest.mark.parametrize("names, message", SPLIT_ERRORS)
+def test_split_leaving_a_side_empty_names_the_cause_and_the_fix(tmp_path, monkeypatch, names, message):
+    monkeypatch.chdir(tmp_path)
+    for name in names:
+        write(tmp_path / name, "x" * 1000)
+    with pytest.raises(UserError, match=message):
+        data.load_corpus(data_config(train_files=",".join(names), eval_fraction=0.05))
+    # The fix the message names works.
+    write(tmp_path / "eval.txt", "y" * 1000)
+    train, held = data.load_corpus(data_config(train_files=",".join(names), eval_files="eval.txt"))
+    assert len(documents(train)) == len(names) and documents(held) == [b"y" * 1000]
+
+
+@pytest.mark.parametrize("train_files", ["", "corpus0.txt"])
+def test_eval_fraction_zero_without_eval_files_is_an_error(tmp_path, monkeypatch, train_files):
+    # The trainer evaluates every eval_every steps and at the end: it needs a held-out split.
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "corpus0.txt", "x" * 1000)
+    cfg = data_config(train_files=train_files, eval_fraction=0.0)
+    with pytest.raises(
+        UserError,
+        match=r"^config\.data\.eval_fraction=0 holds out no document and config\.data\.eval_files is "
+        r"empty, but training evaluates on held-out data; set config\.data\.eval_files",
+    ):
+        data.load_corpus(cfg)
+    with pytest.raises(UserError, match=r"^config\.data\.eval_fraction must be in \(0, 1\), got 1\.0$"):
+        data.check(data_config(eval_fraction=1.0))
+    write(tmp_path / "eval.txt", "y")
+    data.check(data_config(eval_fraction=0.0, eval_files="eval.txt"))  # not used with eval_files
 
 
 # --- windows -------------------------------------------------------------------------------------
