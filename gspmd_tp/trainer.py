@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 
@@ -13,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from gspmd_tp import axes, checkpoint, data, faults, metrics, optim, outputs
 from gspmd_tp import loss as loss_lib
@@ -20,7 +22,7 @@ from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import make_mesh, mesh_string
 from gspmd_tp.model import ModelConfig, Transformer, explicit_projection_grad, flops_per_token, param_count
-from gspmd_tp.rules import Rules, load_rules
+from gspmd_tp.rules import Rules, axes_of, load_rules
 
 
 def log(message: str) -> None:
@@ -79,8 +81,7 @@ def check_config(config) -> None:
         raise UserError(f"config.peak_flops_per_device must be 0 (the known peak) or more, got {peak}")
     if not 0 <= config.data.seed < 2**32:
         raise UserError(f"config.data.seed must be in [0, 2**32), got {config.data.seed}")
-    if not config.data.eval_files and not 0 <= config.data.eval_fraction < 1:
-        raise UserError(f"config.data.eval_fraction must be in [0, 1), got {config.data.eval_fraction}")
+    data.check(config.data)
     if config.data.prefetch < -1:
         raise UserError(f"config.data.prefetch must be -1 (auto), 0 or more, got {config.data.prefetch}")
     # Every data source yields byte tokens, whatever the files hold.
@@ -117,11 +118,14 @@ class Setup:
         }
 
 
-def setup(config, devices=None) -> Setup:
-    """Validates the config, rule file and mesh (raising UserError), and derives the shardings."""
+def setup(config, devices=None, rules: Rules | None = None) -> Setup:
+    """Validates the config, rule file and mesh (raising UserError), and derives the shardings.
+
+    `rules`, where given, stands in for the file config.rules names (a checkpoint's saved copy).
+    """
     check_config(config)
     model_cfg = model_config(config)
-    rules = load_rules(config.rules)
+    rules = rules or load_rules(config.rules)
     mesh = make_mesh(config.mesh, rules.mesh_axes, devices)
     platform = mesh.devices.flat[0].platform
     if model_cfg.attention == "cudnn" and platform != "gpu":
@@ -161,7 +165,12 @@ def accumulated_grads(model: Transformer, accum: int, param_shardings, params, t
 
     Each microbatch differentiates its loss sum already divided by the tokens of the whole batch
     (a constant), so the gradients sum to the full-batch gradient for any `accum` and no pass over
-    the gradients is left to divide them afterwards.
+    the gradients is left to divide them afterwards. Call it under the run's logical rules.
+
+    Where no parameter is sharded over the batch's mesh axes (dp, Megatron), every batch shard
+    keeps its own partial sum over the microbatches, and the data-parallel reduction runs once per
+    step instead of once per microbatch. Where parameters are (FSDP, 2D), each microbatch's
+    gradient is reduce-scattered onto them, as a sharded parameter needs.
     """
     b, t = tokens.shape
     count = b * (t - 1)
@@ -174,6 +183,9 @@ def accumulated_grads(model: Transformer, accum: int, param_shardings, params, t
     # Microbatch i takes rows i, i + accum, ...: each stays spread over the batch axes.
     micro = tokens.reshape(b // accum, accum, t).swapaxes(0, 1)
     micro = nn.with_logical_constraint(micro, (None, axes.BATCH, None))
+    batch_axes = axes_of(nn.logical_to_mesh_axes((axes.BATCH,))[0])
+    if sums_per_batch_shard(batch_axes, param_shardings, b // accum):
+        return _shard_partial_sums(model, micro, count, batch_axes, params, param_shardings, loss_chunk)
 
     def body(carry, tokens_i):
         grads_acc, loss_acc = carry
@@ -185,6 +197,53 @@ def accumulated_grads(model: Transformer, accum: int, param_shardings, params, t
     zeros = jax.tree.map(jnp.zeros_like, params)
     (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
     return loss, grads
+
+
+def sums_per_batch_shard(batch_axes: tuple, param_shardings, micro_batch: int) -> bool:
+    """Whether accumulated_grads sums the microbatches' gradients per batch shard and reduces them
+    over `batch_axes` once per step: no parameter is sharded over those axes, and a microbatch of
+    `micro_batch` rows splits evenly over them."""
+    mesh = jax.tree.leaves(param_shardings)[0].mesh
+    shards = math.prod(mesh.shape[a] for a in batch_axes)
+    sharded = {a for sh in jax.tree.leaves(param_shardings) for e in sh.spec for a in axes_of(e)}
+    return shards > 1 and micro_batch % shards == 0 and not sharded & set(batch_axes)
+
+
+def _shard_partial_sums(model, micro, count, batch_axes: tuple, params, param_shardings, loss_chunk):
+    """accumulated_grads for parameters not sharded over `batch_axes`: manual over those axes
+    (shard_map; GSPMD still shards the rest), each batch shard sums its microbatches' gradients
+    locally, and one psum over the batch axes reduces the sums."""
+    mesh = jax.tree.leaves(param_shardings)[0].mesh
+    # Inside, a shard's rows are local: no activation may name the manual axes.
+    inner = tuple(
+        (name, tuple(a for a in axes_of(target) if a not in batch_axes) or None)
+        for name, target in nn.get_logical_axis_rules()
+    )
+
+    def local(params, micro):  # micro: (accum, rows of this shard, seq_len + 1)
+        def body(carry, tokens_i):
+            grads_acc, loss_acc = carry
+            loss_i, grads_i = jax.value_and_grad(
+                lambda p: _loss_sums(model, p, tokens_i, loss_chunk)[0] / count
+            )(params)
+            return (jax.tree.map(jnp.add, grads_acc, grads_i), loss_acc + loss_i), None
+
+        with nn.logical_axis_rules(inner):
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
+        return jax.lax.psum((loss, grads), batch_axes)
+
+    # check_vma=False: the model's custom VJPs (explicit projection gradients) return cotangents
+    # without shard_map's varying-axes types; nothing here is differentiated through the map.
+    loss, grads = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(), P(None, batch_axes, None)),
+        out_specs=(P(), P()),
+        axis_names=set(batch_axes),
+        check_vma=False,
+    )(params, micro)
+    return loss, jax.lax.with_sharding_constraint(grads, param_shardings)
 
 
 def make_train_step(s: Setup):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import run_steps, small_config, token_batches
 
-from gspmd_tp import optim, trainer
+from gspmd_tp import hlo, optim, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.model import Transformer
@@ -59,9 +59,11 @@ def test_auto_projection_grad_follows_the_run_devices():
     assert trainer.setup(small_config(**{"model.projection_grad": "xla"})).model_cfg.projection_grad == "xla"
 
 
-@pytest.mark.parametrize("rules, mesh", [("dp", "dp=8,mp=1"), ("megatron_2d", "dp=2,mp=4")])
+@pytest.mark.parametrize(
+    "rules, mesh", [("dp", "dp=8,mp=1"), ("megatron_1d_sp", "dp=2,mp=4"), ("megatron_2d", "dp=2,mp=4")]
+)
 def test_gradient_accumulation_equals_full_batch(rules, mesh):
-    c = small_config(rules=rules, mesh=mesh, batch_size=16)
+    c = small_config(rules=rules, mesh=mesh, batch_size=32)  # microbatches of 8 rows: 1 per device
     s = trainer.setup(c)
     state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, c.seq_len, c.seed)
     tokens = jax.device_put(token_batches(c, 1)[0], s.batch_sharding)
@@ -75,6 +77,21 @@ def test_gradient_accumulation_equals_full_batch(rules, mesh):
     np.testing.assert_allclose(float(loss4), float(loss1), rtol=1e-6)
     for g1, g4 in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads4), strict=True):
         np.testing.assert_allclose(np.asarray(g4), np.asarray(g1), rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("rules, mesh", [("dp", "dp=8,mp=1"), ("megatron_1d", "dp=2,mp=4")])
+def test_gradient_accumulation_reduces_over_data_parallel_once_per_step(rules, mesh):
+    """Parameters replicated over dp: the microbatches' gradients are summed on each batch shard
+    and all-reduced over dp once, so the step moves what the full-batch step moves."""
+    moved = {}
+    for accum in (1, 4):
+        c = small_config(rules=rules, mesh=mesh, batch_size=32, grad_accum=accum)
+        s = trainer.setup(c)
+        text = trainer.compile_train_step(s).as_text()
+        found = [x for x in hlo.collectives(text, 8) if x.group_size == s.mesh.shape["dp"]]
+        moved[accum] = sum(x.ring_bytes * x.executions for x in found)
+    assert moved[1] > 0
+    assert moved[4] == pytest.approx(moved[1], rel=0.01)
 
 
 def test_grad_accum_config_trains_like_full_batch():
@@ -126,7 +143,8 @@ def test_bad_optimizer_values_are_named(key, value, message):
     "key, value, message",
     [
         ("seed", -1, r"config.data.seed must be in \[0, 2\*\*32\), got -1"),
-        ("eval_fraction", 1.0, r"config.data.eval_fraction must be in \[0, 1\), got 1.0"),
+        ("eval_fraction", 1.0, r"config.data.eval_fraction must be in \(0, 1\), got 1.0"),
+        ("eval_fraction", 0.0, r"config.data.eval_fraction=0 holds out no document"),
     ],
 )
 def test_bad_data_values_are_named(key, value, message):
