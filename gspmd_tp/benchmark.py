@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gspmd_tp import hlo, metrics, restore, trainer
+from gspmd_tp import rules as rules_lib
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.model import Transformer, flops_per_token
@@ -237,6 +238,11 @@ def compare_variants(prepared: list[tuple], rounds: int, round_steps: int, warmu
     ]
 
 
+def mesh_dir(mesh: str) -> str:
+    """A mesh string as part of a directory name: "dp=2,mp=4" -> "dp2_mp4"."""
+    return mesh.replace(" ", "").replace("=", "").replace(",", "_")
+
+
 def run(
     config,
     rules_list: list[str],
@@ -275,6 +281,7 @@ def run(
             c = copy.deepcopy(config)
             c.rules, c.mesh = rules, mesh
             prepared[rules, mesh] = variant_setups(c, variants) if variants else (c, trainer.setup(c))
+    names = rules_lib.short_names(rules_list)  # trace directories stay under profile_dir
     platform = jax.devices()[0].platform
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16} if platform == "cpu" else {}
     rates = {name: matmul_rate(dtype) for name, dtype in dtypes.items()}
@@ -283,11 +290,7 @@ def run(
         if variants:
             results.extend(compare_variants(prep, rounds, round_steps, warmup))
             continue
-        where = (
-            os.path.join(profile_dir, f"{rules}_{mesh.replace('=', '').replace(',', '_')}")
-            if profile_dir
-            else ""
-        )
+        where = os.path.join(profile_dir, f"{names[rules]}_{mesh_dir(mesh)}") if profile_dir else ""
         results.append(bench_one(*prep, steps, warmup, where, phases))
     rates = {name: max(rate, matmul_rate(dtypes[name])) for name, rate in rates.items()}
     roofline = max(rates.values()) if rates else None

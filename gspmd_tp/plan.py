@@ -41,7 +41,9 @@ import jax
 import numpy as np
 
 from gspmd_tp import axes, hlo, outputs, trainer
-from gspmd_tp.rules import axes_of
+from gspmd_tp.errors import UserError
+from gspmd_tp.mesh import mesh_string, parse_mesh
+from gspmd_tp.rules import IndivisibleError, axes_of, short_names
 from gspmd_tp.state import logical_specs, path_str
 
 REPLICATED_FLAG_BYTES = 1 << 20  # flag replicated leaves from 1 MiB up
@@ -60,8 +62,6 @@ TPU_CHIPS = {
 
 def target_devices(target: str, slices: int = 1) -> list:
     """The compile-only devices of a TPU slice named like "tpu:v5p:4x4x4" (no TPU attached)."""
-    from gspmd_tp.errors import UserError
-
     platform, _, topology = target.partition(":")
     if platform != "tpu" or ":" not in topology:
         raise UserError(f"--target {target!r}: expected tpu:GENERATION:TOPOLOGY, e.g. tpu:v5p:4x4x4")
@@ -133,35 +133,65 @@ def leaf_table(s: trainer.Setup, threshold: int = REPLICATED_FLAG_BYTES) -> list
 def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[str, float]:
     """Bytes per device per step that the sharding needs, by source (ring algorithms).
 
-    Tensor parallelism (Megatron): per layer and microbatch two activation all-reduces forward and
-    two backward over the axes sharding `mlp`, plus one each for a vocabulary-sharded embedding
-    lookup and output projection; under sequence parallelism and 2D sharding these become
-    all-gathers plus reduce-scatters of the same bytes. Data parallelism: each gradient
-    all-reduced over the batch axes that do not shard it. FSDP (a parameter sharded over a batch
-    axis): gathered forward and backward per microbatch, its gradient reduce-scattered. XLA:CPU
-    lowers reduce-scatter as all-reduce plus slice, so on the CPU backend a reduce-scatter costs
-    an all-reduce.
+    Tensor parallelism (Megatron), each sublayer over the mesh axes that shard its own hidden
+    dimension in the activations: per layer and microbatch, attention all-reduces its output
+    forward (axes of `heads`) and its input gradient backward (axes of `kv_heads`, which shard the
+    fused q/k/v weight), the MLP one each way (axes of `mlp`), and a vocabulary-sharded embedding
+    lookup and output projection one each (axes of `vocab`); under sequence parallelism and 2D
+    sharding these become all-gathers plus reduce-scatters of the same bytes. Data parallelism:
+    each gradient all-reduced over the batch axes that do not shard it, once per step or, where
+    parameters are sharded over those axes, once per microbatch. FSDP (a parameter sharded
+    over a batch axis): gathered forward and backward per microbatch, its gradient
+    reduce-scattered. XLA:CPU lowers reduce-scatter as all-reduce plus slice, so on the CPU
+    backend a reduce-scatter costs an all-reduce. `unmodelled` lists shardings the analysis does
+    not cover (head_dim, layers, length): there the total is not what the rule file needs.
     """
     c, cfg = s.config, s.model_cfg
     mesh_shape = dict(s.mesh.shape)
     batch_axes = set(axes_of(s.rules.spec((axes.BATCH,))[0]))
-    tp_axes = set(axes_of(s.rules.spec((axes.MLP,))[0]))
-    vocab_axes = set(axes_of(s.rules.spec((axes.VOCAB,))[0]))
-    d_ways = math.prod(mesh_shape[a] for a in batch_axes)
-    m = math.prod(mesh_shape[a] for a in tp_axes)
+
+    def hidden_axes(name: str) -> set[str]:
+        # The axes of `name` in an activation, where the batch has taken its axes first.
+        logical = (axes.BATCH, axes.LENGTH) + ((name,) if name != axes.LENGTH else ())
+        return set(axes_of(s.rules.spec(logical)[-1]))
+
+    def ways(mesh_axes: set[str]) -> int:
+        return math.prod(mesh_shape[a] for a in mesh_axes)
+
+    d_ways = ways(batch_axes)
     k = c.grad_accum
     act_bytes = 4 if (backend == "cpu" or cfg.dtype == "float32") else 2  # XLA:CPU promotes bf16
     activation = (c.batch_size // k // d_ways) * c.seq_len * cfg.d_model * act_bytes
-    per_microbatch = 4 * cfg.num_layers + (2 if vocab_axes & tp_axes else 0)
-    tensor_parallel = k * per_microbatch * 2 * (m - 1) / m * activation if m > 1 else 0.0
+    # (all-reduces per microbatch, the mesh axes they run over), one entry per kind.
+    reductions = [
+        (cfg.num_layers, hidden_axes(axes.HEADS)),  # attention output, forward
+        (cfg.num_layers, hidden_axes(axes.KV_HEADS)),  # attention input gradient, backward
+        (2 * cfg.num_layers, hidden_axes(axes.MLP)),  # MLP output forward, input gradient backward
+        (2, hidden_axes(axes.VOCAB)),  # embedding lookup forward, output projection backward
+    ]
+    tensor_parallel = sum(k * n * 2 * (ways(a) - 1) / ways(a) * activation for n, a in reductions)
     # Sequence parallelism (norm_length) and 2D (embed in activations) turn each all-reduce into
     # an all-gather plus a reduce-scatter: the same ring bytes, except that XLA:CPU lowers the
     # reduce-scatter as a whole all-reduce, so there the pair costs 3/2 of the all-reduce.
+    tp_axes = set().union(*(a for _, a in reductions))
     residual = s.rules.spec((axes.BATCH, axes.NORM_LENGTH, axes.EMBED))
     scattered = any(set(axes_of(e)) & tp_axes for e in list(residual)[1:])
     if scattered and backend == "cpu":
         tensor_parallel *= 1.5
+    # Shardings the analysis has no term for: the rest of the total is still right, but not the total.
+    unmodelled = {
+        (name, tuple(axes_of(e)))
+        for row in rows
+        if row["kind"] == "params"
+        for name, e in zip(row["logical"], row["spec"], strict=True)
+        if name in (axes.HEAD_DIM, axes.LAYERS) and e
+    }
+    unmodelled |= {(n, tuple(sorted(hidden_axes(n)))) for n in (axes.LENGTH, axes.HEAD_DIM) if hidden_axes(n)}
 
+    # With microbatches, gradients are reduced over the batch axes once per step where the trainer
+    # sums them per batch shard, else once per microbatch (onto parameters sharded over those axes).
+    once = k == 1 or trainer.sums_per_batch_shard(tuple(batch_axes), s.shardings.params, c.batch_size // k)
+    dp_reductions = 1 if once else k
     data_parallel = fsdp_gather = fsdp_reduce = 0.0
     for row in rows:
         if row["kind"] != "params":
@@ -173,7 +203,8 @@ def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[s
         if g > 1:
             # A weight used in bf16 matmuls gets a bf16 gradient, reduced before the float32
             # update (seen in TPU HLO); XLA:CPU promotes that all-reduce to float32.
-            data_parallel += 2 * (g - 1) / g * local * (act_bytes / 4 if len(row["shape"]) > 1 else 1)
+            per_reduction = 2 * (g - 1) / g * local * (act_bytes / 4 if len(row["shape"]) > 1 else 1)
+            data_parallel += dp_reductions * per_reduction
         if f > 1 and row["path"] == "params/embedding" and not cfg.tie_embeddings:
             # A lookup table split on embed is read where it lies: each device looks up its own
             # slice of every row and the rows are exchanged (all-to-all) forward and backward; the
@@ -193,24 +224,35 @@ def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[s
         "fsdp_gather": fsdp_gather,
         "fsdp_reduce": fsdp_reduce,
         "total": tensor_parallel + data_parallel + fsdp_gather + fsdp_reduce,
+        "unmodelled": sorted(f"{name}->{','.join(mesh_axes)}" for name, mesh_axes in unmodelled),
     }
 
 
-def plan(config, dump_hlo: str | None = None, target: str | None = None, slices: int = 1) -> dict:
+def plan(
+    config,
+    dump_hlo: str | None = None,
+    target: str | None = None,
+    slices: int = 1,
+    s: trainer.Setup | None = None,
+    label: str | None = None,
+) -> dict:
     """Everything plan reports for one config (rule file and mesh included), as a JSON-able dict.
 
     With `target` ("tpu:v5p:4x4x4") the step is compiled for that TPU slice instead of the local
-    devices.
+    devices; `s` is the config's setup where it is already made. With `dump_hlo` the compiled
+    step's HLO goes to DIR/LABEL_MESH.hlo.txt, LABEL the rule file's name unless given.
     """
-    devices = target_devices(target, slices) if target else None
-    s = trainer.setup(config, devices)
+    if s is None:
+        s = trainer.setup(config, target_devices(target, slices) if target else None)
     rows = leaf_table(s)
     compiled = trainer.compile_train_step(s)
     text = compiled.as_text()
+    mesh = mesh_string(s.mesh)  # resolved: dp=-1 shows as the size it stands for
     if dump_hlo:
         os.makedirs(dump_hlo, exist_ok=True)
-        name = f"{os.path.basename(s.rules.source).removesuffix('.yaml')}_{s.config.mesh}.hlo.txt"
-        with open(os.path.join(dump_hlo, name.replace(",", "_").replace("=", "")), "w") as f:
+        label = label or os.path.basename(s.rules.source).removesuffix(".yaml")
+        name = f"{label}_{mesh.replace('=', '').replace(',', '_')}.hlo.txt"
+        with open(os.path.join(dump_hlo, name), "w") as f:
             f.write(text)
     n = s.mesh.size
     found = hlo.collectives(text, n)
@@ -232,7 +274,7 @@ def plan(config, dump_hlo: str | None = None, target: str | None = None, slices:
         "device_kind": device.device_kind,
         "tpu": estimate,
         "rules": s.rules.source,
-        "mesh": s.config.mesh,
+        "mesh": mesh,
         "devices": n,
         "backend": backend,
         "params": [r for r in rows if r["kind"] == "params"],
@@ -251,7 +293,10 @@ def plan(config, dump_hlo: str | None = None, target: str | None = None, slices:
         "bytes_per_device_by_type": {k: v["ring_bytes_per_device"] for k, v in collectives.items()},
         "analytical_bytes_per_device": analytical["total"],
         "analytical": analytical,
-        "ratio": measured / analytical["total"] if analytical["total"] else None,
+        # No ratio against a total that leaves out some of the sharding (analytical_bytes).
+        "ratio": measured / analytical["total"]
+        if analytical["total"] and not analytical["unmodelled"]
+        else None,
         "replicated": [r["path"] for r in rows if r["replicated_over"]],
         "largest_collectives": [
             {
@@ -318,6 +363,16 @@ def _tpu_lines(t: dict | None) -> list[str]:
     ]
 
 
+def _ratio(p: dict) -> str:
+    """measured / analytical, or why there is none."""
+    if p["ratio"]:
+        return f"{p['ratio']:.3f}"
+    missing = p["analytical"]["unmodelled"]
+    if missing:
+        return f"n/a: the analysis does not model this rule file's {', '.join(missing)} sharding"
+    return "n/a"
+
+
 def format_plan(p: dict) -> str:
     """The human-readable report of one plan."""
     where = (
@@ -325,7 +380,9 @@ def format_plan(p: dict) -> str:
         if p["target"]
         else (f"{p['devices']} {p['backend']}")
     )
-    lines = [f"plan: rules {p['rules']} | mesh {p['mesh']} | {where} devices", ""]
+    rules = os.path.relpath(p["rules"])  # rules/x.yaml when run from the repository
+    rules = p["rules"] if rules.startswith("..") else rules
+    lines = [f"plan: rules {rules} | mesh {p['mesh']} | {where} devices", ""]
     lines.append(f"{'parameter':<26} {'shape':<20} {'logical':<44} {'spec':<28} {'per device':>12}")
     for r in p["params"]:
         logical = "(" + ", ".join(str(x) for x in r["logical"]) + ")"
@@ -364,7 +421,7 @@ def format_plan(p: dict) -> str:
         f"analytical bytes/device: {_mb(a['total'])} (tensor parallel {_mb(a['tensor_parallel'])}, "
         f"data parallel {_mb(a['data_parallel'])}, fsdp gather {_mb(a['fsdp_gather'])}, "
         f"fsdp reduce {_mb(a['fsdp_reduce'])})",
-        f"measured / analytical: {p['ratio']:.3f}" if p["ratio"] else "measured / analytical: n/a",
+        f"measured / analytical: {_ratio(p)}",
         "",
         "largest collectives (ring bytes/device per step, the jax op they come from):",
     ]
@@ -376,20 +433,36 @@ def format_plan(p: dict) -> str:
     return "\n".join(lines)
 
 
-def compare(config, rules_list: list[str], meshes: list[str], target=None, slices: int = 1) -> list[dict]:
-    """plan() for every rule file x mesh (combinations the model cannot take are reported)."""
-    from gspmd_tp.errors import UserError
-
-    results = []
+def compare(
+    config,
+    rules_list: list[str],
+    meshes: list[str],
+    target=None,
+    slices: int = 1,
+    dump_hlo: str | None = None,
+) -> list[dict]:
+    """plan() for every rule file x mesh. Every combination is set up before anything compiles:
+    a rule file, mesh or config the user can fix raises UserError; a model size the mesh cannot
+    divide is reported as that combination's row (`error`)."""
+    devices = target_devices(target, slices) if target else None
+    count = len(devices) if devices is not None else jax.device_count()
+    labels = short_names(rules_list)
+    prepared = []
     for rules in rules_list:
         for mesh in meshes:
             c = copy.deepcopy(config)
             c.rules, c.mesh = rules, mesh
             try:
-                results.append(plan(c, target=target, slices=slices))
-            except UserError as e:
-                results.append({"rules": rules, "mesh": mesh, "error": str(e)})
-    return results
+                prepared.append((rules, c, trainer.setup(c, devices)))
+            except IndivisibleError as e:
+                resolved = ",".join(f"{k}={v}" for k, v in parse_mesh(mesh, count).items())
+                prepared.append((rules, {"rules": rules, "mesh": resolved, "error": str(e)}, None))
+    if all(s is None for _, _, s in prepared):
+        raise UserError(f"no rule file x mesh of --compare fits this model; first: {prepared[0][1]['error']}")
+    return [
+        plan(c, dump_hlo, target, slices, s=s, label=labels[rules]) if s is not None else c
+        for rules, c, s in prepared
+    ]
 
 
 def format_compare(results: list[dict]) -> str:
@@ -412,12 +485,17 @@ def format_compare(results: list[dict]) -> str:
         lines.append(
             f"{name:<14} {r['mesh']:<12} {_mb(m['params'] + m['opt_state']):>15} {_mb(m['temporaries']):>12} "
             f"{_mb(r['bytes_per_device']):>12} {_mb(r['analytical_bytes_per_device']):>12} "
-            f"{r['ratio'] if r['ratio'] else 0:>6.3f}"
+            f"{_ratio(r).split(':')[0]:>6}"
         )
         t = r.get("tpu") or {}
         if "fits" in t:
             lines[-1] += f" {t['step_s_estimate'] * 1e3:>8.2f}ms {'yes' if t['fits'] else 'NO':>5}"
             lines[-1] += "  <- best" if r is best else ""
+    for r in results:
+        if "error" not in r and r["analytical"]["unmodelled"]:
+            lines.append(
+                f"{os.path.basename(r['rules']).removesuffix('.yaml')} {r['mesh']}: ratio {_ratio(r)}"
+            )
     return "\n".join(lines)
 
 
@@ -467,18 +545,27 @@ def main(argv) -> None:
     del argv
     from absl import logging
 
-    from gspmd_tp.errors import UserError
-
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     try:
+        if _MESHES.value and not _COMPARE.value:
+            raise UserError(f"--meshes={_MESHES.value} is for --compare; a single plan takes --config.mesh")
+        if _CHART.value and not _COMPARE.value:
+            raise UserError(f"--chart={_CHART.value} is for --compare")
+        if _SLICES.value != 1 and not _TARGET.value:
+            raise UserError(f"--slices={_SLICES.value} needs --target (slices of a TPU target)")
         if _CHART.value:
             outputs.check_file(_CHART.value, "--chart")
         if _DUMP_HLO.value:
             outputs.check_dir(_DUMP_HLO.value, "--dump_hlo")
         if _COMPARE.value:
+            rules_list = [r.strip() for r in _COMPARE.value.split(",")]
+            if not all(rules_list):
+                raise UserError(
+                    f"--compare={_COMPARE.value}: an empty rule file name (comma-separated names)"
+                )
             meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
-            results = compare(config, _COMPARE.value.split(","), meshes, _TARGET.value, _SLICES.value)
+            results = compare(config, rules_list, meshes, _TARGET.value, _SLICES.value, _DUMP_HLO.value)
             if _CHART.value:
                 chart(results, _CHART.value)
             print(json.dumps({"results": results}) if _JSON.value else format_compare(results))
@@ -504,7 +591,9 @@ if __name__ == "__main__":
         "meshes", "", 'Space-separated meshes for --compare ("dp=8,mp=1 dp=2,mp=4").'
     )
     _CHART = flags.DEFINE_string("chart", "", "With --compare: write a PNG chart here.")
-    _DUMP_HLO = flags.DEFINE_string("dump_hlo", None, "Write the compiled train step's HLO text here.")
+    _DUMP_HLO = flags.DEFINE_string(
+        "dump_hlo", None, "Write the compiled train step's HLO text here (with --compare, one file each)."
+    )
     _TARGET = flags.DEFINE_string(
         "target", None, "Compile for a TPU slice, e.g. tpu:v5p:4x4x4 (needs libtpu)."
     )

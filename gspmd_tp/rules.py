@@ -25,6 +25,11 @@ _KEYS = {"description", "mesh_axes", "rules"}
 MeshAxes = str | tuple[str, ...] | None
 
 
+class IndivisibleError(UserError):
+    """A dimension that the mesh axes sharding it do not divide: a property of the model size and
+    the mesh together (plan --compare reports it as a row rather than stopping)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Rules:
     """A validated rule file."""
@@ -51,6 +56,19 @@ def axes_of(spec_entry) -> tuple[str, ...]:
     return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
 
 
+def short_names(names_or_paths: Iterable[str]) -> dict[str, str]:
+    """A short label for each rule file as given (a name or a path): its file name without
+    .yaml, with _2, _3, ... where two rule files share one (for file and directory names)."""
+    names: dict[str, str] = {}
+    for given in names_or_paths:
+        stem = Path(given).name.removesuffix(".yaml") or "rules"
+        name, n = stem, 2
+        while given not in names and name in names.values():
+            name, n = f"{stem}_{n}", n + 1
+        names.setdefault(given, name)
+    return names
+
+
 def resolve_path(name_or_path: str) -> Path:
     """A path as given if it exists, else rules/NAME.yaml from the shipped rule files."""
     path = Path(name_or_path)
@@ -66,7 +84,24 @@ def resolve_path(name_or_path: str) -> Path:
 def load_rules(name_or_path: str) -> Rules:
     """Reads and validates a rule file given by path or by bare name under rules/."""
     path = resolve_path(name_or_path)
-    return parse_rules(path.read_text(), str(path))
+    try:
+        # UTF-8 whatever the locale says, so that a rule file means the same on every machine.
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        raise UserError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line})") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the rule file ({e.strerror or e})") from None
+    return parse_rules(text, str(path))
+
+
+def _rule_lines(text: str) -> list[int]:
+    """The 1-based line of each item of the `rules:` list in rule-file text (already parsed)."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    for key, value in node.value if isinstance(node, yaml.MappingNode) else []:
+        if key.value == "rules" and isinstance(value, yaml.SequenceNode):
+            return [item.start_mark.line + 1 for item in value.value]
+    return []
 
 
 def parse_rules(text: str, source: str) -> Rules:
@@ -97,23 +132,30 @@ def parse_rules(text: str, source: str) -> Rules:
     if not isinstance(data["rules"], list):
         raise UserError(f"{source}: rules must be a list of [logical_axis, mesh_axes] pairs")
     rules = []
+    lines = _rule_lines(text)
     for i, item in enumerate(data["rules"]):
+        # Rules are counted from 1, with the line they are on, as YAML errors count lines.
+        rule = f"rule {i + 1} (line {lines[i]})" if i < len(lines) else f"rule {i + 1}"
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
-            raise UserError(f"{source}: rule {i} must be [logical_axis, mesh_axes], got {item!r}")
+            raise UserError(f"{source}: {rule} must be [logical_axis, mesh_axes], got {item!r}")
         name, value = item
         if name not in VOCABULARY:
             raise UserError(
-                f"{source}: rule {i} names unknown logical axis {name!r} (known: {', '.join(VOCABULARY)})"
+                f"{source}: {rule} names unknown logical axis {name!r} (known: {', '.join(VOCABULARY)})"
             )
         targets = value if isinstance(value, list) else [value]
         if value is not None and not all(isinstance(t, str) for t in targets):
-            raise UserError(f"{source}: rule {i} ({name}) must map to a mesh axis, a list or null")
+            raise UserError(f"{source}: {rule} ({name}) must map to a mesh axis, a list or null")
         for t in targets if value is not None else []:
             if t not in mesh_axes:
                 raise UserError(
-                    f"{source}: rule {i} maps {name!r} to mesh axis {t!r}, "
+                    f"{source}: {rule} maps {name!r} to mesh axis {t!r}, "
                     f"which is not in mesh_axes {mesh_axes}"
                 )
+        repeated = sorted({t for t in targets if targets.count(t) > 1}) if value is not None else []
+        if repeated:
+            # A tensor dimension can be split over a mesh axis once; JAX rejects the spec later.
+            raise UserError(f"{source}: {rule} ({name}) names mesh axis {repeated[0]!r} twice")
         rules.append((name, tuple(value) if isinstance(value, list) else value))
     return Rules(
         source=source,
@@ -152,7 +194,7 @@ def check_divisible(
             ways = math.prod(mesh_shape[a] for a in axes)
             if size % ways:
                 sizes = ", ".join(f"{a}={mesh_shape[a]}" for a in axes)
-                raise UserError(
+                raise IndivisibleError(
                     f"{rules.source}: {path} shape {tuple(shape)} dimension {dim} "
                     f"({logical[dim]}={size}) is not divisible by mesh axes {sizes}"
                 )

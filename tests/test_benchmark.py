@@ -47,6 +47,31 @@ def test_profile_splits_the_step_time_into_groups(tmp_path):
     assert f"{traced * 1e3:.1f}" in table.split("share of the profiled")[1]
 
 
+def test_profiles_stay_under_profile_dir_whatever_path_names_the_rule_file(monkeypatch, tmp_path):
+    # An absolute rule path must not take the trace out of --profile_dir (os.path.join would drop
+    # profile_dir), and two rule files of one name must not share a trace directory.
+    other = tmp_path / "elsewhere" / "megatron_1d.yaml"
+    other.parent.mkdir()
+    other.write_text((ROOT / "rules" / "megatron_1d.yaml").read_text())
+    traced = []
+
+    def fake_bench_one(config, s, steps, warmup, profile_dir="", phases=False):
+        traced.append(profile_dir)
+        return {"model_flops_per_sec": 1.0}
+
+    monkeypatch.setattr(benchmark, "matmul_rate", lambda *a: 1.0)
+    monkeypatch.setattr(benchmark, "bench_one", fake_bench_one)
+    monkeypatch.chdir(ROOT)  # for the relative rule path
+    profiles = tmp_path / "profiles"
+    rules = ["megatron_1d", str(other), "rules/megatron_2d.yaml"]
+    benchmark.run(small_config(), rules, ["dp=2,mp=4"], 1, 0, profile_dir=str(profiles))
+    assert traced == [
+        str(profiles / "megatron_1d_dp2_mp4"),
+        str(profiles / "megatron_1d_2_dp2_mp4"),
+        str(profiles / "megatron_2d_dp2_mp4"),
+    ]
+
+
 def test_phases_split_the_step_into_forward_backward_and_optimizer(tmp_path):
     # With a profile too: the phases run on the state the profiled step hands on (it donates its own).
     report = benchmark.run(

@@ -9,6 +9,7 @@ import pytest
 from conftest import small_config
 
 from gspmd_tp import hlo, plan, trainer
+from gspmd_tp.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,12 +139,36 @@ def test_cli_json_compare_chart_and_hlo_dump(tmp_path):
     chart = tmp_path / "plan.png"
     run = subprocess.run(
         [sys.executable, "-m", "gspmd_tp.plan", "--config=configs/tiny.py", *small,
-         "--compare=megatron_1d,megatron_2d", "--meshes=dp=4,mp=2 dp=2,mp=4", f"--chart={chart}"],
+         "--compare=megatron_1d,megatron_2d", "--meshes=dp=4,mp=2 dp=-1,mp=4", f"--chart={chart}",
+         f"--dump_hlo={tmp_path / 'compare_hlo'}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count("megatron_") == 4
+    assert run.stdout.count(" dp=2,mp=4 ") == 2  # the mesh -1 stands for, not dp=-1
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    dumped = sorted(p.name for p in (tmp_path / "compare_hlo").glob("*.hlo.txt"))
+    assert dumped == [
+        f"{r}_{m}.hlo.txt" for r in ("megatron_1d", "megatron_2d") for m in ("dp2_mp4", "dp4_mp2")
+    ]
+
+
+def test_cli_compare_input_mistakes_are_one_line_errors_before_compiling(tmp_path):
+    chart = tmp_path / "plan.png"
+    for flags, message in [
+        (["--compare=megatron_1d,megatron_1x", f"--chart={chart}"], "rule file 'megatron_1x' not found"),
+        (["--compare=megatron_1d,"], "--compare=megatron_1d,: an empty rule file name"),
+        (["--compare=megatron_1d", "--meshes=dp=2, mp=4"], "mesh 'dp=2,': expected NAME=SIZE items"),
+        (["--meshes=dp=2,mp=4"], "--meshes=dp=2,mp=4 is for --compare"),
+    ]:
+        run = subprocess.run(
+            [sys.executable, "-m", "gspmd_tp.plan", "--config=configs/tiny.py", *flags],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+        errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and message in errors[0], (flags, run.stderr[-2000:])
+        assert run.stdout == "" and not chart.exists()
 
 
 def test_cli_unwritable_outputs_are_one_line_errors_before_compiling():
@@ -204,3 +229,64 @@ def test_sequence_parallel_splits_the_saved_residual_stream_over_mp():
     sp_bytes = _loop_carried(text["megatron_1d_sp"], full) + _loop_carried(text["megatron_1d_sp"], split) / mp
     one_d = _loop_carried(text["megatron_1d"], full) + _loop_carried(text["megatron_1d"], split) / mp
     assert sp_bytes <= 0.6 * one_d, (sp_bytes, one_d)
+
+
+def _rule_file(tmp_path, name, **changes):
+    """rules/megatron_1d.yaml with the rules for some logical axes changed, written to tmp_path."""
+    text = (ROOT / "rules" / "megatron_1d.yaml").read_text()
+    for axis, value in changes.items():
+        lines = [ln for ln in text.splitlines() if ln.strip().startswith(f"- [{axis},")]
+        assert lines, axis
+        text = text.replace(lines[0].strip(), f"- [{axis}, {value}]")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_attention_only_tensor_parallelism_is_in_the_analysis(tmp_path):
+    """Each sublayer is modelled over the axes that shard its own hidden dimension: heads sharded
+    and mlp not is half of megatron_1d's per-layer all-reduces, not none."""
+    p = plan.plan(small_config(rules=_rule_file(tmp_path, "attn_only", mlp="null"), mesh="dp=2,mp=4"))
+    one_d = plan.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"))
+    assert p["analytical"]["tensor_parallel"] > 0
+    assert p["ratio"] == pytest.approx(1.0, abs=0.05), (p["bytes_per_device"], p["analytical"])
+    assert one_d["analytical"]["unmodelled"] == [] and p["analytical"]["unmodelled"] == []
+
+
+def test_sharding_the_analysis_does_not_model_gets_no_ratio(tmp_path):
+    rules = _rule_file(tmp_path, "head_dim_mp", heads="null", kv_heads="null", head_dim="mp")
+    p = plan.plan(small_config(rules=rules, mesh="dp=2,mp=4"))
+    assert p["analytical"]["unmodelled"] == ["head_dim->mp"]
+    assert p["ratio"] is None
+    assert "n/a: the analysis does not model this rule file's head_dim->mp sharding" in plan.format_plan(p)
+
+
+@pytest.fixture
+def no_compiling(monkeypatch):
+    """Fails a test that compiles the train step."""
+    monkeypatch.setattr(trainer, "compile_train_step", lambda *a: pytest.fail("compiled before checking"))
+
+
+@pytest.mark.parametrize(
+    "rules, meshes, message",
+    [
+        (["megatron_1d", "megatron_1x"], ["dp=2,mp=4"], "rule file 'megatron_1x' not found"),
+        (["megatron_1d"], ["dp=2,mp=4", "dp=3,mp=4"], "mesh 'dp=3,mp=4' has 12 devices but 8 are available"),
+        (["megatron_1d"], ["dp=2,", "mp=4"], "mesh 'dp=2,': expected NAME=SIZE"),
+        (["megatron_1d"], ["data=2,mp=4"], "names axes \\['data', 'mp'\\] but the rule file's mesh_axes"),
+    ],
+)
+def test_compare_stops_on_input_the_user_can_fix_before_compiling(no_compiling, rules, meshes, message):
+    with pytest.raises(UserError, match=message):
+        plan.compare(small_config(), rules, meshes)
+
+
+def test_compare_reports_a_mesh_the_model_cannot_divide_as_a_row(monkeypatch):
+    planned = []
+    monkeypatch.setattr(plan, "plan", lambda c, *a, **k: planned.append(c.mesh) or {"mesh": c.mesh})
+    c = small_config(**{"model.num_heads": 4, "model.num_kv_heads": 4, "model.head_dim": 16})
+    rows = plan.compare(c, ["megatron_1d"], ["dp=2,mp=4", "dp=-1,mp=8"])
+    assert planned == ["dp=2,mp=4"]
+    assert rows[1]["mesh"] == "dp=1,mp=8" and "is not divisible by mesh axes mp=8" in rows[1]["error"]
+    with pytest.raises(UserError, match="no rule file x mesh of --compare fits this model; first: .*mp=8"):
+        plan.compare(c, ["megatron_1d"], ["dp=1,mp=8"])

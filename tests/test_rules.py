@@ -80,10 +80,29 @@ rules:
     [
         ("mesh_axes: [dp, mp\nrules: []\n", r"bad\.yaml: malformed YAML at line"),
         (GOOD + "sharding: 2d\n", r"bad\.yaml: unknown key 'sharding'"),
-        (GOOD.replace("[mlp, mp]", "[mlp, tp]"), r"bad\.yaml: rule 4 maps 'mlp' to mesh axis 'tp'"),
+        # Rules count from 1 and name their line: [mlp, mp] is the 5th rule, on line 7.
+        (
+            GOOD.replace("[mlp, mp]", "[mlp, tp]"),
+            r"bad\.yaml: rule 5 \(line 7\) maps 'mlp' to mesh axis 'tp'",
+        ),
         (GOOD.replace("[mlp, mp]", "[mlp, [dp, tp]]"), r"mesh axis 'tp', which is not in mesh_axes"),
-        (GOOD.replace("[mlp, mp]", "[mpl, mp]"), r"bad\.yaml: rule 4 names unknown logical axis 'mpl'"),
-        (GOOD.replace("[mlp, mp]", "mlp"), r"bad\.yaml: rule 4 must be \[logical_axis, mesh_axes\]"),
+        (
+            GOOD.replace("[mlp, mp]", "[mpl, mp]"),
+            r"bad\.yaml: rule 5 \(line 7\) names unknown logical axis 'mpl'",
+        ),
+        (GOOD.replace("[mlp, mp]", "mlp"), r"bad\.yaml: rule 5 \(line 7\) must be \[logical_axis"),
+        (
+            GOOD.replace("[heads, mp]", "[heads, [mp, mp]]"),
+            r"bad\.yaml: rule 3 \(line 5\) \(heads\) names mesh axis 'mp' twice",
+        ),
+        (
+            GOOD.replace("[batch, dp]", "[batch, [dp, mp, dp]]"),
+            r"rule 1 \(line 3\) \(batch\) names mesh axis 'dp' twice",
+        ),
+        (
+            "mesh_axes: [dp, mp]\nrules: [[batch, dp],\n  [vocab, tp]]\n",
+            r"bad\.yaml: rule 2 \(line 3\) maps 'vocab' to mesh axis 'tp'",
+        ),
         ("rules: []\n", r"bad\.yaml: missing key 'mesh_axes'"),
         ("- 1\n", r"bad\.yaml: expected a mapping"),
     ],
@@ -91,6 +110,14 @@ rules:
 def test_rule_file_errors(text, message):
     with pytest.raises(UserError, match=message) as e:
         parse_rules(text, "bad.yaml")
+    assert "\n" not in str(e.value)
+
+
+def test_rule_file_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes((GOOD + "description: Megatron caf\u00e9\n").encode("latin-1"))
+    with pytest.raises(UserError, match=r"latin1\.yaml: not UTF-8 text \(byte 0xe9 on line 13\)") as e:
+        load_rules(str(path))
     assert "\n" not in str(e.value)
 
 

@@ -57,7 +57,7 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
     bad_rules = tmp_path / "bad.yaml"
     bad_rules.write_text("mesh_axes: [dp, mp]\nrules:\n  - [batch, tp]\n")
     cases = {
-        f"--config.rules={bad_rules}": "bad.yaml: rule 0 maps 'batch' to mesh axis 'tp'",
+        f"--config.rules={bad_rules}": "bad.yaml: rule 1 (line 3) maps 'batch' to mesh axis 'tp'",
         "--config.mesh=dp=3,mp=4": "mesh 'dp=3,mp=4' has 12 devices but 8 are available",
         "--config.grad_accum=3": "config.batch_size=8 is not divisible by config.grad_accum=3",
         "--config.data.train_files=/nonexistent/*.txt": "no file matches '/nonexistent/*.txt'",
