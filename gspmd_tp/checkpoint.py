@@ -9,13 +9,20 @@ Also a tool: python -m gspmd_tp.checkpoint info DIR | export DIR OUT.npz (see ma
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before jax is imported: no TPU probe on a host without one
+    from gspmd_tp import host_devices
+
+    host_devices.cpu_platform_where_alone()
+
 import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 import time
+import zipfile
 
 import jax
 import numpy as np
@@ -28,7 +35,17 @@ from gspmd_tp.model import ModelConfig
 STATE, DATA, META = "state", "data", "meta"
 # Config keys that make a run the run it is: resuming with other values would train on another data
 # stream (or from another init), so a workdir with different ones holds another run.
-RUN_IDENTITY = ("seed", "seq_len", "data.train_files", "data.seed", "data.jsonl_field")
+# The held-out split is part of it: another eval_fraction or eval_files moves documents between the
+# training and held-out sets, so the saved data position would point into another stream.
+RUN_IDENTITY = (
+    "seed",
+    "seq_len",
+    "data.train_files",
+    "data.seed",
+    "data.jsonl_field",
+    "data.eval_files",
+    "data.eval_fraction",
+)
 # Model keys that change how the model computes, not what its parameters are: they may differ.
 FREE_MODEL_KEYS = ("dtype", "remat", "attention", "projection_grad")
 
@@ -83,15 +100,62 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state):
 
 # --- finding the newest complete checkpoint (read-only, before anything is written) ---
 
+CORRUPT_DIR = "corrupt_checkpoints"
+# Tensorstore status codes that say a checkpoint's bytes are missing or cut short. The others
+# (PERMISSION_DENIED, RESOURCE_EXHAUSTED, UNAVAILABLE, ...) say nothing against the checkpoint.
+_MISSING_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS")
+# These two also cover requests that were wrong; only with a decoding failure do they mean damage.
+_DECODE_CODES = ("FAILED_PRECONDITION", "INVALID_ARGUMENT")
+_DECODE_WORDS = ("corrupt", "decod", "decompress", "checksum")
+# Tensorstore appends its whole spec (some 60 lines) and source locations to every message.
+_TENSORSTORE_TAIL = re.compile(r"\s*\[(tensorstore_spec|source locations)=.*", re.DOTALL)
 
-def _steps_on_disk(ckpt_dir: str) -> list[int]:
+
+def _causes(e: BaseException) -> list[BaseException]:
+    chain = []
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    return chain
+
+
+def short_error(e: BaseException) -> str:
+    """`e` in one line: its root cause's first line, without tensorstore's spec dump.
+
+    Orbax wraps a tensorstore read error in a bare Exception whose message is the whole spec.
+    """
+    root = _causes(e)[-1]
+    text = _TENSORSTORE_TAIL.sub("", str(root)).strip()
+    line = text.splitlines()[0] if text else ""
+    line = line if len(line) <= 300 else line[:300] + "..."
+    return f"{type(root).__name__}: {line}" if line else type(root).__name__
+
+
+def damage(e: BaseException) -> str | None:
+    """`short_error(e)` where `e` shows that a checkpoint's files are missing, cut short or garbled;
+    None where it may have another cause (permissions, memory, a flaky file system, a bug)."""
+    for cause in _causes(e):
+        if isinstance(cause, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError)):
+            return short_error(cause)
+        text = str(cause)
+        if isinstance(cause, KeyError) and "was not found in the checkpoint" in text:  # a missing item
+            return short_error(cause)
+        code = text.split(":", 1)[0]
+        if code in _MISSING_CODES or (
+            code in _DECODE_CODES and any(w in text.lower() for w in _DECODE_WORDS)
+        ):
+            return short_error(cause)
+    return None
+
+
+def steps_on_disk(ckpt_dir: str) -> list[int]:
     """Step directories, newest first; in-progress saves (`N.orbax-checkpoint-tmp`) are not steps."""
     if not os.path.isdir(ckpt_dir):
         return []
     return sorted((int(n) for n in os.listdir(ckpt_dir) if n.isdigit()), reverse=True)
 
 
-def _read_meta_file(step_dir: str) -> dict:
+def read_step_meta(step_dir: str) -> dict:
     """The meta item of a step, read as plain JSON; raises if the step is partial."""
     # orbax writes commit_success.txt last inside each finished item on file systems without
     # atomic rename; on local disks a missing item file means someone removed or truncated it.
@@ -101,50 +165,92 @@ def _read_meta_file(step_dir: str) -> dict:
     if not os.path.isfile(os.path.join(step_dir, STATE, "_METADATA")):
         raise FileNotFoundError("state/_METADATA is missing")
     with open(os.path.join(step_dir, META, "metadata")) as f:
-        return json.load(f)
+        meta = json.load(f)
+    if not isinstance(meta, dict):
+        raise json.JSONDecodeError("not a JSON object", "", 0)
+    return meta
+
+
+def _corrupt_steps(workdir: str) -> list[str]:
+    aside = os.path.join(os.path.abspath(workdir), CORRUPT_DIR)
+    return sorted(os.listdir(aside)) if os.path.isdir(aside) else []
 
 
 def readable_checkpoints(workdir: str, warn=print) -> list[tuple[int, dict]]:
     """[(step, meta)] of the checkpoints in workdir whose metadata reads, newest first.
 
-    Writes nothing. An unreadable one is reported through `warn`, naming its path.
+    Writes nothing. A partial or garbled one is reported through `warn`, naming its path. Raises
+    UserError where one cannot be read for another reason (permissions, say), and where the
+    workdir held checkpoints but none is left that reads: starting afresh there would silently
+    throw the run's progress away.
     """
     ckpt_dir = checkpoint_dir(workdir)
-    found = []
-    for step in _steps_on_disk(ckpt_dir):
+    found, damaged = [], []
+    for step in steps_on_disk(ckpt_dir):
         path = os.path.join(ckpt_dir, str(step))
         try:
-            found.append((step, _read_meta_file(path)))
-        except (OSError, ValueError) as e:
-            warn(f"warning: skipping checkpoint {path}: partial or corrupted ({e})")
+            found.append((step, read_step_meta(path)))
+        except Exception as e:  # noqa: BLE001 - sorted into damage and the rest just below
+            if damage(e) is None:
+                raise UserError(f"{path}: cannot read its metadata ({short_error(e)})") from None
+            warn(f"warning: skipping checkpoint {path}: partial or corrupted ({damage(e)})")
+            damaged.append(step)
+    if found:
+        return found
+    if damaged:
+        raise UserError(
+            f"{ckpt_dir} holds no complete checkpoint (steps {', '.join(map(str, damaged))} are partial or "
+            f"corrupted; nothing was moved): repair them, or remove {ckpt_dir} to start this run afresh"
+        )
+    aside = _corrupt_steps(workdir)
+    if aside:
+        where = os.path.join(os.path.abspath(workdir), CORRUPT_DIR)
+        raise UserError(
+            f"{where} holds checkpoints moved aside as damaged ({', '.join(aside)}) and {ckpt_dir} none: "
+            f"inspect them, then move a repaired one back to {ckpt_dir}/STEP, or remove {where} "
+            "to start this run afresh"
+        )
     return found
 
 
 def restore_newest(mngr: ocp.CheckpointManager, found: list[tuple[int, dict]], abstract_state, warn=print):
     """(step, meta, state, data state) of the newest checkpoint in `found` that restores.
 
-    One that fails to read (a truncated array file, say) is named through `warn` and moved out of
-    the checkpoints directory to workdir/corrupt_checkpoints/, so a later save of that step does
-    not collide with it and it stays for inspection. Raises UserError when none restores.
+    One whose files are damaged (missing, cut short, undecodable) is named through `warn` and moved
+    out of the checkpoints directory to workdir/corrupt_checkpoints/, so a later save of that step
+    does not collide with it and it stays for inspection. Any other failure (permissions, memory,
+    storage) moves nothing and raises UserError, as does having no step left that restores.
     """
     ckpt_dir = str(mngr.directory)
+    moved = []
     for step, meta in found:
+        path = os.path.join(ckpt_dir, str(step))
         try:
             state, data_state = restore(mngr, step, abstract_state)
             return step, meta, state, data_state
-        except Exception as e:  # noqa: BLE001 - any read failure means this step is unusable
-            path = os.path.join(ckpt_dir, str(step))
-            warn(f"warning: skipping checkpoint {path}: it does not restore ({type(e).__name__}: {e})")
+        except Exception as e:  # noqa: BLE001 - sorted into damage and the rest just below
+            why = damage(e)
+            if why is None:
+                raise UserError(
+                    f"{path} does not restore ({short_error(e)}); this does not look like a damaged "
+                    "checkpoint, so nothing was moved: fix the cause and run again"
+                ) from None
+            warn(f"warning: skipping checkpoint {path}: it does not restore ({why})")
             _move_aside(ckpt_dir, step, warn)
+            moved.append(step)
             mngr.reload()
-    raise UserError(f"{ckpt_dir} holds no checkpoint that restores; move it away to start afresh")
+    where = os.path.join(os.path.dirname(ckpt_dir), CORRUPT_DIR)
+    raise UserError(
+        f"no checkpoint in {ckpt_dir} restores: steps {', '.join(map(str, moved))} are damaged and were "
+        f"moved to {where}; inspect them, then remove {where} to start this run afresh"
+    )
 
 
 def _move_aside(ckpt_dir: str, step: int, warn) -> None:
     """Moves a broken step out of the way (to workdir/corrupt_checkpoints/) rather than deleting it."""
     if jax.process_index() != 0:
         return
-    aside = os.path.join(os.path.dirname(ckpt_dir), "corrupt_checkpoints", f"{step}-{int(time.time())}")
+    aside = os.path.join(os.path.dirname(ckpt_dir), CORRUPT_DIR, f"{step}-{int(time.time())}")
     os.makedirs(os.path.dirname(aside), exist_ok=True)
     shutil.move(os.path.join(ckpt_dir, str(step)), aside)
     warn(f"warning: moved {os.path.join(ckpt_dir, str(step))} to {aside}")
@@ -153,9 +259,36 @@ def _move_aside(ckpt_dir: str, step: int, warn) -> None:
 def move_aside_unreadable(workdir: str, readable: list[int], warn=print) -> None:
     """Moves step directories whose metadata did not read (not in `readable`) out of the way."""
     ckpt_dir = checkpoint_dir(workdir)
-    for step in _steps_on_disk(ckpt_dir):
+    for step in steps_on_disk(ckpt_dir):
         if step not in readable:
             _move_aside(ckpt_dir, step, warn)
+
+
+def read_newest(ckpt_dir: str, step: int | None, read, warn=print):
+    """(step, read(step dir)) of checkpoint `step`, or without one of the newest step that reads.
+
+    Read-only. A damaged newer step is skipped with a warning naming it; a damaged explicit step,
+    or a failure that is not damage, raises UserError in one line.
+    """
+    steps = steps_on_disk(ckpt_dir)
+    if not steps:
+        raise UserError(f"no checkpoint found in {ckpt_dir}")
+    if step is not None and step not in steps:
+        raise UserError(f"{ckpt_dir}: no step {step} (have {', '.join(map(str, sorted(steps)))})")
+    for candidate in [step] if step is not None else steps:
+        path = os.path.join(ckpt_dir, str(candidate))
+        try:
+            return candidate, read(path)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - sorted into damage and the rest just below
+            why = damage(e)
+            if why is None:
+                raise UserError(f"{path}: cannot read it ({short_error(e)})") from None
+            if step is not None:
+                raise UserError(f"{path} is partial or corrupted ({why}); choose another --step") from None
+            warn(f"warning: skipping checkpoint {path}: partial or corrupted ({why})")
+    raise UserError(f"{ckpt_dir}: every checkpoint is partial or corrupted (see the warnings above)")
 
 
 # --- mismatches, named before anything is written ---
@@ -197,19 +330,30 @@ def check_model_matches(saved: dict, current: ModelConfig, where: str) -> None:
     )
 
 
+_ABSENT = object()
+
+
 def _lookup(config: dict, dotted: str):
     for part in dotted.split("."):
-        config = config.get(part) if isinstance(config, dict) else None
+        config = config.get(part, _ABSENT) if isinstance(config, dict) else _ABSENT
     return config
+
+
+def _identity(config: dict, key: str):
+    """`key`'s value as far as it shapes the run; _ABSENT where a run saved before the key existed."""
+    if key == "data.eval_fraction" and _lookup(config, "data.eval_files") not in ("", None, _ABSENT):
+        return None  # held-out files replace the hashed held-out fraction, which is then unused
+    return _lookup(config, key)
 
 
 def check_same_run(saved_config: dict, config, where: str) -> None:
     """A workdir whose checkpoints were made with other data or seeds holds another run: refuse it."""
     now = config.to_dict()
     diffs = [
-        f"{k}: saved {_lookup(saved_config, k)!r}, now {_lookup(now, k)!r}"
+        f"{k}: saved {_identity(saved_config, k)!r}, now {_identity(now, k)!r}"
         for k in RUN_IDENTITY
-        if _lookup(saved_config, k) != _lookup(now, k)
+        # A key the saved config lacks was added later; its default is what that run used.
+        if _identity(saved_config, k) is not _ABSENT and _identity(saved_config, k) != _identity(now, k)
     ]
     if diffs:
         raise UserError(
@@ -226,19 +370,21 @@ def _flat(tree) -> dict:
     return {path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _step_dir(path: str, step: int | None) -> tuple[str, int]:
-    """Accepts a workdir, its checkpoints dir or one step dir; returns (step dir, step)."""
+def _locate(path: str, step: int | None) -> tuple[str, int | None]:
+    """(checkpoints dir, step or None for the newest) for a workdir, its checkpoints dir or one step dir."""
     path = os.path.abspath(path)
-    if os.path.basename(path).isdigit() and os.path.isdir(os.path.join(path, STATE)):
-        return path, int(os.path.basename(path))
-    ckpt_dir = path if _steps_on_disk(path) else checkpoint_dir(path)
-    steps = _steps_on_disk(ckpt_dir)
-    if not steps:
+    name = os.path.basename(path)
+    if name.isdigit() and os.path.isdir(path) and not steps_on_disk(path):
+        if step is not None and step != int(name):
+            raise UserError(
+                f"{path} is the directory of step {name} but --step {step} was given; "
+                f"pass {os.path.dirname(path)} with --step {step}, or leave --step out"
+            )
+        return os.path.dirname(path), int(name)
+    ckpt_dir = path if steps_on_disk(path) else checkpoint_dir(path)
+    if not steps_on_disk(ckpt_dir):
         raise UserError(f"{path}: no checkpoint found (looked in {ckpt_dir})")
-    step = steps[0] if step is None else step
-    if step not in steps:
-        raise UserError(f"{ckpt_dir}: no step {step} (have {', '.join(map(str, sorted(steps)))})")
-    return os.path.join(ckpt_dir, str(step)), step
+    return ckpt_dir, step
 
 
 def _state_tree_metadata(step_dir: str) -> dict:
@@ -253,15 +399,19 @@ def export_params(path: str, out: str, step: int | None = None) -> dict[str, tup
     """
     if not out.endswith(".npz"):
         raise UserError(f"{out}: export writes .npz files; name the output *.npz")
-    step_dir, _ = _step_dir(path, step)
-    params_md = _state_tree_metadata(step_dir)["params"]
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), params_md)
-    params = ocp.PyTreeCheckpointer().restore(
-        os.path.join(step_dir, STATE),
-        args=ocp.args.PyTreeRestore(
-            item={"params": params_md}, restore_args={"params": restore_args}, partial_restore=True
-        ),
-    )["params"]
+
+    def read(step_dir):
+        read_step_meta(step_dir)  # a partial step is not exported
+        params_md = _state_tree_metadata(step_dir)["params"]
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), params_md)
+        return ocp.PyTreeCheckpointer().restore(
+            os.path.join(step_dir, STATE),
+            args=ocp.args.PyTreeRestore(
+                item={"params": params_md}, restore_args={"params": restore_args}, partial_restore=True
+            ),
+        )["params"]
+
+    _, params = read_newest(*_locate(path, step), read, warn=_stderr)
     flat = _flat(params)
     outputs.make_parent(out)
     np.savez(out, **flat)
@@ -275,8 +425,15 @@ def import_params(path: str, abstract_params):
     """
     if not os.path.isfile(path):
         raise UserError(f"config.init_from: no file {path}")
-    with np.load(path) as npz:
-        have = {k: npz[k].shape for k in npz.files}  # reads each member once; the file stays small
+    try:
+        with np.load(path) as npz:
+            have = {k: npz[k].shape for k in npz.files}  # reads each member once; the file stays small
+    except (OSError, ValueError, EOFError, AttributeError, zipfile.BadZipFile) as e:
+        # np.load takes any other file for a pickle or .npy (AttributeError: no `with` on an array).
+        raise UserError(
+            f"config.init_from={path} is not a readable .npz of parameters (python -m gspmd_tp.checkpoint "
+            f"export writes one): {short_error(e)}"
+        ) from None
     want = {k: tuple(v.shape) for k, v in _flat(abstract_params).items()}
     problems = [
         f"{k}: file {have.get(k, 'absent')}, model {want.get(k, 'absent')}"
@@ -307,13 +464,21 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
 def info(path: str, step: int | None = None) -> str:
     """A human-readable summary of the checkpoints under `path` (workdir, checkpoints dir or step)."""
-    step_dir, step = _step_dir(path, step)
-    ckpt_dir = os.path.dirname(step_dir)
-    steps = sorted(_steps_on_disk(ckpt_dir))
-    meta = _read_meta_file(step_dir)
-    tree = _state_tree_metadata(step_dir)
+    ckpt_dir, step = _locate(path, step)
+
+    def read(step_dir):
+        with open(os.path.join(step_dir, DATA, "metadata")) as f:
+            return read_step_meta(step_dir), _state_tree_metadata(step_dir), json.load(f)
+
+    step, (meta, tree, data_state) = read_newest(ckpt_dir, step, read, warn=_stderr)
+    step_dir = os.path.join(ckpt_dir, str(step))
+    steps = sorted(steps_on_disk(ckpt_dir))
 
     def nbytes(t):
         leaves = [m for m in jax.tree.leaves(t) if hasattr(m, "shape")]
@@ -322,8 +487,6 @@ def info(path: str, step: int | None = None) -> str:
     param_bytes, param_leaves = nbytes(tree["params"])
     opt_bytes, _ = nbytes(tree["opt_state"])
     n_params = sum(int(np.prod(m.shape)) for m in param_leaves)
-    with open(os.path.join(step_dir, DATA, "metadata")) as f:
-        data_state = json.load(f)
     model = " ".join(f"{k}={v}" for k, v in meta["model"].items())
     lines = [
         f"checkpoints in {ckpt_dir}",

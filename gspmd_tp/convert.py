@@ -7,12 +7,18 @@
 from-hf reads config.json and the safetensors shards of a LlamaForCausalLM and writes step 0 of a run
 that `train.py --workdir=RUN` resumes from (fresh optimizer, data from the start). Every parameter is
 built with jax.make_array_from_callback: each device's shard is read straight from the memory-mapped
-safetensors file, so no host ever holds the whole model. to-hf restores any checkpoint of ours onto a
-mesh and writes the Hugging Face layout one layer-tensor at a time. The conventions and how each maps
-are tabulated in the README section "Hugging Face Llama checkpoints".
+safetensors file, so no host ever holds the whole model. to-hf reads only the parameters of a
+checkpoint of ours onto a mesh, writing nothing in the workdir (a run may go on training there), and
+writes the Hugging Face layout one layer-tensor at a time. The conventions and how each maps are
+tabulated in the README section "Hugging Face Llama checkpoints".
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # before jax is imported: no TPU probe on a host without one
+    from gspmd_tp import host_devices
+
+    host_devices.cpu_platform_where_alone()
 
 import contextlib
 import dataclasses
@@ -29,7 +35,7 @@ import ml_dtypes
 import numpy as np
 from ml_collections import ConfigDict
 
-from gspmd_tp import checkpoint, outputs, trainer
+from gspmd_tp import checkpoint, outputs, restore, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError, define_config, loaded_config, parse_flags
 from gspmd_tp.model import ModelConfig
@@ -305,9 +311,10 @@ def from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
     Returns the Setup of that run (its config carries the mapped model).
     """
     hf_path = Path(hf_dir)
-    if not (hf_path / "config.json").is_file():
-        raise UserError(f"{hf_dir}: no config.json (expected a Hugging Face model directory)")
-    hf = json.loads((hf_path / "config.json").read_text())
+    hf = _read_hf_config(hf_dir, "--hf_dir")
+    ckpt_dir = checkpoint.checkpoint_dir(workdir)
+    if checkpoint.steps_on_disk(ckpt_dir):
+        raise UserError(f"{ckpt_dir} already holds checkpoints; use a new --workdir")
     config = ConfigDict(config.to_dict())
     cfg = model_config_from_hf(hf, trainer.model_config(config))
     config.model.update({k: getattr(cfg, k) for k in HF_MODEL_KEYS})
@@ -317,12 +324,6 @@ def from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
         # Typically a vocab or kv_heads that the mesh does not divide. The vocab is not padded:
         # padded rows would take part in the softmax and change the logits.
         raise UserError(f"{hf_dir} on mesh {config.mesh} with rules {config.rules}: {e}") from None
-
-    mngr = checkpoint.manager(workdir, keep=config.keep_checkpoints, async_save=False)
-    if mngr.latest_step() is not None:
-        raise UserError(
-            f"{checkpoint.checkpoint_dir(workdir)} already holds checkpoints; use a new --workdir"
-        )
 
     with _hf_reader(hf_path) as read:
         # Slicing past a tensor's end would quietly return less: check every shape up front.
@@ -347,11 +348,27 @@ def from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
     with state_lib.sharding_context(s.mesh, s.rules):
         state = jax.jit(fresh_state, out_shardings=s.shardings, donate_argnums=0)(params)
     meta = {**s.meta(), "hf": {"source": str(hf_path.resolve()), "config": hf}}
+    # The first write, once every input has checked out: a failed import leaves no workdir behind.
+    mngr = checkpoint.manager(workdir, keep=config.keep_checkpoints, async_save=False)
     # The data position of a fresh run (data.BatchIterator.get_state() before the first batch).
     checkpoint.save(mngr, 0, state, {"next_example": 0}, meta)
     mngr.wait_until_finished()
     mngr.close()
     return s
+
+
+def _read_hf_config(hf_dir: str, flag: str) -> dict:
+    """config.json of a Hugging Face model directory; UserError naming `flag` if it does not read."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{flag}={hf_dir}: no config.json (expected a Hugging Face model directory)")
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{flag}={hf_dir}: config.json does not read ({e})") from None
+    if not isinstance(hf, dict):
+        raise UserError(f"{flag}={hf_dir}: config.json is not a JSON object")
+    return hf
 
 
 def to_hf(
@@ -364,38 +381,29 @@ def to_hf(
     hf_base: str | None = None,
     max_shard_bytes: int = 2 << 30,
 ) -> list[str]:
-    """Writes checkpoint `step` (default: newest) of the run in `workdir` as a HF Llama model.
+    """Writes checkpoint `step` (default: newest that reads) of the run in `workdir` as a HF Llama model.
 
-    The state is restored onto `mesh`/`rules` (default: those it was saved with). `hf_base`, a HF
+    Only the parameters are read, onto `mesh`/`rules` (default: those it was saved with); nothing in
+    the workdir is written or removed, so a run may go on training there meanwhile. `hf_base`, a HF
     model directory, lends its token ids, tokenizer and generation config. Returns the files written.
     """
     if dtype not in _DTYPES:
         raise UserError(f"--dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-    if not os.path.isdir(checkpoint.checkpoint_dir(workdir)):
-        raise UserError(f"{workdir}: no checkpoints directory")
-    # Read-only: nothing is saved through this manager, so nothing is pruned.
-    mngr = checkpoint.manager(workdir, keep=1 << 30, async_save=False)
-    step = mngr.latest_step() if step is None else step
-    if step is None or step not in mngr.all_steps():
-        raise UserError(f"{workdir}: no checkpoint at step {step} (have {sorted(mngr.all_steps())})")
-    meta = checkpoint.read_meta(mngr, step)
-    config = ConfigDict(meta["config"])
-    config.model = ConfigDict(meta["model"])
-    config.rules = rules or config.rules
-    config.mesh = mesh or config.mesh
-    s = trainer.setup(config)
-    state, _ = checkpoint.restore(mngr, step, s.abstract_state)
-    mngr.close()
+    base = _read_hf_config(hf_base, "--hf_base") if hf_base else None
+    overrides = {key: value for key, value in (("rules", rules), ("mesh", mesh)) if value}
+    explicit = step is not None
+    step, meta, s = restore.load_setup(workdir, overrides, step)
+    if explicit:
+        params = restore.restore_params(workdir, step, s)
+    else:
+        step, params = restore.restore_newest_params(workdir, step, s)
 
-    base = None
-    if hf_base:
-        base = json.loads((Path(hf_base) / "config.json").read_text())
-    elif "hf" in meta:
+    if base is None and "hf" in meta:
         base = meta["hf"]["config"]
     out = Path(hf_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = _write_safetensors(out, _hf_tensors(s.model_cfg, state.params), _DTYPES[dtype], max_shard_bytes)
-    conf = hf_config(s.model_cfg, dtype, config.seq_len, base)
+    files = _write_safetensors(out, _hf_tensors(s.model_cfg, params), _DTYPES[dtype], max_shard_bytes)
+    conf = hf_config(s.model_cfg, dtype, s.config.seq_len, base)
     (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
     files.append(str(out / "config.json"))
     for name in _CARRIED_FILES if hf_base else ():
@@ -479,7 +487,10 @@ def main(argv) -> None:
             print(_resume_command(s, flags_.workdir, flags_["config"].config_filename))
         else:
             outputs.check_dir(flags_.hf_dir, "--hf_dir")
-            _set_cpu_devices(flags_.host_device_count)
+            count = flags_.host_device_count
+            if count is None:  # as many as the mesh it restores onto spans
+                count = restore.reader_device_count(flags_.workdir, flags_.mesh, flags_.step)
+            _set_cpu_devices(count)
             files = to_hf(
                 flags_.workdir,
                 flags_.hf_dir,
@@ -514,7 +525,12 @@ def _define_flags() -> None:
         "dtype", "float32", "to-hf: dtype of the written weights (float32, bfloat16, float16)."
     )
     flags.DEFINE_string("hf_base", None, "to-hf: HF model dir whose token ids and tokenizer files are kept.")
-    flags.DEFINE_integer("host_device_count", 8, "to-hf: simulated CPU devices (ignored by accelerators).")
+    flags.DEFINE_integer(
+        "host_device_count",
+        None,
+        "to-hf: simulated CPU devices (ignored by accelerators); default: as many as --mesh, else the "
+        "checkpoint's mesh, spans.",
+    )
 
 
 if __name__ == "__main__":

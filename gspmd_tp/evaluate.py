@@ -14,9 +14,10 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # simulated devices must be requested before jax is imported
-    from gspmd_tp import host_devices
+    from gspmd_tp import host_devices, restore
 
-    host_devices.request(host_devices.count_from_argv(sys.argv, 8))
+    # By default as many as the run's mesh spans, so that it restores under its own mesh.
+    host_devices.request(host_devices.count_from_argv(sys.argv, restore.device_count_from_argv(sys.argv)))
 
 import argparse
 import json
@@ -63,7 +64,12 @@ def evaluate_params(s: trainer.Setup, params) -> dict:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-    """The rows of workdir/metrics.jsonl; UserError if there is none or a line is not JSON."""
+    """The rows of workdir/metrics.jsonl, one per step in step order; UserError if there is none or a
+    line is not JSON.
+
+    A run resumed from a checkpoint older than its last logged step logs the steps after it again;
+    the later row of a step is the one the run went on from, so it replaces the earlier.
+    """
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file (train.py writes it)")
@@ -77,7 +83,8 @@ def read_metrics(workdir: str) -> list[dict]:
                     raise UserError(f"{path}:{i + 1}: not a JSON object") from None
     if not any("loss" in r for r in rows):
         raise UserError(f"{path}: no row has a loss")
-    return rows
+    by_step = {r.get("step"): r for r in rows}
+    return [by_step[step] for step in sorted(by_step, key=lambda s: (s is None, s))]
 
 
 def plot_losses(rows: list[dict], path: str, title: str, evaluated: dict | None = None) -> None:
@@ -145,7 +152,7 @@ def main(argv=None) -> int:
         result = None
         if not args.plot_only:
             step, _, s = restore.load_setup(args.workdir, overrides)
-            params = restore.restore_params(args.workdir, step, s)
+            step, params = restore.restore_newest_params(args.workdir, step, s)
             result = {"step": step, "mesh": mesh_string(s.mesh), "rules": s.rules.source}
             result.update(evaluate_params(s, params))
         if args.plot and jax.process_index() == 0:

@@ -18,9 +18,10 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # simulated devices must be requested before jax is imported
-    from gspmd_tp import host_devices
+    from gspmd_tp import host_devices, restore
 
-    host_devices.request(host_devices.count_from_argv(sys.argv, 8))
+    # By default as many as the run's mesh spans, so that it restores under its own mesh.
+    host_devices.request(host_devices.count_from_argv(sys.argv, restore.device_count_from_argv(sys.argv)))
 
 import argparse
 import dataclasses
@@ -286,7 +287,7 @@ def main(argv=None) -> int:
         token_lists = [encode(p) for p in prompts]
         max_new = fit_length(token_lists, args.max_new_tokens, s.config.seq_len)
         # Every check above runs before the parameters are read and before anything compiles.
-        params = restore.restore_params(args.workdir, step, s)
+        step, params = restore.restore_newest_params(args.workdir, step, s)
         if jax.process_index() == 0:
             print(
                 f"step {step} of {args.workdir} | mesh {mesh_string(s.mesh)} | rules {s.rules.source} | "

@@ -1,28 +1,36 @@
-"""A trained run brought back for sampling and evaluation (gspmd_tp.generate, gspmd_tp.evaluate).
+"""A trained run brought back for sampling, evaluation and export (generate, evaluate, convert to-hf).
 
 The run's own config comes from its newest checkpoint, with `--config.KEY=VALUE` overrides on top
 (typically `rules` and `mesh`: a model trained under one rule file samples under another). Only
 the parameters are read, not the optimizer state, each device reading its shard of the sharding
 the current mesh and rule file give it. Nothing in the workdir is written or removed.
+
+Importing this module imports no jax (the heavy modules are imported where used), so that entry
+points can ask `device_count_from_argv` how many devices to simulate before jax starts.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import os
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import orbax.checkpoint as ocp
 from ml_collections import ConfigDict
 
-from gspmd_tp import checkpoint, trainer
 from gspmd_tp.errors import UserError
-from gspmd_tp.rules import RULES_DIR
+
+if TYPE_CHECKING:
+    from gspmd_tp import trainer
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 # Every shipped config starts from this one: its keys are the defaults of keys a run saved before
 # they existed does not have.
-DEFAULT_CONFIG = RULES_DIR.parent / "configs" / "tiny.py"
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.py"
+DEFAULT_DEVICES = 8  # what train.py simulates by default (configs/tiny.py host_device_count)
 
 
 def _default_config() -> dict:
@@ -86,43 +94,180 @@ def apply_overrides(config: ConfigDict, overrides: dict[str, str]) -> ConfigDict
     return config
 
 
-def saved_config(workdir: str, overrides: dict[str, str]) -> tuple[int, dict, ConfigDict]:
-    """(step, meta, config) of the newest readable checkpoint in workdir, overrides applied.
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
 
-    Reads JSON only; raises UserError when there is no checkpoint.
+
+def saved_config(
+    workdir: str, overrides: dict[str, str], step: int | None = None
+) -> tuple[int, dict, ConfigDict]:
+    """(step, meta, config) of checkpoint `step` (default: the newest readable one), overrides applied.
+
+    Reads JSON only; raises UserError when there is no such checkpoint. `init_from` is cleared: it
+    only says how a fresh run started, and that file may be long gone.
     """
-    found = checkpoint.readable_checkpoints(workdir, warn=lambda m: print(m, file=sys.stderr))
-    if not found:
-        raise UserError(
-            f"{workdir}: no checkpoint found (looked in {checkpoint.checkpoint_dir(workdir)}); "
-            f"train one first: python train.py --workdir={workdir}"
-        )
-    step, meta = found[0]
+    from gspmd_tp import checkpoint
+
+    if step is None:
+        found = checkpoint.readable_checkpoints(workdir, warn=_stderr)
+        if not found:
+            raise UserError(
+                f"{workdir}: no checkpoint found (looked in {checkpoint.checkpoint_dir(workdir)}); "
+                f"train one first: python train.py --workdir={workdir}"
+            )
+        step, meta = found[0]
+    else:
+        ckpt_dir = checkpoint.checkpoint_dir(workdir)
+        step, meta = checkpoint.read_newest(ckpt_dir, step, checkpoint.read_step_meta)
     config = ConfigDict(_laid_over(_default_config(), meta["config"]))
     config.model = ConfigDict(checkpoint.saved_model(meta["model"]))  # what its parameters are
+    config.init_from = ""
     return step, meta, apply_overrides(config, overrides)
 
 
-def load_setup(workdir: str, overrides: dict[str, str]) -> tuple[int, dict, trainer.Setup]:
-    """(step, meta, Setup) for the run in workdir: config, rule file and mesh checked, nothing compiled."""
-    step, meta, config = saved_config(workdir, overrides)
-    s = trainer.setup(config)
+def _rule_file_found(name_or_path: str) -> bool:
+    from gspmd_tp.rules import resolve_path
+
+    try:
+        resolve_path(name_or_path)
+    except UserError:
+        return False
+    return True
+
+
+def _setup_with_saved_rules(config: ConfigDict, meta: dict, step: int) -> trainer.Setup:
+    """trainer.setup with the rule-file text saved in the checkpoint in place of config.rules."""
+    from gspmd_tp import trainer
+    from gspmd_tp.rules import parse_rules
+
+    label = f"{config.rules} (the copy saved with step {step})"
+    _stderr(
+        f"note: rule file {config.rules!r} not found (cwd {os.getcwd()}); using the copy saved with "
+        f"step {step} (pass --config.rules=NAME_OR_PATH to choose another)"
+    )
+    return trainer.setup(config, rules=parse_rules(meta["rules"]["text"], label))
+
+
+def load_setup(
+    workdir: str, overrides: dict[str, str], step: int | None = None
+) -> tuple[int, dict, trainer.Setup]:
+    """(step, meta, Setup) for the run in workdir: config, rule file and mesh checked, nothing compiled.
+
+    A rule file that is no longer where the run found it (another cwd, a moved file) is replaced by
+    the copy saved in the checkpoint, with a note on stderr, unless --config.rules names one.
+    """
+    from gspmd_tp import checkpoint, trainer
+
+    step, meta, config = saved_config(workdir, overrides, step)
+    saved_text = meta.get("rules", {}).get("text")
+    if "rules" not in overrides and saved_text and not _rule_file_found(config.rules):
+        s = _setup_with_saved_rules(config, meta, step)
+    else:
+        s = trainer.setup(config)
     checkpoint.check_model_matches(meta["model"], s.model_cfg, workdir)
     return step, meta, s
 
 
-def restore_params(workdir: str, step: int, s: trainer.Setup):
-    """The parameters of checkpoint `step`, read straight into the shardings of `s`."""
+def _read_params(workdir: str, step: int, s: trainer.Setup):
+    import orbax.checkpoint as ocp
+
+    from gspmd_tp import checkpoint
+
     target = s.abstract_state.params
     path = os.path.join(checkpoint.checkpoint_dir(workdir), str(step), checkpoint.STATE)
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    try:
-        restored = ocp.PyTreeCheckpointer().restore(
-            path,
-            args=ocp.args.PyTreeRestore(
-                item={"params": target}, restore_args={"params": restore_args}, partial_restore=True
-            ),
-        )
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: the parameters do not restore ({type(e).__name__}: {e})") from None
+    restored = ocp.PyTreeCheckpointer().restore(
+        path,
+        args=ocp.args.PyTreeRestore(
+            item={"params": target}, restore_args={"params": restore_args}, partial_restore=True
+        ),
+    )
     return restored["params"]
+
+
+def restore_params(workdir: str, step: int, s: trainer.Setup):
+    """The parameters of checkpoint `step`, read straight into the shardings of `s`."""
+    from gspmd_tp import checkpoint
+
+    try:
+        return _read_params(workdir, step, s)
+    except Exception as e:  # noqa: BLE001 - orbax raises a bare Exception for tensorstore read errors
+        path = os.path.join(checkpoint.checkpoint_dir(workdir), str(step))
+        raise UserError(f"{path}: the parameters do not restore ({checkpoint.short_error(e)})") from None
+
+
+def restore_newest_params(workdir: str, step: int, s: trainer.Setup):
+    """(step, parameters) of checkpoint `step` or, where its files are damaged, of the newest older
+    checkpoint that restores; each one skipped is named in a warning on stderr."""
+    from gspmd_tp import checkpoint
+
+    found = checkpoint.readable_checkpoints(workdir, warn=lambda _: None)  # saved_config warned
+    for candidate, meta in [(step, None), *((n, meta) for n, meta in found if n < step)]:
+        if meta is not None:
+            checkpoint.check_model_matches(meta["model"], s.model_cfg, workdir)
+        path = os.path.join(checkpoint.checkpoint_dir(workdir), str(candidate))
+        try:
+            return candidate, _read_params(workdir, candidate, s)
+        except Exception as e:  # noqa: BLE001 - sorted into damage and the rest just below
+            why = checkpoint.damage(e)
+            if why is None:
+                error = checkpoint.short_error(e)
+                raise UserError(f"{path}: the parameters do not restore ({error})") from None
+            _stderr(f"warning: skipping checkpoint {path}: it does not restore ({why})")
+    raise UserError(f"{checkpoint.checkpoint_dir(workdir)}: no checkpoint restores (see the warnings above)")
+
+
+# --- how many devices to simulate: read before jax is imported ---
+
+
+def _mesh_size(mesh: str) -> int | None:
+    """Devices a mesh string like "dp=2,mp=4" spans; None where a size is -1 or it does not parse."""
+    try:
+        sizes = [int(axis.partition("=")[2]) for axis in mesh.split(",")]
+    except (AttributeError, ValueError):
+        return None
+    return math.prod(sizes) if sizes and all(n > 0 for n in sizes) else None
+
+
+def saved_device_count(workdir: str, step: int | None = None) -> int | None:
+    """Devices the mesh of checkpoint `step` (default: the newest whose metadata reads) spans, or None.
+
+    Plain JSON: no jax, no orbax.
+    """
+    ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+    try:
+        steps = sorted((int(n) for n in os.listdir(ckpt_dir) if n.isdigit()), reverse=True)
+    except OSError:
+        return None
+    for candidate in [step] if step is not None else steps:
+        try:
+            with open(os.path.join(ckpt_dir, str(candidate), "meta", "metadata")) as f:
+                size = _mesh_size(json.load(f)["mesh"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if size:
+            return size
+    return None
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of --name=VALUE or --name VALUE in argv (the last one given), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"{name}="):
+            value = arg.split("=", 1)[1]
+        elif arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
+def reader_device_count(workdir: str | None, mesh: str | None = None, step: int | None = None) -> int:
+    """Devices for a command reading a run: those `mesh` spans where it gives every size, else those
+    checkpoint `step` (default: the newest) of `workdir` was saved on, else 8."""
+    return (mesh and _mesh_size(mesh)) or (workdir and saved_device_count(workdir, step)) or DEFAULT_DEVICES
+
+
+def device_count_from_argv(argv: list[str]) -> int:
+    """reader_device_count for the --workdir and --config.mesh of argv. (--config.host_device_count,
+    read by host_devices.count_from_argv, overrides it.)"""
+    return reader_device_count(_flag(argv, "--workdir"), _flag(argv, "--config.mesh"))

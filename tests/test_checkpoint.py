@@ -1,6 +1,7 @@
 """Checkpoint round trips: same mesh and rules, and onto another mesh and rule file."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -206,3 +207,60 @@ def test_restore_peak_memory_stays_near_the_sharded_size(tmp_path):
     assert (
         gathered["peak_growth"] > 1.8 * total
     )  # measured 2.08x: the measurement tells the two apart  # the measurement can tell the two apart
+
+
+# --- the tool on damaged checkpoints: the newest that reads, or one line ---
+
+
+def test_tool_skips_a_damaged_newest_step_and_refuses_it_when_asked(trained_workdir, tmp_path, capsys):
+    from test_faults import flip_bytes
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_workdir, run)
+    flip_bytes(run / "checkpoints" / "4")
+    out, want = tmp_path / "newest.npz", tmp_path / "step2.npz"
+    assert checkpoint.main(["export", str(run), str(out)]) == 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"warning: skipping checkpoint {run / 'checkpoints' / '4'}: partial or corrupted (")
+    assert "\n" not in err and "TensorStore" not in err
+    checkpoint.export_params(str(trained_workdir), str(want), step=2)
+    got, expected = np.load(out), np.load(want)
+    assert sorted(got.files) == sorted(expected.files)
+    for k in expected.files:
+        np.testing.assert_array_equal(got[k], expected[k])
+
+    assert checkpoint.main(["export", str(run), str(out), "--step", "4"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {run / 'checkpoints' / '4'} is partial or corrupted (") and "\n" not in err
+
+    # A partial newest step (an item missing) is never exported or described as if complete.
+    shutil.rmtree(run / "checkpoints" / "4" / "meta")
+    assert checkpoint.main(["info", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert "step 2:" in captured.out and "item 'meta' is missing" in captured.err
+    assert checkpoint.main(["info", str(run), "--step", "4"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "is partial or corrupted (FileNotFoundError: item 'meta' is missing)" in err and "\n" not in err
+
+
+def test_a_step_directory_and_another_step_conflict(trained_workdir, capsys):
+    step_dir = trained_workdir / "checkpoints" / "2"
+    for command in (["info", str(step_dir)], ["export", str(step_dir), "/tmp/unused.npz"]):
+        assert checkpoint.main([*command, "--step", "4"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            f"error: {step_dir} is the directory of step 2 but --step 4 was given; "
+            f"pass {trained_workdir / 'checkpoints'} with --step 4, or leave --step out"
+        )
+    assert checkpoint.main(["info", str(step_dir), "--step", "2"]) == 0  # no conflict
+    assert "step 2:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content", [b"plain text\n", b"PK\x03\x04 a cut zip"], ids=["text", "zip"])
+def test_init_from_that_is_not_an_npz_is_one_line(tmp_path, content):
+    path = tmp_path / "params.npz"
+    path.write_bytes(content)
+    s = trainer.setup(small_config())
+    with pytest.raises(UserError, match=rf"config.init_from={path} is not a readable .npz") as e:
+        checkpoint.import_params(str(path), s.abstract_state.params)
+    assert "\n" not in str(e.value)

@@ -165,6 +165,37 @@ def test_tensor_that_does_not_match_config_json_is_named(tmp_path, hf_models):
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**conf, "intermediate_size": 128}))
     with pytest.raises(UserError, match=r"mlp.gate_proj.weight has shape \(96, 64\), config.json implies"):
         convert.from_hf(str(tmp_path / "hf"), str(tmp_path / "run"), small_config())
+    assert not (tmp_path / "run").exists()  # no empty checkpoints/ left behind
+
+
+def _tree(path):
+    return {str(p): p.stat().st_mtime_ns for p in path.rglob("*")}
+
+
+def test_to_hf_reads_only_the_parameters_and_writes_nothing_in_the_workdir(tmp_path, hf_models, monkeypatch):
+    hf_dir, want = hf_models["untied"]
+    run = tmp_path / "run"
+    convert.from_hf(str(hf_dir), str(run), small_config(rules="megatron_1d"))
+    # A save in flight of a run training in the same workdir: to-hf must leave it alone.
+    in_flight = run / "checkpoints" / "2.orbax-checkpoint-tmp-1700000000"
+    in_flight.mkdir()
+    (in_flight / "half_written").write_bytes(b"\0" * 100)
+    before = _tree(run)
+    monkeypatch.setattr(checkpoint, "restore", lambda *_: pytest.fail("restored the optimizer state too"))
+    monkeypatch.setattr(checkpoint, "manager", lambda *_, **__: pytest.fail("opened a CheckpointManager"))
+    convert.to_hf(str(run), str(tmp_path / "hf"))
+    assert _tree(run) == before
+    _assert_close(_hf_logits(tmp_path / "hf"), want)
+
+
+def test_to_hf_checks_hf_base_before_reading_the_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(convert.restore, "load_setup", lambda *_: pytest.fail("read the checkpoint"))
+    with pytest.raises(UserError) as e:
+        convert.to_hf(str(tmp_path / "run"), str(tmp_path / "hf"), hf_base=str(tmp_path / "nope"))
+    assert str(e.value) == (
+        f"--hf_base={tmp_path / 'nope'}: no config.json (expected a Hugging Face model directory)"
+    )
+    assert not (tmp_path / "hf").exists()
 
 
 def _cli(*args):

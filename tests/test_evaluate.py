@@ -80,3 +80,25 @@ def test_more_batches_than_the_held_out_split_are_one_pass(trained_workdir, tmp_
     assert evaluate.main([*argv, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["eval_batches"] == 3 and result["tokens"] == 3 * 8 * 32
+
+
+def test_a_partial_newest_checkpoint_falls_back_to_the_one_before(trained_workdir, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained_workdir, run)
+    shutil.rmtree(run / "checkpoints" / "4" / "meta")
+    assert evaluate.main(["--workdir", str(run), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["step"] == 2
+    assert captured.err.strip() == (
+        f"warning: skipping checkpoint {run / 'checkpoints' / '4'}: partial or corrupted "
+        "(FileNotFoundError: item 'meta' is missing)"
+    )
+
+
+def test_steps_logged_again_after_a_resume_are_drawn_once(tmp_path):
+    """A resume from step 2 after step 4 was logged logs steps 3 and 4 again; the later rows count."""
+    losses = [(1, 5.0), (2, 4.0), (3, 3.9), (4, 3.8), (3, 3.7), (4, 3.6), (5, 3.5)]
+    lines = [json.dumps({"step": step, "loss": loss}) + "\n" for step, loss in losses]
+    (tmp_path / "metrics.jsonl").write_text("".join(lines))
+    rows = evaluate.read_metrics(str(tmp_path))
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 5.0), (2, 4.0), (3, 3.7), (4, 3.6), (5, 3.5)]

@@ -114,11 +114,24 @@ def _garble_arrays(step_dir: Path):
             f.write_bytes(b"\0garbage" * 16)
 
 
+def flip_bytes(step_dir: Path):
+    """Damages the compressed array chunks in place: orbax then raises a bare Exception around
+    tensorstore's decoding error (with some 60 lines of tensorstore spec in its message)."""
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d" and f.stat().st_size > 10_000:
+            data = bytearray(f.read_bytes())
+            for i in range(len(data) // 4, 3 * len(data) // 4, 97):
+                data[i] ^= 0xFF
+            f.write_bytes(bytes(data))
+
+
 def _remove_metadata(step_dir: Path):
     (step_dir / "state" / "_METADATA").unlink()
 
 
-@pytest.mark.parametrize("damage", [_remove_metadata, _garble_arrays], ids=["partial", "corrupted"])
+@pytest.mark.parametrize(
+    "damage", [_remove_metadata, _garble_arrays, flip_bytes], ids=["partial", "corrupted", "undecodable"]
+)
 def test_broken_newest_checkpoint_is_skipped_with_a_warning(trained, tmp_path, capsys, damage):
     workdir = tmp_path / "run"
     shutil.copytree(trained, workdir)
@@ -126,7 +139,9 @@ def test_broken_newest_checkpoint_is_skipped_with_a_warning(trained, tmp_path, c
     capsys.readouterr()
     trainer.train(small_config(steps=5, log_every=1, eval_every=100), str(workdir))
     out = capsys.readouterr().out
-    assert f"warning: skipping checkpoint {workdir / 'checkpoints' / '4'}" in out
+    warning = next(line for line in out.splitlines() if line.startswith("warning: skipping"))
+    assert warning.startswith(f"warning: skipping checkpoint {workdir / 'checkpoints' / '4'}: ")
+    assert len(warning) < 600 and "tensorstore_spec" not in warning and "TensorStore({" not in out
     assert "resumed from step 2" in out
     # Kept for inspection, out of the way of the step 4 this run saved again.
     assert [p.name[:2] for p in (workdir / "corrupt_checkpoints").iterdir()] == ["4-"]
@@ -145,11 +160,112 @@ def test_a_different_model_is_named_before_anything_is_written(trained):
     assert _tree(trained) == before
 
 
-def test_a_workdir_of_another_run_is_refused_before_anything_is_written(trained):
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"data.seed": 1}, r"data\.seed: saved 0, now 1"),
+        # The held-out split decides which documents are trained on.
+        ({"data.eval_fraction": 0.5}, r"data\.eval_fraction: saved 0\.05, now 0\.5"),
+        ({"data.eval_files": "held_out.txt"}, r"data\.eval_files: saved '', now '/.*held_out\.txt'"),
+    ],
+)
+def test_a_workdir_of_another_run_is_refused_before_anything_is_written(trained, tmp_path, change, message):
+    if "data.eval_files" in change:
+        (tmp_path / "held_out.txt").write_text("held-out text " * 100)
+        change = {"data.eval_files": str(tmp_path / "held_out.txt")}
     before = _tree(trained)
-    with pytest.raises(UserError, match=r"holds another run \(data\.seed: saved 0, now 1\)"):
-        trainer.train(small_config(steps=6, **{"data.seed": 1}), str(trained))
+    with pytest.raises(UserError, match=rf"holds another run \({message}"):
+        trainer.train(small_config(steps=6, **change), str(trained))
     assert _tree(trained) == before
+
+
+def test_other_eval_fraction_with_the_same_eval_files_is_the_same_run():
+    """With held-out files the fraction is unused: changing it changes nothing."""
+    saved = small_config(**{"data.eval_files": "held_out.txt"}).to_dict()
+    now = small_config(**{"data.eval_files": "held_out.txt", "data.eval_fraction": 0.5})
+    checkpoint.check_same_run(saved, now, "run")
+    del saved["data"]["eval_files"]  # a run saved before the key existed used its default
+    checkpoint.check_same_run(saved, small_config(), "run")
+
+
+def test_a_read_failure_that_is_not_damage_moves_nothing(trained, tmp_path, monkeypatch):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+
+    def unreadable(*_):
+        raise PermissionError(13, "Permission denied", str(workdir / "checkpoints" / "4" / "state"))
+
+    monkeypatch.setattr(checkpoint, "restore", unreadable)
+    with pytest.raises(UserError) as e:
+        trainer.train(small_config(steps=6), str(workdir))
+    message = str(e.value)
+    assert "does not look like a damaged checkpoint, so nothing was moved" in message
+    assert "PermissionError: [Errno 13] Permission denied" in message and "\n" not in message
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+    assert not (workdir / "corrupt_checkpoints").exists()
+
+
+def test_no_checkpoint_that_restores_never_starts_the_run_afresh(trained, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    for step in ("2", "4"):
+        flip_bytes(workdir / "checkpoints" / step)
+    with pytest.raises(UserError) as e:
+        trainer.train(small_config(steps=6), str(workdir))
+    aside = workdir / "corrupt_checkpoints"
+    assert str(e.value) == (
+        f"no checkpoint in {workdir / 'checkpoints'} restores: steps 4, 2 are damaged and were moved to "
+        f"{aside}; inspect them, then remove {aside} to start this run afresh"
+    )
+    assert os.listdir(workdir / "checkpoints") == [] and len(os.listdir(aside)) == 2
+    # The next start must not quietly begin at step 0 with the run's progress set aside.
+    before = _tree(workdir)
+    with pytest.raises(
+        UserError, match=rf"{aside} holds checkpoints moved aside as damaged \(2-\d+, 4-\d+\)"
+    ):
+        trainer.train(small_config(steps=6), str(workdir))
+    assert _tree(workdir) == before
+
+
+def test_only_partial_checkpoints_are_an_error_and_stay_in_place(trained, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    for step in ("2", "4"):
+        _remove_metadata(workdir / "checkpoints" / step)
+    before = _tree(workdir)
+    with pytest.raises(
+        UserError, match=r"holds no complete checkpoint \(steps 4, 2 are partial or corrupted; "
+    ):
+        trainer.train(small_config(steps=6), str(workdir))
+    assert _tree(workdir) == before
+
+
+def test_damage_is_told_apart_from_other_read_failures():
+    spec = "TensorStore({\n  'driver': 'zarr',\n" + "  'x': 1,\n" * 60 + "})"
+    try:
+        try:
+            raise ValueError(
+                'FAILED_PRECONDITION: Error reading "params.x/0.0" in OCDBT database: '
+                "ZSTD_decompressStream() failed: Data corruption detected [source locations='a.cc:1']"
+            )
+        except ValueError:
+            raise Exception(f"Encountered error while reading array index: (slice(0, 2, 1),). {spec}")  # noqa: B904
+    except Exception as e:  # noqa: BLE001
+        wrapped = e
+    assert checkpoint.damage(wrapped) == (
+        'ValueError: FAILED_PRECONDITION: Error reading "params.x/0.0" in OCDBT database: '
+        "ZSTD_decompressStream() failed: Data corruption detected"
+    )
+    assert checkpoint.damage(ValueError("OUT_OF_RANGE: Error reading byte range [tensorstore_spec='{}']"))
+    assert checkpoint.damage(FileNotFoundError("item 'meta' is missing"))
+    for other in (
+        PermissionError(13, "Permission denied"),
+        MemoryError(),
+        ValueError("PERMISSION_DENIED: Error opening file"),
+        ValueError("UNAVAILABLE: connection reset"),
+        ValueError("FAILED_PRECONDITION: generation mismatch"),
+    ):
+        assert checkpoint.damage(other) is None, other
 
 
 # --- non-finite values ---

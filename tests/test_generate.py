@@ -2,6 +2,11 @@
 tokens, the command line end to end, and one-line errors raised before anything compiles."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -15,6 +20,7 @@ from gspmd_tp import generate, restore, trainer
 from gspmd_tp.errors import UserError
 from gspmd_tp.model import Transformer
 
+ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["def main(", "import os\n", "x"]  # three lengths: rows are padded differently
 
 
@@ -148,3 +154,77 @@ def test_restore_reads_the_saved_config_with_typed_overrides(trained_workdir):
     assert json.loads(json.dumps(meta["model"]))["num_kv_heads"] == 8
     with pytest.raises(UserError, match=r"--config.steps=many: expected int \(saved: 4\)"):
         restore.saved_config(str(trained_workdir), {"steps": "many"})
+
+
+# --- runs whose files moved on: damaged newest step, another device count, rule file, init_from ---
+
+
+def _copy_editing_meta(trained_workdir, tmp_path, edit):
+    run = tmp_path / "run"
+    shutil.copytree(trained_workdir, run)
+    for meta_file in run.glob("checkpoints/*/meta/metadata"):
+        meta = json.loads(meta_file.read_text())
+        edit(meta)
+        meta_file.write_text(json.dumps(meta))
+    return run
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(trained_workdir, tmp_path, capsys):
+    from test_faults import flip_bytes
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_workdir, run)
+    flip_bytes(run / "checkpoints" / "4")
+    before = sorted(str(p) for p in run.rglob("*"))
+    assert generate.main(["--workdir", str(run), "--prompt=x", "--max_new_tokens=2", "--temperature=0"]) == 0
+    err = capsys.readouterr().err
+    warning, status = err.strip().splitlines()[-2:]
+    skipped = run / "checkpoints" / "4"
+    assert warning.startswith(f"warning: skipping checkpoint {skipped}: it does not restore (")
+    assert "TensorStore" not in err and status.startswith(f"step 2 of {run}")
+    assert sorted(str(p) for p in run.rglob("*")) == before  # read-only: nothing moved or written
+
+
+def test_a_rule_file_that_moved_is_read_from_the_checkpoint(trained_workdir, tmp_path, capsys):
+    def relative_rules(meta):
+        meta["config"]["rules"] = "myrules/my.yaml"  # as typed in another cwd
+        meta["rules"]["source"] = "myrules/my.yaml"
+
+    run = _copy_editing_meta(trained_workdir, tmp_path, relative_rules)
+    _, _, s = restore.load_setup(str(run), {})
+    note = capsys.readouterr().err.strip()
+    assert note.startswith("note: rule file 'myrules/my.yaml' not found (cwd ") and "\n" not in note
+    assert s.rules.source == "myrules/my.yaml (the copy saved with step 4)"
+    assert s.rules.rules == trainer.setup(small_config(rules="megatron_2d")).rules.rules
+    assert s.config.rules == "myrules/my.yaml"
+    _, _, s = restore.load_setup(str(run), {"rules": "megatron_1d"})  # an explicit choice wins, quietly
+    assert s.rules.source.endswith("megatron_1d.yaml") and not capsys.readouterr().err
+
+
+def test_a_run_started_from_init_from_samples_after_the_file_is_gone(trained_workdir, tmp_path):
+    def started_from_a_file(meta):
+        meta["config"]["init_from"] = str(tmp_path / "gone.npz")
+
+    run = _copy_editing_meta(trained_workdir, tmp_path, started_from_a_file)
+    _, _, config = restore.saved_config(str(run), {})
+    assert config.init_from == ""  # only a fresh run reads it
+    restore.load_setup(str(run), {})
+
+
+def test_readers_simulate_the_devices_the_run_was_saved_on(trained_workdir, tmp_path):
+    def on_four_devices(meta):
+        meta["mesh"] = meta["config"]["mesh"] = "dp=4,mp=1"
+        meta["config"]["host_device_count"] = 4
+
+    run = _copy_editing_meta(trained_workdir, tmp_path, on_four_devices)
+    assert restore.device_count_from_argv(["generate", f"--workdir={run}"]) == 4
+    assert restore.device_count_from_argv(["generate", "--workdir", str(run), "--config.mesh=dp=2,mp=1"]) == 2
+    assert restore.device_count_from_argv(["generate", f"--workdir={tmp_path / 'none'}"]) == 8
+    assert restore.reader_device_count(str(trained_workdir)) == 8
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as a user runs it
+    result = subprocess.run(
+        [sys.executable, "-m", "gspmd_tp.generate", f"--workdir={run}", "--prompt=x", "--max_new_tokens=2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "| mesh dp=4,mp=1 |" in result.stderr
