@@ -153,6 +153,18 @@ def test_cli_json_compare_chart_and_hlo_dump(tmp_path):
     ]
 
 
+def _plan_cli_error(flags: list[str]) -> str:
+    """The one error line of a plan CLI run that must stop on user input, before printing anything."""
+    run = subprocess.run(
+        [sys.executable, "-m", "gspmd_tp.plan", "--config=configs/tiny.py", *flags],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and run.stdout == "", (flags, run.stderr[-2000:])
+    return errors[0]
+
+
 def test_cli_compare_input_mistakes_are_one_line_errors_before_compiling(tmp_path):
     chart = tmp_path / "plan.png"
     for flags, message in [
@@ -161,14 +173,8 @@ def test_cli_compare_input_mistakes_are_one_line_errors_before_compiling(tmp_pat
         (["--compare=megatron_1d", "--meshes=dp=2, mp=4"], "mesh 'dp=2,': expected NAME=SIZE items"),
         (["--meshes=dp=2,mp=4"], "--meshes=dp=2,mp=4 is for --compare"),
     ]:
-        run = subprocess.run(
-            [sys.executable, "-m", "gspmd_tp.plan", "--config=configs/tiny.py", *flags],
-            cwd=ROOT, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
-        errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
-        assert len(errors) == 1 and message in errors[0], (flags, run.stderr[-2000:])
-        assert run.stdout == "" and not chart.exists()
+        assert message in _plan_cli_error(flags), flags
+        assert not chart.exists()
 
 
 def test_cli_unwritable_outputs_are_one_line_errors_before_compiling():
@@ -176,14 +182,7 @@ def test_cli_unwritable_outputs_are_one_line_errors_before_compiling():
         (["--compare=megatron_1d", "--chart=/dev/null/plan.png"], "--chart=/dev/null/plan.png"),
         (["--dump_hlo=/dev/null/hlo"], "--dump_hlo=/dev/null/hlo"),
     ]:
-        run = subprocess.run(
-            [sys.executable, "-m", "gspmd_tp.plan", "--config=configs/tiny.py", *flags],
-            cwd=ROOT, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
-        last = run.stderr.strip().splitlines()[-1]
-        assert last == f"error: {message}: /dev/null is a file, not a directory"
-        assert run.stdout == ""
+        assert _plan_cli_error(flags) == f"error: {message}: /dev/null is a file, not a directory"
 
 
 def test_sequence_parallel_gathers_and_scatters_instead_of_all_reducing():
