@@ -268,7 +268,10 @@ def make_train_step(s: Setup):
             params = jax.tree.map(keep, params, state.params)
             opt_state = jax.tree.map(keep, opt_state, state.opt_state)
         new_state = state_lib.TrainState(step=state.step + 1, params=params, opt_state=opt_state)
-        stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": s.schedule(state.step)}
+        # The rate this update used: the optimizer's own step count, which a skipped step leaves.
+        counts = optax.tree_utils.tree_get_all_with_path(state.opt_state, "count")
+        lr = s.schedule(counts[0][1] if counts else state.step)
+        stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr}
         return new_state, stats
 
     replicated = state_lib.replicated(s.mesh)

@@ -14,7 +14,7 @@ import pytest
 from conftest import small_config
 from test_train_cli import ROOT, SMALL, train
 
-from gspmd_tp import checkpoint, trainer
+from gspmd_tp import checkpoint, optim, trainer
 from gspmd_tp.errors import UserError
 
 RUN_FOREVER = ["--config.steps=100000", "--config.log_every=1", "--config.eval_every=100000"]
@@ -291,8 +291,13 @@ def test_non_finite_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_
 
 
 def test_skip_nonfinite_steps_keeps_the_old_state(tmp_path):
-    last = trainer.train(small_config(steps=4, skip_nonfinite_steps=True, **EXPLODE), str(tmp_path))
+    c = small_config(steps=4, skip_nonfinite_steps=True, **EXPLODE)
+    last = trainer.train(c, str(tmp_path))
     assert last["skipped_steps"] == 2  # steps 3 and 4
+    # Step 4 updated (or would have) at the rate of the optimizer's third update, as step 3 did.
+    schedule = optim.make_schedule(c.optim, c.steps)
+    assert last["learning_rate"] == pytest.approx(float(schedule(2)))
+    assert float(schedule(2)) != pytest.approx(float(schedule(3)))
     at_2, at_4 = np.load(_export(tmp_path, 2)), np.load(_export(tmp_path, 4))
     for k in at_2.files:
         np.testing.assert_array_equal(at_4[k], at_2[k])
