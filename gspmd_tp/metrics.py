@@ -43,6 +43,10 @@ def mfu(flops_per_token: float, tokens_per_sec: float, num_devices: int, peak: f
     return flops_per_token * tokens_per_sec / (peak * num_devices)
 
 
+def _json_number(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl and mirrors it to TensorBoard.
 
@@ -61,11 +65,12 @@ class MetricsWriter:
             self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
     def write(self, step: int, metrics: dict) -> None:
-        """Records `metrics` for `step` (None and non-finite values are kept in JSON only)."""
+        """Records `metrics` for `step`. A None or non-finite value goes to JSON only, as null:
+        NaN and Infinity are not JSON, and strict readers (jq, JavaScript) reject the line."""
         if not self.enabled:
             return
-        row = {"step": int(step), **metrics}
-        self._jsonl.write(json.dumps(row) + "\n")
+        row = {"step": int(step), **{k: _json_number(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
         self._jsonl.flush()
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
