@@ -2,7 +2,8 @@
 
     python train.py --config=configs/gpt2_small.py --workdir=runs/gpt2_small
 
-With byte tokens (vocab 256) it has 113M parameters; GPT-2's 50k vocabulary would make it 124M.
+With byte tokens (vocab 256) it has 113M parameters; GPT-2's 50,257-token vocabulary would make it
+152M (GPT-2's own 124M has a 4x GELU MLP where this one has SwiGLU).
 Defaults to FSDP over every device (mesh dp=-1,mp=1), which fits any device count; for Megatron
 tensor parallelism inside a host: --config.rules=megatron_1d --config.mesh=dp=-1,mp=4 (12 heads
 divide by 2, 4, 6 or 12).

@@ -47,7 +47,7 @@ RUN_IDENTITY = (
     "data.eval_fraction",
 )
 # Model keys that change how the model computes, not what its parameters are: they may differ.
-FREE_MODEL_KEYS = ("dtype", "remat", "attention", "projection_grad")
+FREE_MODEL_KEYS = ("dtype", "remat", "attention", "attention_block", "projection_grad")
 
 
 def checkpoint_dir(workdir: str) -> str:

@@ -121,9 +121,9 @@ class ModelConfig:
                 f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads "
                 f"({self.num_kv_heads})"
             )
-        if self.rope_theta <= 0:
+        if not self.rope_theta > 0:  # "not >" so that NaN is refused too
             problems.append(f"model.rope_theta must be positive, got {self.rope_theta}")
-        if self.norm_eps < 0:
+        if not self.norm_eps >= 0:
             problems.append(f"model.norm_eps must be 0 or more, got {self.norm_eps}")
         if self.head_dim % 2:
             problems.append(f"model.head_dim must be even for rotary embedding, got {self.head_dim}")

@@ -264,3 +264,16 @@ def test_init_from_that_is_not_an_npz_is_one_line(tmp_path, content):
     with pytest.raises(UserError, match=rf"config.init_from={path} is not a readable .npz") as e:
         checkpoint.import_params(str(path), s.abstract_state.params)
     assert "\n" not in str(e.value)
+
+
+def test_keys_that_do_not_change_the_parameters_may_differ_on_resume():
+    saved = trainer.model_config(small_config()).__dict__.copy()
+
+    def model(key, value):
+        return trainer.model_config(small_config(**{f"model.{key}": value}))
+
+    free = [("attention_block", 16), ("remat", "full"), ("attention", "xla"), ("dtype", "bfloat16")]
+    for key, value in free:
+        checkpoint.check_model_matches(saved, model(key, value), "run")
+    with pytest.raises(UserError, match="different model"):
+        checkpoint.check_model_matches(saved, model("mlp_dim", 256), "run")

@@ -235,6 +235,7 @@ def test_config_validation_names_the_problem():
         "model.rope_theta must be positive, got 0.0",
         "model.norm_eps must be 0 or more, got -1e-05",
     ]
+    assert len(ModelConfig(rope_theta=float("nan"), norm_eps=float("nan")).validate()) == 2
 
 
 def test_dot_product_attention_equals_the_einsum_path():
