@@ -154,11 +154,19 @@ def load_setup(
     """(step, meta, Setup) for the run in workdir: config, rule file and mesh checked, nothing compiled.
 
     A rule file that is no longer where the run found it (another cwd, a moved file) is replaced by
-    the copy saved in the checkpoint, with a note on stderr, unless --config.rules names one.
+    the copy saved in the checkpoint, with a note on stderr, unless --config.rules names one. So is
+    cuDNN attention away from a GPU, by the einsum path that computes the same.
     """
+    import jax
+
     from gspmd_tp import checkpoint, trainer
 
     step, meta, config = saved_config(workdir, overrides, step)
+    if config.model.attention == "cudnn" and "model.attention" not in overrides:
+        platform = jax.devices()[0].platform
+        if platform != "gpu":
+            _stderr(f"note: the run trained with cuDNN attention; read on {platform} with einsum attention")
+            config.model.attention = "einsum"
     saved_text = meta.get("rules", {}).get("text")
     if "rules" not in overrides and saved_text and not _rule_file_found(config.rules):
         s = _setup_with_saved_rules(config, meta, step)

@@ -201,6 +201,21 @@ def test_a_rule_file_that_moved_is_read_from_the_checkpoint(trained_workdir, tmp
     assert s.rules.source.endswith("megatron_1d.yaml") and not capsys.readouterr().err
 
 
+def test_a_run_trained_with_cudnn_attention_is_read_with_einsum_on_cpu(trained_workdir, tmp_path, capsys):
+    def trained_on_a_gpu(meta):
+        meta["model"]["attention"] = meta["config"]["model"]["attention"] = "cudnn"
+        meta["model"]["dtype"] = meta["config"]["model"]["dtype"] = "bfloat16"
+
+    run = _copy_editing_meta(trained_workdir, tmp_path, trained_on_a_gpu)
+    _, _, s = restore.load_setup(str(run), {})
+    assert s.model_cfg.attention == "einsum"
+    assert capsys.readouterr().err.strip() == (
+        "note: the run trained with cuDNN attention; read on cpu with einsum attention"
+    )
+    with pytest.raises(UserError, match="needs GPU devices"):  # asked for by name: refused as before
+        restore.load_setup(str(run), {"model.attention": "cudnn"})
+
+
 def test_a_run_started_from_init_from_samples_after_the_file_is_gone(trained_workdir, tmp_path):
     def started_from_a_file(meta):
         meta["config"]["init_from"] = str(tmp_path / "gone.npz")
