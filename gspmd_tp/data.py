@@ -188,8 +188,9 @@ class BatchStream:
     """An endless MapDataset read as global batches; iterate it for this process's rows of each.
 
     Global batch i is examples [i * B, (i + 1) * B) of the stream and process p reads its contiguous
-    rows [p * B / P, (p + 1) * B / P) of it. A position is therefore a global example index: it
-    means the same thing for any process count, mesh and batch size.
+    rows [p * B / P, (p + 1) * B / P) of it, or `rows` = (first, count) where given (process_rows:
+    the rows its devices hold). A position is therefore a global example index: it means the same
+    thing for any process count, mesh and batch size.
     """
 
     def __init__(
@@ -199,10 +200,11 @@ class BatchStream:
         process_index: int,
         process_count: int,
         batches_per_pass: int | None = None,
+        rows: tuple[int, int] | None = None,
     ):
         self.ds, self.global_batch = ds, global_batch
-        self.rows = global_batch // process_count
-        self.first_row = process_index * self.rows
+        per_process = global_batch // process_count
+        self.first_row, self.rows = rows or (process_index * per_process, per_process)
         # Batches before the stream repeats an example (None: not counted, as for training).
         self.batches_per_pass = batches_per_pass
 
@@ -293,7 +295,13 @@ class Prefetcher:
 
 
 def train_dataset(
-    tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, process_index: int, process_count: int
+    tokens: np.ndarray,
+    seq_len: int,
+    global_batch: int,
+    seed: int,
+    process_index: int,
+    process_count: int,
+    rows: tuple[int, int] | None = None,
 ) -> BatchStream:
     """Shuffled (reshuffled each epoch), endless global batches; this process reads its rows."""
     windows = PackedWindows(tokens, seq_len)
@@ -304,11 +312,16 @@ def train_dataset(
             f"config.batch_size or config.seq_len"
         )
     ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat(None)
-    return BatchStream(ds, global_batch, process_index, process_count)
+    return BatchStream(ds, global_batch, process_index, process_count, rows=rows)
 
 
 def eval_dataset(
-    tokens: np.ndarray, seq_len: int, global_batch: int, process_index: int, process_count: int
+    tokens: np.ndarray,
+    seq_len: int,
+    global_batch: int,
+    process_index: int,
+    process_count: int,
+    rows: tuple[int, int] | None = None,
 ) -> BatchStream:
     """The held-out windows in a fixed order (repeated if there are fewer than one batch); its
     `batches_per_pass` counts the whole batches in one pass over them (at least 1)."""
@@ -325,11 +338,32 @@ def eval_dataset(
         process_index,
         process_count,
         batches_per_pass=max(len(windows) // global_batch, 1),
+        rows=rows,
     )
 
 
-def global_batch(local: dict[str, np.ndarray], sharding) -> jax.Array:
-    """The global (batch, seq_len + 1) token array assembled from every process's local rows."""
+def process_rows(sharding, global_batch: int) -> tuple[int, int]:
+    """(first row, row count) of a global batch that this process's devices hold under `sharding`.
+
+    With fewer batch shards than processes (tensor parallelism across hosts) processes share rows,
+    and each reads all of its own.
+    """
+    spans = {
+        (index[0].start or 0, global_batch if index[0].stop is None else index[0].stop)
+        for index in sharding.addressable_devices_indices_map((global_batch, 1)).values()
+    }
+    first, stop = min(a for a, _ in spans), max(b for _, b in spans)
+    if sum(b - a for a, b in spans) != stop - first:
+        raise UserError(
+            f"process {jax.process_index()}'s devices hold rows {sorted(spans)} of the batch, not one "
+            "contiguous block; order the mesh so that each process's devices are neighbours"
+        )
+    return first, stop - first
+
+
+def global_batch(local: dict[str, np.ndarray], sharding, batch_size: int | None = None) -> jax.Array:
+    """The global (batch_size, seq_len + 1) token array assembled from every process's local rows
+    (default batch_size: the local rows times the process count)."""
     tokens = np.asarray(local["tokens"], np.int32)
-    global_shape = (tokens.shape[0] * jax.process_count(),) + tokens.shape[1:]
-    return jax.make_array_from_process_local_data(sharding, tokens, global_shape)
+    rows = batch_size or tokens.shape[0] * jax.process_count()
+    return jax.make_array_from_process_local_data(sharding, tokens, (rows,) + tokens.shape[1:])

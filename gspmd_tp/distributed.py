@@ -17,6 +17,15 @@ def initialize(
     waiting forever in a collective."""
     if jax.distributed.is_initialized():
         return
+    if num_processes < 1:
+        raise UserError(f"--num_processes={num_processes}: must be 1 or more")
+    if heartbeat_timeout_s < 1:
+        raise UserError(f"--heartbeat_timeout_s={heartbeat_timeout_s}: must be 1 or more")
+    host, _, port = coordinator_address.rpartition(":")
+    if coordinator_address and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise UserError(
+            f"--coordinator_address={coordinator_address!r}: expected HOST:PORT, e.g. 10.0.0.1:1234"
+        )
     explicit = coordinator_address or num_processes > 1
     if explicit and not (coordinator_address and num_processes > 1 and 0 <= process_id < num_processes):
         raise UserError(
@@ -27,15 +36,23 @@ def initialize(
         return
     # CPU processes exchange collectives over gloo; accelerators bring their own transport.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if explicit:
-        jax.distributed.initialize(
-            coordinator_address,
-            num_processes=num_processes,
-            process_id=process_id,
-            heartbeat_timeout_seconds=heartbeat_timeout_s,
-            shutdown_timeout_seconds=heartbeat_timeout_s,
+    timeouts = {
+        "heartbeat_timeout_seconds": heartbeat_timeout_s,
+        "shutdown_timeout_seconds": heartbeat_timeout_s,
+    }
+    try:
+        if explicit:
+            jax.distributed.initialize(
+                coordinator_address, num_processes=num_processes, process_id=process_id, **timeouts
+            )
+        else:
+            jax.distributed.initialize(**timeouts)
+    except (ValueError, RuntimeError) as e:
+        # No cluster environment for --distributed, a coordinator port already taken, ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        how = (
+            "--distributed (no TPU pod or SLURM job found?)"
+            if not explicit
+            else f"--coordinator_address={coordinator_address}"
         )
-    else:
-        jax.distributed.initialize(
-            heartbeat_timeout_seconds=heartbeat_timeout_s, shutdown_timeout_seconds=heartbeat_timeout_s
-        )
+        raise UserError(f"{how}: joining the job failed: {first}") from None

@@ -318,7 +318,7 @@ def evaluate(s: Setup, eval_step, params, dataset, stop=lambda: False) -> float 
     for _ in range(eval_batch_count(s, dataset)):
         if stop():
             return None
-        loss_sum, n = eval_step(params, data.global_batch(next(it), s.batch_sharding))
+        loss_sum, n = eval_step(params, data.global_batch(next(it), s.batch_sharding, s.config.batch_size))
         total, count = total + float(loss_sum), count + float(n)
     return total / count
 
@@ -355,8 +355,9 @@ def train(config, workdir: str) -> dict:
 
     train_tokens, eval_tokens = data.load_corpus(c.data)
     pid, pcount = jax.process_index(), jax.process_count()
-    train_ds = data.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, pid, pcount)
-    eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, pid, pcount)
+    rows = data.process_rows(s.batch_sharding, c.batch_size)
+    train_ds = data.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, pid, pcount, rows)
+    eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, pid, pcount, rows)
     if eval_batch_count(s, eval_ds) < c.eval_batches:
         log(
             f"config.eval_batches={c.eval_batches} is more than the held-out split's "
@@ -438,7 +439,8 @@ def train(config, workdir: str) -> dict:
         with state_lib.sharding_context(s.mesh, s.rules), faults.StopSignal(log) as stop:
             # Read ahead only once a stop signal is handled: one that comes while a batch is being
             # read must save and stop, not kill the run.
-            batches = data.Prefetcher(data_iter, lambda b: data.global_batch(b, s.batch_sharding), depth)
+            place = lambda b: data.global_batch(b, s.batch_sharding, c.batch_size)  # noqa: E731
+            batches = data.Prefetcher(data_iter, place, depth)
             for step in range(start + 1, c.steps + 1):
                 t = time.perf_counter()
                 batch = next(batches)

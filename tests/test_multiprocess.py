@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -80,7 +81,9 @@ def test_two_processes_match_one_and_checkpoints_move_both_ways(tmp_path):
 
     run = tmp_path / "mixed"
     finish(start(run, 2, processes=1))  # 1 process x 8 devices
-    outs = finish(start(run, 4))  # resumed by 2 processes x 4 devices
+    # Resumed by 2 processes x 4 devices, tensor parallel across both: every device needs every row,
+    # so each process reads the whole batch, not half of it.
+    outs = finish(start(run, 4, "--config.rules=megatron_1d", "--config.mesh=dp=1,mp=8"))
     assert "resumed from step 2" in outs[0][0]
     assert not [ln for ln in outs[1][0].splitlines() if ln.startswith(("step", "gspmd_tp", "resumed"))]
     finish(start(run, 6, processes=1))  # and back to 1 process
@@ -130,3 +133,21 @@ def test_a_silent_peer_ends_the_job_after_the_heartbeat_timeout(tmp_path):
     assert procs[0].returncode != 0
     assert time.time() - stopped < 40, time.time() - stopped
     assert JAX_S in err or any(line.startswith(OURS) for line in err.splitlines()), err[-2000:]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("", 0, 0, False, 100), "--num_processes=0: must be 1 or more"),
+        (("", 1, 0, False, 0), "--heartbeat_timeout_s=0: must be 1 or more"),
+        (("nohost", 2, 0, False, 100), "--coordinator_address='nohost': expected HOST:PORT"),
+        (("127.0.0.1:99999", 2, 0, False, 100), "--coordinator_address='127.0.0.1:99999'"),
+        (("127.0.0.1:1234", 2, 2, False, 100), "all three are needed, with 0 <= process_id < num_processes"),
+    ],
+)
+def test_bad_job_flags_are_named_before_joining(args, message):
+    from gspmd_tp import distributed
+    from gspmd_tp.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        distributed.initialize(*args)

@@ -129,11 +129,11 @@ def test_interrupted_run_sees_the_same_examples_also_on_another_mesh(tmp_path, m
     placed = []  # per run, the batches in the order the input thread placed them (it reads ahead)
     original = data.global_batch
 
-    def recording(local, sharding):
+    def recording(local, sharding, batch_size=None):
         placed[-1].append(local["id"].tolist())
         if stop_after and len(placed[-1]) == stop_after:
             os.kill(os.getpid(), signal.SIGTERM)  # as a preemption would: the run saves and returns
-        return original(local, sharding)
+        return original(local, sharding, batch_size)
 
     monkeypatch.setattr(data, "global_batch", recording)
     monkeypatch.setattr(trainer, "evaluate", lambda *args: None)  # held-out batches are not training data
