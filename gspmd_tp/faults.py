@@ -26,7 +26,9 @@ class StopSignal:
 
     def __init__(self, log):
         self._log = log
-        self.signal_name: str | None = None
+        self.signal_name: str | None = None  # the signal this process received
+        self.stopped_by: str | None = None  # what stopped the run: this signal, or a peer's
+        self._signum = 0
         self._previous: dict = {}
 
     def __enter__(self) -> StopSignal:
@@ -48,7 +50,8 @@ class StopSignal:
             # The user (or the scheduler) insists: no checkpoint, no cleanup, the shell's exit code.
             print(f"received {name} again: exiting at once without saving", file=sys.stderr, flush=True)
             os._exit(128 + signum)
-        self.signal_name = name
+        self.signal_name = self.stopped_by = name
+        self._signum = signum
         self._log(
             f"received {name}: saving a checkpoint at the next step boundary, then stopping "
             "(send again to exit at once)"
@@ -63,7 +66,12 @@ class StopSignal:
         # one tiny all-gather per step, only on multi-process runs.
         from jax.experimental import multihost_utils
 
-        return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
+        signums = multihost_utils.process_allgather(np.int32(self._signum))
+        senders = [i for i, signum in enumerate(signums) if signum]
+        if senders:
+            first = senders[0]
+            self.stopped_by = f"{signal.Signals(int(signums[first])).name} on process {first}"
+        return bool(senders)
 
 
 class NonFiniteWatch:

@@ -468,7 +468,7 @@ def train(config, workdir: str) -> dict:
                         pending = None
                     mngr.wait_until_finished()  # synchronous: the process may be killed soon after
                     log(
-                        f"stopped by {stop.signal_name} after step {step}: checkpoint saved; "
+                        f"stopped by {stop.stopped_by} after step {step}: checkpoint saved; "
                         "run again to resume"
                     )
                     last_row = {**last_row, "step": step, "stopped": True}

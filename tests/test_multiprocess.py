@@ -119,6 +119,16 @@ def test_a_dead_peer_ends_the_job_with_a_clear_error(tmp_path):
     assert any(line.startswith(OURS) for line in err.splitlines()) or JAX_S in err, err[-2000:]
 
 
+def test_a_stop_signal_to_one_process_stops_both_at_one_step(tmp_path):
+    procs = start(tmp_path / "run", 100_000, "--config.checkpoint_every=100000")
+    wait_for_training(tmp_path / "run")
+    procs[1].send_signal(signal.SIGTERM)
+    (out, _), _ = finish(procs)
+    stopped = re.search(r"stopped by SIGTERM on process 1 after step (\d+): checkpoint saved", out)
+    assert stopped, out[-2000:]
+    assert os.listdir(tmp_path / "run" / "checkpoints") == [stopped.group(1)]
+
+
 def test_a_silent_peer_ends_the_job_after_the_heartbeat_timeout(tmp_path):
     # A stopped process keeps its sockets open: only --heartbeat_timeout_s (default 100 s) ends this.
     procs = start(tmp_path / "run", 100_000, "--config.checkpoint_every=100000", "--heartbeat_timeout_s=5")
