@@ -475,12 +475,20 @@ def train(config, workdir: str) -> dict:
                     break
             if pending is not None:
                 report(*pending)
+    except Exception as e:
+        if jax.process_count() > 1 and not isinstance(e, UserError):
+            # A failed step of a multi-process job: a peer is almost surely gone, and a save in
+            # flight would wait for it in its own collectives until the coordination service
+            # aborts. The caller exits instead; the next start removes the unfinished save.
+            mngr = None
+        raise
     finally:
         if batches is not None:
             batches.close()
         # Also on an error: let a save in flight finish, so the newest checkpoint on disk is complete.
-        mngr.wait_until_finished()
-        mngr.close()
+        if mngr is not None:
+            mngr.wait_until_finished()
+            mngr.close()
         writer.close()
     log(
         f"done: metrics in {os.path.join(workdir, 'metrics.jsonl')}, TensorBoard events in "
