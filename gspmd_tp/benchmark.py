@@ -24,6 +24,7 @@ from gspmd_tp import hlo, metrics, restore, trainer
 from gspmd_tp import rules as rules_lib
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
+from gspmd_tp.mesh import mesh_file_name
 from gspmd_tp.model import Transformer, flops_per_token
 
 
@@ -238,11 +239,6 @@ def compare_variants(prepared: list[tuple], rounds: int, round_steps: int, warmu
     ]
 
 
-def mesh_dir(mesh: str) -> str:
-    """A mesh string as part of a directory name: "dp=2,mp=4" -> "dp2_mp4"."""
-    return mesh.replace(" ", "").replace("=", "").replace(",", "_")
-
-
 def run(
     config,
     rules_list: list[str],
@@ -290,7 +286,7 @@ def run(
         if variants:
             results.extend(compare_variants(prep, rounds, round_steps, warmup))
             continue
-        where = os.path.join(profile_dir, f"{names[rules]}_{mesh_dir(mesh)}") if profile_dir else ""
+        where = os.path.join(profile_dir, f"{names[rules]}_{mesh_file_name(mesh)}") if profile_dir else ""
         results.append(bench_one(*prep, steps, warmup, where, phases))
     rates = {name: max(rate, matmul_rate(dtypes[name])) for name, rate in rates.items()}
     roofline = max(rates.values()) if rates else None

@@ -191,9 +191,10 @@ def readable_checkpoints(workdir: str, warn=print) -> list[tuple[int, dict]]:
         try:
             found.append((step, read_step_meta(path)))
         except Exception as e:  # noqa: BLE001 - sorted into damage and the rest just below
-            if damage(e) is None:
+            why = damage(e)
+            if why is None:
                 raise UserError(f"{path}: cannot read its metadata ({short_error(e)})") from None
-            warn(f"warning: skipping checkpoint {path}: partial or corrupted ({damage(e)})")
+            warn(f"warning: skipping checkpoint {path}: partial or corrupted ({why})")
             damaged.append(step)
     if found:
         return found

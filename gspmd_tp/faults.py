@@ -26,9 +26,8 @@ class StopSignal:
 
     def __init__(self, log):
         self._log = log
-        self.signal_name: str | None = None  # the signal this process received
-        self.stopped_by: str | None = None  # what stopped the run: this signal, or a peer's
-        self._signum = 0
+        self._signum = 0  # the signal this process received, 0 for none
+        self.stopped_by: str | None = None  # what stopped the run: this process's signal, or a peer's
         self._previous: dict = {}
 
     def __enter__(self) -> StopSignal:
@@ -46,12 +45,11 @@ class StopSignal:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.signal_name is not None:
+        if self._signum:
             # The user (or the scheduler) insists: no checkpoint, no cleanup, the shell's exit code.
             print(f"received {name} again: exiting at once without saving", file=sys.stderr, flush=True)
             os._exit(128 + signum)
-        self.signal_name = self.stopped_by = name
-        self._signum = signum
+        self._signum, self.stopped_by = signum, name
         self._log(
             f"received {name}: saving a checkpoint at the next step boundary, then stopping "
             "(send again to exit at once)"
@@ -59,9 +57,8 @@ class StopSignal:
 
     def requested(self) -> bool:
         """True once a stop signal arrived (on any process, when there are several)."""
-        local = self.signal_name is not None
         if jax.process_count() == 1:
-            return local
+            return bool(self._signum)
         # Every process must stop at the same step or the collective save deadlocks; this costs
         # one tiny all-gather per step, only on multi-process runs.
         from jax.experimental import multihost_utils

@@ -113,13 +113,20 @@ def tune_malloc() -> bool:
     )
 
 
+def flag_from_argv(argv: list[str], name: str) -> str | None:
+    """The value of --name=VALUE or --name VALUE (absl's space form) in argv, the last one given as
+    absl takes it, else None: for what must be known before the flags are parsed."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"{name}="):
+            value = arg.split("=", 1)[1]
+        elif arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
 def count_from_argv(argv: list[str], default: int) -> int:
     """The value of a --config.host_device_count=N argument, else `default` (read before parsing)."""
-    for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--config.host_device_count=") else None
-        if arg == "--config.host_device_count" and i + 1 < len(argv):
-            value = argv[i + 1]  # absl's space form
-        if value is not None:
-            # A value that is no integer is left to the flag parser, which names it in one line.
-            return int(value) if value.strip().lstrip("-").isdigit() else default
-    return default
+    value = flag_from_argv(argv, "--config.host_device_count")
+    # A value that is no integer is left to the flag parser, which names it in one line.
+    return int(value) if value is not None and value.strip().lstrip("-").isdigit() else default

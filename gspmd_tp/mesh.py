@@ -84,3 +84,8 @@ def _hybrid(shape, mesh_axes, devices, slices: int, spec: str):
 def mesh_string(mesh: Mesh) -> str:
     """The inverse of parse_mesh: "dp=2,mp=4"."""
     return ",".join(f"{n}={s}" for n, s in mesh.shape.items())
+
+
+def mesh_file_name(mesh: str) -> str:
+    """A mesh string as part of a file or directory name: "dp=2,mp=4" -> "dp2_mp4"."""
+    return mesh.replace(" ", "").replace("=", "").replace(",", "_")

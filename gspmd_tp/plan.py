@@ -42,7 +42,7 @@ import numpy as np
 
 from gspmd_tp import axes, hlo, outputs, trainer
 from gspmd_tp.errors import UserError
-from gspmd_tp.mesh import mesh_string, parse_mesh
+from gspmd_tp.mesh import mesh_file_name, mesh_string, parse_mesh
 from gspmd_tp.rules import IndivisibleError, axes_of, short_names
 from gspmd_tp.state import logical_specs, path_str
 
@@ -251,7 +251,7 @@ def plan(
     if dump_hlo:
         os.makedirs(dump_hlo, exist_ok=True)
         label = label or os.path.basename(s.rules.source).removesuffix(".yaml")
-        name = f"{label}_{mesh.replace('=', '').replace(',', '_')}.hlo.txt"
+        name = f"{label}_{mesh_file_name(mesh)}.hlo.txt"
         with open(os.path.join(dump_hlo, name), "w") as f:
             f.write(text)
     n = s.mesh.size

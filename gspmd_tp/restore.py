@@ -258,17 +258,6 @@ def saved_device_count(workdir: str, step: int | None = None) -> int | None:
     return None
 
 
-def _flag(argv: list[str], name: str) -> str | None:
-    """The value of --name=VALUE or --name VALUE in argv (the last one given), else None."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg.startswith(f"{name}="):
-            value = arg.split("=", 1)[1]
-        elif arg == name and i + 1 < len(argv):
-            value = argv[i + 1]
-    return value
-
-
 def reader_device_count(workdir: str | None, mesh: str | None = None, step: int | None = None) -> int:
     """Devices for a command reading a run: those `mesh` spans where it gives every size, else those
     checkpoint `step` (default: the newest) of `workdir` was saved on, else 8."""
@@ -278,4 +267,6 @@ def reader_device_count(workdir: str | None, mesh: str | None = None, step: int 
 def device_count_from_argv(argv: list[str]) -> int:
     """reader_device_count for the --workdir and --config.mesh of argv. (--config.host_device_count,
     read by host_devices.count_from_argv, overrides it.)"""
-    return reader_device_count(_flag(argv, "--workdir"), _flag(argv, "--config.mesh"))
+    from gspmd_tp.host_devices import flag_from_argv
+
+    return reader_device_count(flag_from_argv(argv, "--workdir"), flag_from_argv(argv, "--config.mesh"))

@@ -435,6 +435,7 @@ def train(config, workdir: str) -> dict:
         window.update(start=time.perf_counter(), data_wait=later)
 
     pending = None  # a logged step whose stats are read once the next step is dispatched
+    finish_saves = True
     try:
         with state_lib.sharding_context(s.mesh, s.rules), faults.StopSignal(log) as stop:
             # Read ahead only once a stop signal is handled: one that comes while a batch is being
@@ -476,17 +477,16 @@ def train(config, workdir: str) -> dict:
             if pending is not None:
                 report(*pending)
     except Exception as e:
-        if jax.process_count() > 1 and not isinstance(e, UserError):
-            # A failed step of a multi-process job: a peer is almost surely gone, and a save in
-            # flight would wait for it in its own collectives until the coordination service
-            # aborts. The caller exits instead; the next start removes the unfinished save.
-            mngr = None
+        # A failed step of a multi-process job: a peer is almost surely gone, and a save in flight
+        # would wait for it in its own collectives until the coordination service aborts. The
+        # caller exits instead; the next start removes the unfinished save.
+        finish_saves = jax.process_count() == 1 or isinstance(e, UserError)
         raise
     finally:
         if batches is not None:
             batches.close()
         # Also on an error: let a save in flight finish, so the newest checkpoint on disk is complete.
-        if mngr is not None:
+        if finish_saves:
             mngr.wait_until_finished()
             mngr.close()
         writer.close()
