@@ -187,24 +187,21 @@ class PackedWindows:
 class BatchStream:
     """An endless MapDataset read as global batches; iterate it for this process's rows of each.
 
-    Global batch i is examples [i * B, (i + 1) * B) of the stream and process p reads its contiguous
-    rows [p * B / P, (p + 1) * B / P) of it, or `rows` = (first, count) where given (process_rows:
-    the rows its devices hold). A position is therefore a global example index: it means the same
-    thing for any process count, mesh and batch size.
+    Global batch i is examples [i * B, (i + 1) * B) of the stream, and this process reads its
+    contiguous `rows` = (first, count) of each (process_rows: the rows its devices hold; default all
+    of them). A position is therefore a global example index: it means the same thing for any
+    process count, mesh and batch size.
     """
 
     def __init__(
         self,
         ds: grain.MapDataset,
         global_batch: int,
-        process_index: int,
-        process_count: int,
-        batches_per_pass: int | None = None,
         rows: tuple[int, int] | None = None,
+        batches_per_pass: int | None = None,
     ):
         self.ds, self.global_batch = ds, global_batch
-        per_process = global_batch // process_count
-        self.first_row, self.rows = rows or (process_index * per_process, per_process)
+        self.first_row, self.rows = rows or (0, global_batch)
         # Batches before the stream repeats an example (None: not counted, as for training).
         self.batches_per_pass = batches_per_pass
 
@@ -299,11 +296,10 @@ def train_dataset(
     seq_len: int,
     global_batch: int,
     seed: int,
-    process_index: int,
-    process_count: int,
     rows: tuple[int, int] | None = None,
 ) -> BatchStream:
-    """Shuffled (reshuffled each epoch), endless global batches; this process reads its rows."""
+    """Shuffled (reshuffled each epoch), endless global batches; this process reads `rows` (first,
+    count) of each, by default all of them."""
     windows = PackedWindows(tokens, seq_len)
     if len(windows) < global_batch:
         raise UserError(
@@ -312,19 +308,17 @@ def train_dataset(
             f"config.batch_size or config.seq_len"
         )
     ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat(None)
-    return BatchStream(ds, global_batch, process_index, process_count, rows=rows)
+    return BatchStream(ds, global_batch, rows)
 
 
 def eval_dataset(
     tokens: np.ndarray,
     seq_len: int,
     global_batch: int,
-    process_index: int,
-    process_count: int,
     rows: tuple[int, int] | None = None,
 ) -> BatchStream:
-    """The held-out windows in a fixed order (repeated if there are fewer than one batch); its
-    `batches_per_pass` counts the whole batches in one pass over them (at least 1)."""
+    """The held-out windows in a fixed order (repeated if there are fewer than one batch), read as
+    train_dataset reads; `batches_per_pass` counts the whole batches in one pass (at least 1)."""
     windows = PackedWindows(tokens, seq_len)
     if len(windows) == 0:
         raise UserError(
@@ -335,10 +329,8 @@ def eval_dataset(
     return BatchStream(
         grain.MapDataset.source(windows).repeat(None),
         global_batch,
-        process_index,
-        process_count,
+        rows,
         batches_per_pass=max(len(windows) // global_batch, 1),
-        rows=rows,
     )
 
 

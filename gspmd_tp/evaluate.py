@@ -44,9 +44,7 @@ def evaluate_params(s: trainer.Setup, params) -> dict:
     c = s.config
     _, eval_tokens = data.load_corpus(c.data)
     rows = data.process_rows(s.batch_sharding, c.batch_size)
-    eval_ds = data.eval_dataset(
-        eval_tokens, c.seq_len, c.batch_size, jax.process_index(), jax.process_count(), rows
-    )
+    eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
     with state_lib.sharding_context(s.mesh, s.rules):
         loss = trainer.evaluate(s, trainer.make_eval_step(s), params, eval_ds)
     batches = trainer.eval_batch_count(s, eval_ds)

@@ -354,10 +354,9 @@ def train(config, workdir: str) -> dict:
     )
 
     train_tokens, eval_tokens = data.load_corpus(c.data)
-    pid, pcount = jax.process_index(), jax.process_count()
     rows = data.process_rows(s.batch_sharding, c.batch_size)
-    train_ds = data.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, pid, pcount, rows)
-    eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, pid, pcount, rows)
+    train_ds = data.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, rows)
+    eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
     if eval_batch_count(s, eval_ds) < c.eval_batches:
         log(
             f"config.eval_batches={c.eval_batches} is more than the held-out split's "
@@ -394,7 +393,7 @@ def train(config, workdir: str) -> dict:
         return {"step": start}
     log(f"compiled in {compile_s:.1f}s; training steps {start + 1}..{c.steps}")
 
-    writer = metrics.MetricsWriter(workdir, enabled=pid == 0)
+    writer = metrics.MetricsWriter(workdir, enabled=jax.process_index() == 0)
     flops = flops_per_token(s.model_cfg, c.seq_len)
     peak = metrics.peak_flops(jax.devices()[0].device_kind, c.peak_flops_per_device)
     tokens_per_step = c.batch_size * c.seq_len

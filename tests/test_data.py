@@ -204,12 +204,12 @@ def test_corpus_smaller_than_one_batch(tmp_path):
         match=r"5 windows of 9 tokens \(41 tokens\), fewer than config\.batch_size=8; add text to "
         r"config\.data\.train_files or lower",
     ):
-        data.train_dataset(train, seq_len=8, global_batch=8, seed=0, process_index=0, process_count=1)
+        data.train_dataset(train, seq_len=8, global_batch=8, seed=0)
 
 
 def test_held_out_split_smaller_than_a_window():
     with pytest.raises(UserError, match=r"held-out split has no window of 9 tokens \(it has 5\); set config"):
-        data.eval_dataset(np.zeros((5,), np.uint8), 8, 8, 0, 1)
+        data.eval_dataset(np.zeros((5,), np.uint8), 8, 8)
 
 
 # The hash split is by document: with one .txt file (one document) or a few, one side is often empty.
@@ -302,7 +302,8 @@ SEQ, BATCH, WINDOWS = 4, 4, 48  # 12 batches per epoch
 
 def dataset(seed=0, process_index=0, process_count=1, count=2 * WINDOWS // BATCH):
     """The first `count` batches this process reads (two epochs by default)."""
-    stream = data.train_dataset(windows_tokens(WINDOWS, SEQ), SEQ, BATCH, seed, process_index, process_count)
+    rows = (process_index * BATCH // process_count, BATCH // process_count)
+    stream = data.train_dataset(windows_tokens(WINDOWS, SEQ), SEQ, BATCH, seed, rows)
     it = iter(stream)
     return [next(it) for _ in range(count)]
 
@@ -327,7 +328,7 @@ def test_train_dataset_reshuffles_each_epoch():
 
 
 def test_iterator_state_round_trip():
-    stream = data.train_dataset(windows_tokens(WINDOWS, SEQ), SEQ, BATCH, 0, 0, 1)
+    stream = data.train_dataset(windows_tokens(WINDOWS, SEQ), SEQ, BATCH, 0)
     it = iter(stream)
     first = next(it)
     for _ in range(2):
@@ -343,7 +344,7 @@ def test_iterator_state_round_trip():
 
 
 def test_prefetcher_reads_ahead_but_its_state_follows_what_was_handed_out():
-    stream = data.train_dataset(windows_tokens(WINDOWS, SEQ), SEQ, BATCH, 0, 0, 1)
+    stream = data.train_dataset(windows_tokens(WINDOWS, SEQ), SEQ, BATCH, 0)
     plain = iter(stream)
     placed = []
     ahead = data.Prefetcher(iter(stream), lambda b: placed.append(ids(b)) or b, depth=3)
@@ -367,7 +368,7 @@ def test_prefetcher_reads_ahead_but_its_state_follows_what_was_handed_out():
 
 
 def test_prefetcher_without_a_thread_reads_when_asked():
-    stream = data.train_dataset(windows_tokens(WINDOWS, SEQ), SEQ, BATCH, 0, 0, 1)
+    stream = data.train_dataset(windows_tokens(WINDOWS, SEQ), SEQ, BATCH, 0)
     plain, placed = iter(stream), []
     inline = data.Prefetcher(iter(stream), lambda b: placed.append(ids(b)) or b, depth=0)
     for n in range(1, 4):
@@ -381,7 +382,7 @@ def test_prefetcher_raises_the_reading_error_in_the_loop():
     def place(batch):
         raise UserError("disk went away")
 
-    stream = data.train_dataset(windows_tokens(WINDOWS, SEQ), SEQ, BATCH, 0, 0, 1)
+    stream = data.train_dataset(windows_tokens(WINDOWS, SEQ), SEQ, BATCH, 0)
     ahead = data.Prefetcher(iter(stream), place)
     with pytest.raises(UserError, match="disk went away"):
         next(ahead)

@@ -100,8 +100,10 @@ def _ids(stream, batches, state=None):
 
 def _global_ids(tokens, batch, processes, batches, state=None):
     """Every process's rows of `batches` global batches, concatenated: what the global batch holds."""
+    share = batch // processes
     per_process = [
-        _ids(data.train_dataset(tokens, 8, batch, 0, p, processes), batches, state) for p in range(processes)
+        _ids(data.train_dataset(tokens, 8, batch, 0, (p * share, share)), batches, state)
+        for p in range(processes)
     ]
     states = {json.dumps(s) for _, s in per_process}
     assert len(states) == 1  # every process records the same position
@@ -154,7 +156,7 @@ def test_interrupted_run_sees_the_same_examples_also_on_another_mesh(tmp_path, m
     # What an uninterrupted run reads: the pipeline's first four global batches, in order.
     c = small_config()
     tokens, _ = data.load_corpus(c.data)
-    it = iter(data.train_dataset(tokens, c.seq_len, c.batch_size, c.data.seed, 0, 1))
+    it = iter(data.train_dataset(tokens, c.seq_len, c.batch_size, c.data.seed))
     assert trained == [next(it)["id"].tolist() for _ in range(4)]
     assert len({tuple(ids) for ids in trained}) == 4  # four different batches
     # Losses after a resume are compared with an uninterrupted run by the reshard matrix above.
