@@ -141,6 +141,11 @@ class ModelConfig:
             problems.append(f"model.attention {self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
         elif self.attention == "cudnn" and self.dtype == "float32":
             problems.append("model.attention 'cudnn' needs model.dtype bfloat16 or float16, got float32")
+        if self.attention in ATTENTION_IMPLEMENTATIONS[1:] and self.attention_block > 0:
+            problems.append(
+                f"model.attention_block={self.attention_block} applies to einsum attention only; with "
+                f"model.attention {self.attention!r} set it to 0"
+            )
         return problems
 
 

@@ -275,3 +275,9 @@ def test_attention_choice_is_validated():
     assert any("model.attention 'flash'" in p for p in ModelConfig(attention="flash").validate())
     assert any("needs model.dtype bfloat16" in p for p in ModelConfig(attention="cudnn").validate())
     assert ModelConfig(attention="cudnn", dtype="bfloat16").validate() == []
+    # Query blocks are the einsum path's: with a fused kernel they would be silently ignored.
+    blocked = ModelConfig(attention="xla", attention_block=64).validate()
+    assert blocked == [
+        "model.attention_block=64 applies to einsum attention only; with model.attention 'xla' set it to 0"
+    ]
+    assert ModelConfig(attention="einsum", attention_block=64).validate() == []
