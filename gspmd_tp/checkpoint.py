@@ -18,10 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
-import re
-import shutil
 import sys
-import time
 import zipfile
 
 import jax
@@ -29,10 +26,22 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from gspmd_tp import outputs
-from gspmd_tp.errors import UserError
+from gspmd_tp.checkpoint_files import (
+    CORRUPT_DIR,
+    DATA,
+    META,
+    STATE,
+    checkpoint_dir,
+    first_that_reads,
+    move_aside,
+    read_newest,
+    read_step_meta,
+    short_error,
+    steps_on_disk,
+)
+from gspmd_tp.errors import UserError, warn
 from gspmd_tp.model import ModelConfig
 
-STATE, DATA, META = "state", "data", "meta"
 # Config keys that make a run the run it is: resuming with other values would train on another data
 # stream (or from another init), so a workdir with different ones holds another run.
 # The held-out split is part of it: another eval_fraction or eval_files moves documents between the
@@ -48,11 +57,6 @@ RUN_IDENTITY = (
 )
 # Model keys that change how the model computes, not what its parameters are: they may differ.
 FREE_MODEL_KEYS = ("dtype", "remat", "attention", "attention_block", "projection_grad")
-
-
-def checkpoint_dir(workdir: str) -> str:
-    """Where a run's checkpoints live."""
-    return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
 def manager(workdir: str, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
@@ -98,198 +102,33 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state):
     return restored[STATE], restored[DATA]
 
 
-# --- finding the newest complete checkpoint (read-only, before anything is written) ---
-
-CORRUPT_DIR = "corrupt_checkpoints"
-# Tensorstore status codes that say a checkpoint's bytes are missing or cut short. The others
-# (PERMISSION_DENIED, RESOURCE_EXHAUSTED, UNAVAILABLE, ...) say nothing against the checkpoint.
-_MISSING_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS")
-# These two also cover requests that were wrong; only with a decoding failure do they mean damage.
-_DECODE_CODES = ("FAILED_PRECONDITION", "INVALID_ARGUMENT")
-_DECODE_WORDS = ("corrupt", "decod", "decompress", "checksum")
-# Tensorstore appends its whole spec (some 60 lines) and source locations to every message.
-_TENSORSTORE_TAIL = re.compile(r"\s*\[(tensorstore_spec|source locations)=.*", re.DOTALL)
-
-
-def _causes(e: BaseException) -> list[BaseException]:
-    chain = []
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    return chain
-
-
-def short_error(e: BaseException) -> str:
-    """`e` in one line: its root cause's first line, without tensorstore's spec dump.
-
-    Orbax wraps a tensorstore read error in a bare Exception whose message is the whole spec.
-    """
-    root = _causes(e)[-1]
-    text = _TENSORSTORE_TAIL.sub("", str(root)).strip()
-    line = text.splitlines()[0] if text else ""
-    line = line if len(line) <= 300 else line[:300] + "..."
-    return f"{type(root).__name__}: {line}" if line else type(root).__name__
-
-
-def damage(e: BaseException) -> str | None:
-    """`short_error(e)` where `e` shows that a checkpoint's files are missing, cut short or garbled;
-    None where it may have another cause (permissions, memory, a flaky file system, a bug)."""
-    for cause in _causes(e):
-        if isinstance(cause, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError)):
-            return short_error(cause)
-        text = str(cause)
-        if isinstance(cause, KeyError) and "was not found in the checkpoint" in text:  # a missing item
-            return short_error(cause)
-        code = text.split(":", 1)[0]
-        if code in _MISSING_CODES or (
-            code in _DECODE_CODES and any(w in text.lower() for w in _DECODE_WORDS)
-        ):
-            return short_error(cause)
-    return None
-
-
-def steps_on_disk(ckpt_dir: str) -> list[int]:
-    """Step directories, newest first; in-progress saves (`N.orbax-checkpoint-tmp`) are not steps."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    return sorted((int(n) for n in os.listdir(ckpt_dir) if n.isdigit()), reverse=True)
-
-
-def read_step_meta(step_dir: str) -> dict:
-    """The meta item of a step, read as plain JSON; raises if the step is partial."""
-    # orbax writes commit_success.txt last inside each finished item on file systems without
-    # atomic rename; on local disks a missing item file means someone removed or truncated it.
-    for item in (STATE, DATA, META):
-        if not os.path.isdir(os.path.join(step_dir, item)):
-            raise FileNotFoundError(f"item {item!r} is missing")
-    if not os.path.isfile(os.path.join(step_dir, STATE, "_METADATA")):
-        raise FileNotFoundError("state/_METADATA is missing")
-    with open(os.path.join(step_dir, META, "metadata")) as f:
-        meta = json.load(f)
-    if not isinstance(meta, dict):
-        raise json.JSONDecodeError("not a JSON object", "", 0)
-    return meta
-
-
-def _corrupt_steps(workdir: str) -> list[str]:
-    aside = os.path.join(os.path.abspath(workdir), CORRUPT_DIR)
-    return sorted(os.listdir(aside)) if os.path.isdir(aside) else []
-
-
-def readable_checkpoints(workdir: str, warn=print) -> list[tuple[int, dict]]:
-    """[(step, meta)] of the checkpoints in workdir whose metadata reads, newest first.
-
-    Writes nothing. A partial or garbled one is reported through `warn`, naming its path. Raises
-    UserError where one cannot be read for another reason (permissions, say), and where the
-    workdir held checkpoints but none is left that reads: starting afresh there would silently
-    throw the run's progress away.
-    """
-    ckpt_dir = checkpoint_dir(workdir)
-    found, damaged = [], []
-    for step in steps_on_disk(ckpt_dir):
-        path = os.path.join(ckpt_dir, str(step))
-        try:
-            found.append((step, read_step_meta(path)))
-        except Exception as e:  # noqa: BLE001 - sorted into damage and the rest just below
-            why = damage(e)
-            if why is None:
-                raise UserError(f"{path}: cannot read its metadata ({short_error(e)})") from None
-            warn(f"warning: skipping checkpoint {path}: partial or corrupted ({why})")
-            damaged.append(step)
-    if found:
-        return found
-    if damaged:
-        raise UserError(
-            f"{ckpt_dir} holds no complete checkpoint (steps {', '.join(map(str, damaged))} are partial or "
-            f"corrupted; nothing was moved): repair them, or remove {ckpt_dir} to start this run afresh"
-        )
-    aside = _corrupt_steps(workdir)
-    if aside:
-        where = os.path.join(os.path.abspath(workdir), CORRUPT_DIR)
-        raise UserError(
-            f"{where} holds checkpoints moved aside as damaged ({', '.join(aside)}) and {ckpt_dir} none: "
-            f"inspect them, then move a repaired one back to {ckpt_dir}/STEP, or remove {where} "
-            "to start this run afresh"
-        )
-    return found
-
-
 def restore_newest(mngr: ocp.CheckpointManager, found: list[tuple[int, dict]], abstract_state, warn=print):
-    """(step, meta, state, data state) of the newest checkpoint in `found` that restores.
+    """(step, meta, state, data state) of the newest checkpoint in `found` (readable_checkpoints) that
+    restores.
 
     One whose files are damaged (missing, cut short, undecodable) is named through `warn` and moved
-    out of the checkpoints directory to workdir/corrupt_checkpoints/, so a later save of that step
-    does not collide with it and it stays for inspection. Any other failure (permissions, memory,
-    storage) moves nothing and raises UserError, as does having no step left that restores.
+    to workdir/corrupt_checkpoints/. Any other failure (permissions, memory, storage) moves nothing
+    and raises UserError, as does having no step left that restores.
     """
-    ckpt_dir = str(mngr.directory)
-    moved = []
-    for step, meta in found:
-        path = os.path.join(ckpt_dir, str(step))
-        try:
-            state, data_state = restore(mngr, step, abstract_state)
-            return step, meta, state, data_state
-        except Exception as e:  # noqa: BLE001 - sorted into damage and the rest just below
-            why = damage(e)
-            if why is None:
-                raise UserError(
-                    f"{path} does not restore ({short_error(e)}); this does not look like a damaged "
-                    "checkpoint, so nothing was moved: fix the cause and run again"
-                ) from None
-            warn(f"warning: skipping checkpoint {path}: it does not restore ({why})")
-            _move_aside(ckpt_dir, step, warn)
-            moved.append(step)
-            mngr.reload()
-    where = os.path.join(os.path.dirname(ckpt_dir), CORRUPT_DIR)
-    raise UserError(
-        f"no checkpoint in {ckpt_dir} restores: steps {', '.join(map(str, moved))} are damaged and were "
-        f"moved to {where}; inspect them, then remove {where} to start this run afresh"
-    )
+    ckpt_dir, metas, moved = str(mngr.directory), dict(found), []
 
+    def set_aside(step: int) -> None:
+        move_aside(ckpt_dir, step, warn)
+        moved.append(step)
+        mngr.reload()
 
-def _move_aside(ckpt_dir: str, step: int, warn) -> None:
-    """Moves a broken step out of the way (to workdir/corrupt_checkpoints/) rather than deleting it."""
-    if jax.process_index() != 0:
-        return
-    aside = os.path.join(os.path.dirname(ckpt_dir), CORRUPT_DIR, f"{step}-{int(time.time())}")
-    os.makedirs(os.path.dirname(aside), exist_ok=True)
-    shutil.move(os.path.join(ckpt_dir, str(step)), aside)
-    warn(f"warning: moved {os.path.join(ckpt_dir, str(step))} to {aside}")
+    def read(path: str):
+        return restore(mngr, int(os.path.basename(path)), abstract_state)
 
-
-def move_aside_unreadable(workdir: str, readable: list[int], warn=print) -> None:
-    """Moves step directories whose metadata did not read (not in `readable`) out of the way."""
-    ckpt_dir = checkpoint_dir(workdir)
-    for step in steps_on_disk(ckpt_dir):
-        if step not in readable:
-            _move_aside(ckpt_dir, step, warn)
-
-
-def read_newest(ckpt_dir: str, step: int | None, read, warn=print):
-    """(step, read(step dir)) of checkpoint `step`, or without one of the newest step that reads.
-
-    Read-only. A damaged newer step is skipped with a warning naming it; a damaged explicit step,
-    or a failure that is not damage, raises UserError in one line.
-    """
-    steps = steps_on_disk(ckpt_dir)
-    if not steps:
-        raise UserError(f"no checkpoint found in {ckpt_dir}")
-    if step is not None and step not in steps:
-        raise UserError(f"{ckpt_dir}: no step {step} (have {', '.join(map(str, sorted(steps)))})")
-    for candidate in [step] if step is not None else steps:
-        path = os.path.join(ckpt_dir, str(candidate))
-        try:
-            return candidate, read(path)
-        except UserError:
-            raise
-        except Exception as e:  # noqa: BLE001 - sorted into damage and the rest just below
-            why = damage(e)
-            if why is None:
-                raise UserError(f"{path}: cannot read it ({short_error(e)})") from None
-            if step is not None:
-                raise UserError(f"{path} is partial or corrupted ({why}); choose another --step") from None
-            warn(f"warning: skipping checkpoint {path}: partial or corrupted ({why})")
-    raise UserError(f"{ckpt_dir}: every checkpoint is partial or corrupted (see the warnings above)")
+    hit = first_that_reads(ckpt_dir, [step for step, _ in found], read, warn, on_damage=set_aside)
+    if hit is None:
+        where = os.path.join(os.path.dirname(ckpt_dir), CORRUPT_DIR)
+        raise UserError(
+            f"no checkpoint in {ckpt_dir} restores: steps {', '.join(map(str, moved))} are damaged and "
+            f"were moved to {where}; inspect them, then remove {where} to start this run afresh"
+        )
+    step, (state, data_state) = hit
+    return step, metas[step], state, data_state
 
 
 # --- mismatches, named before anything is written ---
@@ -412,7 +251,7 @@ def export_params(path: str, out: str, step: int | None = None) -> dict[str, tup
             ),
         )["params"]
 
-    _, params = read_newest(*_locate(path, step), read, warn=_stderr)
+    _, params = read_newest(*_locate(path, step), read, warn=warn)
     flat = _flat(params)
     outputs.make_parent(out)
     np.savez(out, **flat)
@@ -465,10 +304,6 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr)
-
-
 def info(path: str, step: int | None = None) -> str:
     """A human-readable summary of the checkpoints under `path` (workdir, checkpoints dir or step)."""
     ckpt_dir, step = _locate(path, step)
@@ -477,7 +312,7 @@ def info(path: str, step: int | None = None) -> str:
         with open(os.path.join(step_dir, DATA, "metadata")) as f:
             return read_step_meta(step_dir), _state_tree_metadata(step_dir), json.load(f)
 
-    step, (meta, tree, data_state) = read_newest(ckpt_dir, step, read, warn=_stderr)
+    step, (meta, tree, data_state) = read_newest(ckpt_dir, step, read, warn=warn)
     step_dir = os.path.join(ckpt_dir, str(step))
     steps = sorted(steps_on_disk(ckpt_dir))
 

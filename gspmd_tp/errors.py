@@ -10,6 +10,11 @@ class UserError(ValueError):
     """A one-line, user-fixable error. Entry points print it to stderr and exit non-zero."""
 
 
+def warn(message: str) -> None:
+    """Prints a warning or note on stderr, apart from the output a command prints on stdout."""
+    print(message, file=sys.stderr)
+
+
 def define_config(default: str, help_text: str):
     """The --config flag (ml_collections): a configs/*.py file plus --config.KEY=VALUE overrides.
 

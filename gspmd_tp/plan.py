@@ -15,6 +15,9 @@ With --target=tpu:GENERATION:TOPOLOGY (libtpu installed: `pip install 'jax[tpu]=
 step is compiled by the real TPU compiler for a slice that is not attached, on a mesh built from
 that slice's devices; plan then also says whether the step fits in the chip's HBM and estimates
 the step time from FLOPs / peak and bytes / interconnect bandwidth.
+
+The per-leaf table and the analytical model are in gspmd_tp/analysis.py, the TPU chip figures and
+the estimate in gspmd_tp/tpu.py; this module compiles, measures, compares and reports.
 """
 
 from __future__ import annotations
@@ -33,199 +36,15 @@ if __name__ == "__main__":  # simulated devices must be requested before jax is 
 
 import copy
 import json
-import math
 import os
 
-import flax.linen as nn
 import jax
 import numpy as np
 
-from gspmd_tp import axes, hlo, outputs, trainer
+from gspmd_tp import analysis, hlo, outputs, tpu, trainer
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import mesh_file_name, mesh_string, parse_mesh
-from gspmd_tp.rules import IndivisibleError, axes_of, short_names
-from gspmd_tp.state import logical_specs, path_str
-
-REPLICATED_FLAG_BYTES = 1 << 20  # flag replicated leaves from 1 MiB up
-
-
-# Per chip, from the Cloud TPU system-architecture pages (cloud.google.com/tpu/docs): HBM
-# bytes, dense bf16 FLOP/s, and inter-chip interconnect (ICI) bandwidth in bytes/s
-# (v4 2,400 Gbps, v5e 1,600 Gbps, v5p 4,800 Gbps, v6e 3,584 Gbps). Keys are jax device_kind.
-TPU_CHIPS = {
-    "TPU v4": {"hbm": 32 * 2**30, "flops": 275e12, "ici": 2400e9 / 8},
-    "TPU v5 lite": {"hbm": 16 * 2**30, "flops": 197e12, "ici": 1600e9 / 8},
-    "TPU v5": {"hbm": 95 * 10**9, "flops": 459e12, "ici": 4800e9 / 8},
-    "TPU v6 lite": {"hbm": 32 * 2**30, "flops": 918e12, "ici": 3584e9 / 8},
-}
-
-
-def target_devices(target: str, slices: int = 1) -> list:
-    """The compile-only devices of a TPU slice named like "tpu:v5p:4x4x4" (no TPU attached)."""
-    platform, _, topology = target.partition(":")
-    if platform != "tpu" or ":" not in topology:
-        raise UserError(f"--target {target!r}: expected tpu:GENERATION:TOPOLOGY, e.g. tpu:v5p:4x4x4")
-    # Compile-only use needs no exclusive hold on a TPU: without this a second process planning
-    # at the same time fails on libtpu's lockfile.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from jax.experimental import topologies
-
-    try:
-        kwargs = {"num_slices": slices} if slices > 1 else {}
-        return list(topologies.get_topology_desc(topology_name=topology, platform="tpu", **kwargs).devices)
-    except Exception as e:  # libtpu missing, or a topology it does not know
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(
-            f"--target {target!r}: cannot describe this TPU topology ({first}); "
-            f"is libtpu installed (pip install 'jax[tpu]==0.10.2')?"
-        ) from None
-
-
-def _chip(device_kind: str) -> dict | None:
-    return next((v for k, v in sorted(TPU_CHIPS.items(), key=lambda kv: -len(kv[0]))
-                 if device_kind.startswith(k)), None)  # fmt: skip
-
-
-def leaf_table(s: trainer.Setup, threshold: int = REPLICATED_FLAG_BYTES) -> list[dict]:
-    """One row per parameter and optimizer-state array: path, shape, logical axes, spec, bytes.
-
-    `replicated_over` lists the mesh axes that could shard a leaf of `threshold` bytes or more.
-    """
-    boxed, _ = logical_specs(s.model_cfg, s.tx, s.config.seq_len)
-    mesh_shape = dict(s.mesh.shape)
-    is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
-    boxes = jax.tree_util.tree_flatten_with_path(boxed, is_leaf=is_box)[0]
-    shardings = jax.tree.leaves(s.shardings)
-    rows = []
-    for (path, leaf), sharding in zip(boxes, shardings, strict=True):
-        names = tuple(leaf.names) if is_box(leaf) else (None,) * len(leaf.shape)
-        value = leaf.value if is_box(leaf) else leaf
-        spec = tuple(sharding.spec) + (None,) * (len(value.shape) - len(sharding.spec))
-        shards = math.prod(mesh_shape[a] for entry in spec for a in axes_of(entry))
-        total = int(np.prod(value.shape)) * np.dtype(value.dtype).itemsize
-        used = {a for entry in spec for a in axes_of(entry)}
-        # A mesh axis could shard this leaf if some unsharded dimension divides by its size.
-        could = [
-            a
-            for a, size in mesh_shape.items()
-            if size > 1
-            and a not in used
-            and any(
-                e is None and dim % size == 0 and dim > 1 for dim, e in zip(value.shape, spec, strict=True)
-            )
-        ]
-        p = path_str(path)
-        rows.append(
-            {
-                "path": p,
-                "kind": "params" if p.startswith("params/") else "opt_state",
-                "shape": list(value.shape),
-                "logical": list(names),
-                "spec": [list(axes_of(e)) if isinstance(e, tuple) else e for e in spec],
-                "bytes": total,
-                "bytes_per_device": total // shards,
-                "replicated_over": could if total >= threshold else [],
-            }
-        )
-    return rows
-
-
-def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[str, float]:
-    """Bytes per device per step that the sharding needs, by source (ring algorithms).
-
-    Tensor parallelism (Megatron), each sublayer over the mesh axes that shard its own hidden
-    dimension in the activations: per layer and microbatch, attention all-reduces its output
-    forward (axes of `heads`) and its input gradient backward (axes of `kv_heads`, which shard the
-    fused q/k/v weight), the MLP one each way (axes of `mlp`), and a vocabulary-sharded embedding
-    lookup and output projection one each (axes of `vocab`); under sequence parallelism and 2D
-    sharding these become all-gathers plus reduce-scatters of the same bytes. Data parallelism:
-    each gradient all-reduced over the batch axes that do not shard it, once per step or, where
-    parameters are sharded over those axes, once per microbatch. FSDP (a parameter sharded
-    over a batch axis): gathered forward and backward per microbatch, its gradient
-    reduce-scattered. XLA:CPU lowers reduce-scatter as all-reduce plus slice, so on the CPU
-    backend a reduce-scatter costs an all-reduce. `unmodelled` lists shardings the analysis does
-    not cover (head_dim, layers, length): there the total is not what the rule file needs.
-    """
-    c, cfg = s.config, s.model_cfg
-    mesh_shape = dict(s.mesh.shape)
-    batch_axes = set(axes_of(s.rules.spec((axes.BATCH,))[0]))
-
-    def hidden_axes(name: str) -> set[str]:
-        # The axes of `name` in an activation, where the batch has taken its axes first.
-        logical = (axes.BATCH, axes.LENGTH) + ((name,) if name != axes.LENGTH else ())
-        return set(axes_of(s.rules.spec(logical)[-1]))
-
-    def ways(mesh_axes: set[str]) -> int:
-        return math.prod(mesh_shape[a] for a in mesh_axes)
-
-    d_ways = ways(batch_axes)
-    k = c.grad_accum
-    act_bytes = 4 if (backend == "cpu" or cfg.dtype == "float32") else 2  # XLA:CPU promotes bf16
-    activation = (c.batch_size // k // d_ways) * c.seq_len * cfg.d_model * act_bytes
-    # (all-reduces per microbatch, the mesh axes they run over), one entry per kind.
-    reductions = [
-        (cfg.num_layers, hidden_axes(axes.HEADS)),  # attention output, forward
-        (cfg.num_layers, hidden_axes(axes.KV_HEADS)),  # attention input gradient, backward
-        (2 * cfg.num_layers, hidden_axes(axes.MLP)),  # MLP output forward, input gradient backward
-        (2, hidden_axes(axes.VOCAB)),  # embedding lookup forward, output projection backward
-    ]
-    tensor_parallel = sum(k * n * 2 * (ways(a) - 1) / ways(a) * activation for n, a in reductions)
-    # Sequence parallelism (norm_length) and 2D (embed in activations) turn each all-reduce into
-    # an all-gather plus a reduce-scatter: the same ring bytes, except that XLA:CPU lowers the
-    # reduce-scatter as a whole all-reduce, so there the pair costs 3/2 of the all-reduce.
-    tp_axes = set().union(*(a for _, a in reductions))
-    residual = s.rules.spec((axes.BATCH, axes.NORM_LENGTH, axes.EMBED))
-    scattered = any(set(axes_of(e)) & tp_axes for e in list(residual)[1:])
-    if scattered and backend == "cpu":
-        tensor_parallel *= 1.5
-    # Shardings the analysis has no term for: the rest of the total is still right, but not the total.
-    unmodelled = {
-        (name, tuple(axes_of(e)))
-        for row in rows
-        if row["kind"] == "params"
-        for name, e in zip(row["logical"], row["spec"], strict=True)
-        if name in (axes.HEAD_DIM, axes.LAYERS) and e
-    }
-    unmodelled |= {(n, tuple(sorted(hidden_axes(n)))) for n in (axes.LENGTH, axes.HEAD_DIM) if hidden_axes(n)}
-
-    # With microbatches, gradients are reduced over the batch axes once per step where the trainer
-    # sums them per batch shard, else once per microbatch (onto parameters sharded over those axes).
-    once = k == 1 or trainer.sums_per_batch_shard(tuple(batch_axes), s.shardings.params, c.batch_size // k)
-    dp_reductions = 1 if once else k
-    data_parallel = fsdp_gather = fsdp_reduce = 0.0
-    for row in rows:
-        if row["kind"] != "params":
-            continue
-        used = {a for e in row["spec"] for a in axes_of(e)}
-        g = math.prod(mesh_shape[a] for a in batch_axes - used)
-        f = math.prod(mesh_shape[a] for a in batch_axes & used)
-        local = row["bytes_per_device"]
-        if g > 1:
-            # A weight used in bf16 matmuls gets a bf16 gradient, reduced before the float32
-            # update (seen in TPU HLO); XLA:CPU promotes that all-reduce to float32.
-            per_reduction = 2 * (g - 1) / g * local * (act_bytes / 4 if len(row["shape"]) > 1 else 1)
-            data_parallel += dp_reductions * per_reduction
-        if f > 1 and row["path"] == "params/embedding" and not cfg.tie_embeddings:
-            # A lookup table split on embed is read where it lies: each device looks up its own
-            # slice of every row and the rows are exchanged (all-to-all) forward and backward; the
-            # table is never gathered and its gradient never reduced.
-            rows_bytes = (c.batch_size // k // d_ways) * c.seq_len * cfg.d_model * act_bytes
-            fsdp_gather += k * 2 * (f - 1) / f * rows_bytes
-        elif f > 1:
-            gathered = local * f
-            # Inside the layer scan a weight is gathered for the forward pass and again for the
-            # backward (ZeRO-3); outside it the gathered copy is kept for the backward pass.
-            gathers = 2 if axes.LAYERS in row["logical"] else 1
-            fsdp_gather += k * gathers * (f - 1) / f * gathered
-            fsdp_reduce += k * (f - 1) / f * gathered * (2 if backend == "cpu" else 1)
-    return {
-        "tensor_parallel": tensor_parallel,
-        "data_parallel": data_parallel,
-        "fsdp_gather": fsdp_gather,
-        "fsdp_reduce": fsdp_reduce,
-        "total": tensor_parallel + data_parallel + fsdp_gather + fsdp_reduce,
-        "unmodelled": sorted(f"{name}->{','.join(mesh_axes)}" for name, mesh_axes in unmodelled),
-    }
+from gspmd_tp.rules import IndivisibleError, short_names
 
 
 def plan(
@@ -243,8 +62,8 @@ def plan(
     step's HLO goes to DIR/LABEL_MESH.hlo.txt, LABEL the rule file's name unless given.
     """
     if s is None:
-        s = trainer.setup(config, target_devices(target, slices) if target else None)
-    rows = leaf_table(s)
+        s = trainer.setup(config, tpu.target_devices(target, slices) if target else None)
+    rows = analysis.leaf_table(s)
     compiled = trainer.compile_train_step(s)
     text = compiled.as_text()
     mesh = mesh_string(s.mesh)  # resolved: dp=-1 shows as the size it stands for
@@ -266,9 +85,9 @@ def plan(
     }
     device = s.mesh.devices.flat[0]
     backend = device.platform
-    analytical = analytical_bytes(s, rows, backend)
+    analytical = analysis.analytical_bytes(s, rows, backend)
     measured = sum(v["ring_bytes_per_device"] for v in collectives.values())
-    estimate = _tpu_estimate(s, stats, measured, target) if target else None
+    estimate = tpu.estimate(s, stats, measured, target) if target else None
     return {
         "target": target,
         "device_kind": device.device_kind,
@@ -293,7 +112,7 @@ def plan(
         "bytes_per_device_by_type": {k: v["ring_bytes_per_device"] for k, v in collectives.items()},
         "analytical_bytes_per_device": analytical["total"],
         "analytical": analytical,
-        # No ratio against a total that leaves out some of the sharding (analytical_bytes).
+        # No ratio against a total that leaves out some of the sharding (analysis.analytical_bytes).
         "ratio": measured / analytical["total"]
         if analytical["total"] and not analytical["unmodelled"]
         else None,
@@ -308,41 +127,6 @@ def plan(
             }
             for c in largest
         ],
-    }
-
-
-def _tpu_estimate(s: trainer.Setup, stats, bytes_per_device: float, target: str) -> dict:
-    """HBM fit and a step-time estimate for a TPU target: compute = FLOPs / peak, communication =
-    bytes / ICI bandwidth, added (no overlap assumed). An estimate, not a measurement."""
-    from gspmd_tp.model import flops_per_token
-
-    kind = s.mesh.devices.flat[0].device_kind
-    chip = _chip(kind)
-    topology = target.split(":")[2]
-    chips = math.prod(int(d) for d in topology.split("x"))
-    per_chip = max(1, round(s.mesh.size / chips / max(1, len({getattr(d, "slice_index", 0)
-                                                              for d in s.mesh.devices.flat}))))  # fmt: skip
-    # The TPU compiler's temp_size can read 0 where its peak does not (seen for small programs):
-    # take the larger of the peak and arguments + temporaries + unaliased outputs.
-    needed = max(
-        getattr(stats, "peak_memory_in_bytes", 0),
-        stats.argument_size_in_bytes + stats.temp_size_in_bytes
-        + stats.output_size_in_bytes - stats.alias_size_in_bytes,
-    )  # fmt: skip
-    out = {"device_kind": kind, "devices_per_chip": per_chip, "hbm_needed": needed}
-    if chip is None:
-        return out
-    hbm, flops, ici = chip["hbm"] / per_chip, chip["flops"] / per_chip, chip["ici"] / per_chip
-    step_flops = flops_per_token(s.model_cfg, s.config.seq_len) * s.config.batch_size * s.config.seq_len
-    compute_s = step_flops / s.mesh.size / flops
-    comm_s = bytes_per_device / ici
-    return {
-        **out,
-        "hbm_per_device": hbm,
-        "fits": needed <= hbm,
-        "compute_s": compute_s,
-        "comm_s": comm_s,
-        "step_s_estimate": compute_s + comm_s,
     }
 
 
@@ -444,7 +228,7 @@ def compare(
     """plan() for every rule file x mesh. Every combination is set up before anything compiles:
     a rule file, mesh or config the user can fix raises UserError; a model size the mesh cannot
     divide is reported as that combination's row (`error`)."""
-    devices = target_devices(target, slices) if target else None
+    devices = tpu.target_devices(target, slices) if target else None
     count = len(devices) if devices is not None else jax.device_count()
     labels = short_names(rules_list)
     prepared = []

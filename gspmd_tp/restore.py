@@ -12,16 +12,14 @@ points can ask `device_count_from_argv` how many devices to simulate before jax 
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ml_collections import ConfigDict
 
-from gspmd_tp.errors import UserError
+from gspmd_tp.errors import UserError, warn
 
 if TYPE_CHECKING:
     from gspmd_tp import trainer
@@ -94,10 +92,6 @@ def apply_overrides(config: ConfigDict, overrides: dict[str, str]) -> ConfigDict
     return config
 
 
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr)
-
-
 def saved_config(
     workdir: str, overrides: dict[str, str], step: int | None = None
 ) -> tuple[int, dict, ConfigDict]:
@@ -107,18 +101,18 @@ def saved_config(
     only says how a fresh run started, and that file may be long gone.
     """
     from gspmd_tp import checkpoint
+    from gspmd_tp import checkpoint_files as files
 
     if step is None:
-        found = checkpoint.readable_checkpoints(workdir, warn=_stderr)
+        found = files.readable_checkpoints(workdir, warn=warn)
         if not found:
             raise UserError(
-                f"{workdir}: no checkpoint found (looked in {checkpoint.checkpoint_dir(workdir)}); "
+                f"{workdir}: no checkpoint found (looked in {files.checkpoint_dir(workdir)}); "
                 f"train one first: python train.py --workdir={workdir}"
             )
         step, meta = found[0]
     else:
-        ckpt_dir = checkpoint.checkpoint_dir(workdir)
-        step, meta = checkpoint.read_newest(ckpt_dir, step, checkpoint.read_step_meta)
+        step, meta = files.read_newest(files.checkpoint_dir(workdir), step, files.read_step_meta)
     config = ConfigDict(_laid_over(_default_config(), meta["config"]))
     config.model = ConfigDict(checkpoint.saved_model(meta["model"]))  # what its parameters are
     config.init_from = ""
@@ -141,7 +135,7 @@ def _setup_with_saved_rules(config: ConfigDict, meta: dict, step: int) -> traine
     from gspmd_tp.rules import parse_rules
 
     label = f"{config.rules} (the copy saved with step {step})"
-    _stderr(
+    warn(
         f"note: rule file {config.rules!r} not found (cwd {os.getcwd()}); using the copy saved with "
         f"step {step} (pass --config.rules=NAME_OR_PATH to choose another)"
     )
@@ -165,7 +159,7 @@ def load_setup(
     if config.model.attention == "cudnn" and "model.attention" not in overrides:
         platform = jax.devices()[0].platform
         if platform != "gpu":
-            _stderr(f"note: the run trained with cuDNN attention; read on {platform} with einsum attention")
+            warn(f"note: the run trained with cuDNN attention; read on {platform} with einsum attention")
             config.model.attention = "einsum"
     saved_text = meta.get("rules", {}).get("text")
     if "rules" not in overrides and saved_text and not _rule_file_found(config.rules):
@@ -179,10 +173,10 @@ def load_setup(
 def _read_params(workdir: str, step: int, s: trainer.Setup):
     import orbax.checkpoint as ocp
 
-    from gspmd_tp import checkpoint
+    from gspmd_tp import checkpoint_files as files
 
     target = s.abstract_state.params
-    path = os.path.join(checkpoint.checkpoint_dir(workdir), str(step), checkpoint.STATE)
+    path = os.path.join(files.checkpoint_dir(workdir), str(step), files.STATE)
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     restored = ocp.PyTreeCheckpointer().restore(
         path,
@@ -195,34 +189,35 @@ def _read_params(workdir: str, step: int, s: trainer.Setup):
 
 def restore_params(workdir: str, step: int, s: trainer.Setup):
     """The parameters of checkpoint `step`, read straight into the shardings of `s`."""
-    from gspmd_tp import checkpoint
+    from gspmd_tp import checkpoint_files as files
 
     try:
         return _read_params(workdir, step, s)
     except Exception as e:  # noqa: BLE001 - orbax raises a bare Exception for tensorstore read errors
-        path = os.path.join(checkpoint.checkpoint_dir(workdir), str(step))
-        raise UserError(f"{path}: the parameters do not restore ({checkpoint.short_error(e)})") from None
+        path = os.path.join(files.checkpoint_dir(workdir), str(step))
+        raise UserError(f"{path}: the parameters do not restore ({files.short_error(e)})") from None
 
 
 def restore_newest_params(workdir: str, step: int, s: trainer.Setup):
     """(step, parameters) of checkpoint `step` or, where its files are damaged, of the newest older
     checkpoint that restores; each one skipped is named in a warning on stderr."""
     from gspmd_tp import checkpoint
+    from gspmd_tp import checkpoint_files as files
 
-    found = checkpoint.readable_checkpoints(workdir, warn=lambda _: None)  # saved_config warned
-    for candidate, meta in [(step, None), *((n, meta) for n, meta in found if n < step)]:
-        if meta is not None:
-            checkpoint.check_model_matches(meta["model"], s.model_cfg, workdir)
-        path = os.path.join(checkpoint.checkpoint_dir(workdir), str(candidate))
-        try:
-            return candidate, _read_params(workdir, candidate, s)
-        except Exception as e:  # noqa: BLE001 - sorted into damage and the rest just below
-            why = checkpoint.damage(e)
-            if why is None:
-                error = checkpoint.short_error(e)
-                raise UserError(f"{path}: the parameters do not restore ({error})") from None
-            _stderr(f"warning: skipping checkpoint {path}: it does not restore ({why})")
-    raise UserError(f"{checkpoint.checkpoint_dir(workdir)}: no checkpoint restores (see the warnings above)")
+    metas = dict(files.readable_checkpoints(workdir, warn=lambda _: None))  # saved_config warned
+
+    def read(path: str):
+        candidate = int(os.path.basename(path))
+        if candidate != step:  # `step` was checked by load_setup
+            checkpoint.check_model_matches(metas[candidate]["model"], s.model_cfg, workdir)
+        return _read_params(workdir, candidate, s)
+
+    ckpt_dir = files.checkpoint_dir(workdir)
+    older = [n for n in metas if n < step]
+    hit = files.first_that_reads(ckpt_dir, [step, *older], read, warn=warn)
+    if hit is None:
+        raise UserError(f"{ckpt_dir}: no checkpoint restores (see the warnings above)")
+    return hit
 
 
 # --- how many devices to simulate: read before jax is imported ---
@@ -242,15 +237,16 @@ def saved_device_count(workdir: str, step: int | None = None) -> int | None:
 
     Plain JSON: no jax, no orbax.
     """
-    ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+    from gspmd_tp import checkpoint_files as files
+
+    ckpt_dir = files.checkpoint_dir(workdir)
     try:
-        steps = sorted((int(n) for n in os.listdir(ckpt_dir) if n.isdigit()), reverse=True)
+        steps = files.steps_on_disk(ckpt_dir)
     except OSError:
         return None
     for candidate in [step] if step is not None else steps:
         try:
-            with open(os.path.join(ckpt_dir, str(candidate), "meta", "metadata")) as f:
-                size = _mesh_size(json.load(f)["mesh"])
+            size = _mesh_size(files.read_step_meta(os.path.join(ckpt_dir, str(candidate)))["mesh"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if size:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from gspmd_tp import axes, checkpoint, data, faults, metrics, optim, outputs
+from gspmd_tp import axes, checkpoint, checkpoint_files, data, faults, metrics, optim, outputs
 from gspmd_tp import loss as loss_lib
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
@@ -365,7 +365,7 @@ def train(config, workdir: str) -> dict:
     data_iter = iter(train_ds)
 
     # Read-only look at the workdir: a different model or another run is an error before any write.
-    found = checkpoint.readable_checkpoints(workdir, warn=log)
+    found = checkpoint_files.readable_checkpoints(workdir, warn=log)
     for _, meta in found:
         checkpoint.check_model_matches(meta["model"], s.model_cfg, workdir)
         checkpoint.check_same_run(meta["config"], c, workdir)
@@ -382,7 +382,7 @@ def train(config, workdir: str) -> dict:
     compile_s = time.perf_counter() - t0
 
     # The first write: unreadable newest steps move aside so that saving those steps again works.
-    checkpoint.move_aside_unreadable(workdir, [step for step, _ in found], warn=log)
+    checkpoint_files.move_aside_unreadable(workdir, [step for step, _ in found], warn=log)
     mngr = checkpoint.manager(workdir, c.keep_checkpoints)
     state, data_state, start = _initial_state(s, workdir, found, mngr, imported)
     if data_state is not None:
@@ -491,6 +491,6 @@ def train(config, workdir: str) -> dict:
         writer.close()
     log(
         f"done: metrics in {os.path.join(workdir, 'metrics.jsonl')}, TensorBoard events in "
-        f"{os.path.join(workdir, 'tensorboard')}, checkpoints in {checkpoint.checkpoint_dir(workdir)}"
+        f"{os.path.join(workdir, 'tensorboard')}, checkpoints in {checkpoint_files.checkpoint_dir(workdir)}"
     )
     return last_row

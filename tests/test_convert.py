@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import small_config
 
-from gspmd_tp import checkpoint, convert, trainer
+from gspmd_tp import checkpoint, convert
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.model import Transformer
@@ -128,25 +128,6 @@ def test_import_and_export_reproduce_transformers_logits(tmp_path, hf_models, ki
     assert exported.keys() == original.keys()
     for name, tensor in original.items():
         np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
-
-
-@pytest.mark.parametrize(
-    "option,message",
-    [
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling with rope_type 'llama3'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type 'yarn'"),
-        ({"attention_bias": True}, "attention_bias=true is not supported"),
-        ({"mlp_bias": True}, "mlp_bias=true is not supported"),
-        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-        ({"model_type": "mixtral"}, "model_type 'mixtral' is not supported"),
-        ({"head_dim": 7}, "head_dim must be even"),
-    ],
-)
-def test_unsupported_option_is_named(option, message):
-    hf = {**MODELS["untied"], "model_type": "llama", **option}
-    base = trainer.model_config(small_config())
-    with pytest.raises(UserError, match=message):
-        convert.model_config_from_hf(hf, base)
 
 
 def test_vocab_the_mesh_does_not_divide_is_an_error(tmp_path):

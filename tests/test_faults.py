@@ -14,7 +14,7 @@ import pytest
 from conftest import small_config
 from test_train_cli import ROOT, SMALL, train
 
-from gspmd_tp import checkpoint, optim, trainer
+from gspmd_tp import checkpoint, checkpoint_files, optim, trainer
 from gspmd_tp.errors import UserError
 
 RUN_FOREVER = ["--config.steps=100000", "--config.log_every=1", "--config.eval_every=100000"]
@@ -199,7 +199,7 @@ def test_a_read_failure_that_is_not_damage_moves_nothing(trained, tmp_path, monk
     with pytest.raises(UserError) as e:
         trainer.train(small_config(steps=6), str(workdir))
     message = str(e.value)
-    assert "does not look like a damaged checkpoint, so nothing was moved" in message
+    assert "does not look like a damaged checkpoint, so nothing was skipped or moved" in message
     assert "PermissionError: [Errno 13] Permission denied" in message and "\n" not in message
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
     assert not (workdir / "corrupt_checkpoints").exists()
@@ -252,12 +252,14 @@ def test_damage_is_told_apart_from_other_read_failures():
             raise Exception(f"Encountered error while reading array index: (slice(0, 2, 1),). {spec}")  # noqa: B904
     except Exception as e:  # noqa: BLE001
         wrapped = e
-    assert checkpoint.damage(wrapped) == (
+    assert checkpoint_files.damage(wrapped) == (
         'ValueError: FAILED_PRECONDITION: Error reading "params.x/0.0" in OCDBT database: '
         "ZSTD_decompressStream() failed: Data corruption detected"
     )
-    assert checkpoint.damage(ValueError("OUT_OF_RANGE: Error reading byte range [tensorstore_spec='{}']"))
-    assert checkpoint.damage(FileNotFoundError("item 'meta' is missing"))
+    assert checkpoint_files.damage(
+        ValueError("OUT_OF_RANGE: Error reading byte range [tensorstore_spec='{}']")
+    )
+    assert checkpoint_files.damage(FileNotFoundError("item 'meta' is missing"))
     for other in (
         PermissionError(13, "Permission denied"),
         MemoryError(),
@@ -265,7 +267,7 @@ def test_damage_is_told_apart_from_other_read_failures():
         ValueError("UNAVAILABLE: connection reset"),
         ValueError("FAILED_PRECONDITION: generation mismatch"),
     ):
-        assert checkpoint.damage(other) is None, other
+        assert checkpoint_files.damage(other) is None, other
 
 
 # --- non-finite values ---

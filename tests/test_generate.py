@@ -180,7 +180,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(trained_workdi
     err = capsys.readouterr().err
     warning, status = err.strip().splitlines()[-2:]
     skipped = run / "checkpoints" / "4"
-    assert warning.startswith(f"warning: skipping checkpoint {skipped}: it does not restore (")
+    assert warning.startswith(f"warning: skipping checkpoint {skipped}: partial or corrupted (")
     assert "TensorStore" not in err and status.startswith(f"step 2 of {run}")
     assert sorted(str(p) for p in run.rglob("*")) == before  # read-only: nothing moved or written
 

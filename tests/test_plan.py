@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import small_config
 
-from gspmd_tp import hlo, plan, trainer
+from gspmd_tp import analysis, hlo, plan, trainer
 from gspmd_tp.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,13 +89,13 @@ def test_memory_per_device_against_ideal():
 @pytest.mark.parametrize("rules, mesh", [("fsdp", "dp=8,mp=1"), ("megatron_2d", "dp=2,mp=4")])
 def test_no_large_leaf_replicated_under_fsdp_and_2d(rules, mesh):
     s = trainer.setup(small_config(rules=rules, mesh=mesh))
-    flagged = [r["path"] for r in plan.leaf_table(s, threshold=16 << 10) if r["replicated_over"]]
+    flagged = [r["path"] for r in analysis.leaf_table(s, threshold=16 << 10) if r["replicated_over"]]
     assert flagged == []
 
 
 def test_replicated_leaves_are_flagged_under_dp():
     s = trainer.setup(small_config(rules="dp", mesh="dp=8,mp=1"))
-    flagged = {r["path"] for r in plan.leaf_table(s, threshold=16 << 10) if r["replicated_over"]}
+    flagged = {r["path"] for r in analysis.leaf_table(s, threshold=16 << 10) if r["replicated_over"]}
     assert "params/layers/mlp/gate_up" in flagged
     assert any(p.startswith("opt_state/") for p in flagged)  # the moments too
 

@@ -3,7 +3,7 @@
 import pytest
 from conftest import small_config
 
-from gspmd_tp import plan
+from gspmd_tp import plan, tpu
 from gspmd_tp.errors import UserError
 from gspmd_tp.rules import RULES_DIR
 
@@ -52,7 +52,7 @@ def test_multi_slice_target_puts_dp_across_slices():
 
 def test_bad_target_is_one_line():
     with pytest.raises(UserError, match=r"--target 'gpu:h100': expected tpu:GENERATION:TOPOLOGY"):
-        plan.target_devices("gpu:h100")
+        tpu.target_devices("gpu:h100")
 
 
 def test_sequence_parallel_on_tpu_reduce_scatters_the_same_bytes():

@@ -1,0 +1,158 @@
+"""What a sharding costs by analysis alone, from the setup and nothing compiled: each parameter and
+optimizer-state leaf's layout and bytes per device, and the bytes each device must send per step."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from gspmd_tp import axes, trainer
+from gspmd_tp.rules import axes_of
+from gspmd_tp.state import logical_specs, path_str
+
+REPLICATED_FLAG_BYTES = 1 << 20  # flag replicated leaves from 1 MiB up
+
+
+def leaf_table(s: trainer.Setup, threshold: int = REPLICATED_FLAG_BYTES) -> list[dict]:
+    """One row per parameter and optimizer-state array: path, shape, logical axes, spec, bytes.
+
+    `replicated_over` lists the mesh axes that could shard a leaf of `threshold` bytes or more.
+    """
+    boxed, _ = logical_specs(s.model_cfg, s.tx, s.config.seq_len)
+    mesh_shape = dict(s.mesh.shape)
+    is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
+    boxes = jax.tree_util.tree_flatten_with_path(boxed, is_leaf=is_box)[0]
+    shardings = jax.tree.leaves(s.shardings)
+    rows = []
+    for (path, leaf), sharding in zip(boxes, shardings, strict=True):
+        names = tuple(leaf.names) if is_box(leaf) else (None,) * len(leaf.shape)
+        value = leaf.value if is_box(leaf) else leaf
+        spec = tuple(sharding.spec) + (None,) * (len(value.shape) - len(sharding.spec))
+        shards = math.prod(mesh_shape[a] for entry in spec for a in axes_of(entry))
+        total = int(np.prod(value.shape)) * np.dtype(value.dtype).itemsize
+        used = {a for entry in spec for a in axes_of(entry)}
+        # A mesh axis could shard this leaf if some unsharded dimension divides by its size.
+        could = [
+            a
+            for a, size in mesh_shape.items()
+            if size > 1
+            and a not in used
+            and any(
+                e is None and dim % size == 0 and dim > 1 for dim, e in zip(value.shape, spec, strict=True)
+            )
+        ]
+        p = path_str(path)
+        rows.append(
+            {
+                "path": p,
+                "kind": "params" if p.startswith("params/") else "opt_state",
+                "shape": list(value.shape),
+                "logical": list(names),
+                "spec": [list(axes_of(e)) if isinstance(e, tuple) else e for e in spec],
+                "bytes": total,
+                "bytes_per_device": total // shards,
+                "replicated_over": could if total >= threshold else [],
+            }
+        )
+    return rows
+
+
+def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[str, float]:
+    """Bytes per device per step that the sharding needs, by source (ring algorithms).
+
+    Tensor parallelism (Megatron), each sublayer over the mesh axes that shard its own hidden
+    dimension in the activations: per layer and microbatch, attention all-reduces its output
+    forward (axes of `heads`) and its input gradient backward (axes of `kv_heads`, which shard the
+    fused q/k/v weight), the MLP one each way (axes of `mlp`), and a vocabulary-sharded embedding
+    lookup and output projection one each (axes of `vocab`); under sequence parallelism and 2D
+    sharding these become all-gathers plus reduce-scatters of the same bytes. Data parallelism:
+    each gradient all-reduced over the batch axes that do not shard it, once per step or, where
+    parameters are sharded over those axes, once per microbatch. FSDP (a parameter sharded
+    over a batch axis): gathered forward and backward per microbatch, its gradient
+    reduce-scattered. XLA:CPU lowers reduce-scatter as all-reduce plus slice, so on the CPU
+    backend a reduce-scatter costs an all-reduce. `unmodelled` lists shardings the analysis does
+    not cover (head_dim, layers, length): there the total is not what the rule file needs.
+    """
+    c, cfg = s.config, s.model_cfg
+    mesh_shape = dict(s.mesh.shape)
+    batch_axes = set(axes_of(s.rules.spec((axes.BATCH,))[0]))
+
+    def hidden_axes(name: str) -> set[str]:
+        # The axes of `name` in an activation, where the batch has taken its axes first.
+        logical = (axes.BATCH, axes.LENGTH) + ((name,) if name != axes.LENGTH else ())
+        return set(axes_of(s.rules.spec(logical)[-1]))
+
+    def ways(mesh_axes: set[str]) -> int:
+        return math.prod(mesh_shape[a] for a in mesh_axes)
+
+    d_ways = ways(batch_axes)
+    k = c.grad_accum
+    act_bytes = 4 if (backend == "cpu" or cfg.dtype == "float32") else 2  # XLA:CPU promotes bf16
+    activation = (c.batch_size // k // d_ways) * c.seq_len * cfg.d_model * act_bytes
+    # (all-reduces per microbatch, the mesh axes they run over), one entry per kind.
+    reductions = [
+        (cfg.num_layers, hidden_axes(axes.HEADS)),  # attention output, forward
+        (cfg.num_layers, hidden_axes(axes.KV_HEADS)),  # attention input gradient, backward
+        (2 * cfg.num_layers, hidden_axes(axes.MLP)),  # MLP output forward, input gradient backward
+        (2, hidden_axes(axes.VOCAB)),  # embedding lookup forward, output projection backward
+    ]
+    tensor_parallel = sum(k * n * 2 * (ways(a) - 1) / ways(a) * activation for n, a in reductions)
+    # Sequence parallelism (norm_length) and 2D (embed in activations) turn each all-reduce into
+    # an all-gather plus a reduce-scatter: the same ring bytes, except that XLA:CPU lowers the
+    # reduce-scatter as a whole all-reduce, so there the pair costs 3/2 of the all-reduce.
+    tp_axes = set().union(*(a for _, a in reductions))
+    residual = s.rules.spec((axes.BATCH, axes.NORM_LENGTH, axes.EMBED))
+    scattered = any(set(axes_of(e)) & tp_axes for e in list(residual)[1:])
+    if scattered and backend == "cpu":
+        tensor_parallel *= 1.5
+    # Shardings the analysis has no term for: the rest of the total is still right, but not the total.
+    unmodelled = {
+        (name, tuple(axes_of(e)))
+        for row in rows
+        if row["kind"] == "params"
+        for name, e in zip(row["logical"], row["spec"], strict=True)
+        if name in (axes.HEAD_DIM, axes.LAYERS) and e
+    }
+    unmodelled |= {(n, tuple(sorted(hidden_axes(n)))) for n in (axes.LENGTH, axes.HEAD_DIM) if hidden_axes(n)}
+
+    # With microbatches, gradients are reduced over the batch axes once per step where the trainer
+    # sums them per batch shard, else once per microbatch (onto parameters sharded over those axes).
+    once = k == 1 or trainer.sums_per_batch_shard(tuple(batch_axes), s.shardings.params, c.batch_size // k)
+    dp_reductions = 1 if once else k
+    data_parallel = fsdp_gather = fsdp_reduce = 0.0
+    for row in rows:
+        if row["kind"] != "params":
+            continue
+        used = {a for e in row["spec"] for a in axes_of(e)}
+        g = math.prod(mesh_shape[a] for a in batch_axes - used)
+        f = math.prod(mesh_shape[a] for a in batch_axes & used)
+        local = row["bytes_per_device"]
+        if g > 1:
+            # A weight used in bf16 matmuls gets a bf16 gradient, reduced before the float32
+            # update (seen in TPU HLO); XLA:CPU promotes that all-reduce to float32.
+            per_reduction = 2 * (g - 1) / g * local * (act_bytes / 4 if len(row["shape"]) > 1 else 1)
+            data_parallel += dp_reductions * per_reduction
+        if f > 1 and row["path"] == "params/embedding" and not cfg.tie_embeddings:
+            # A lookup table split on embed is read where it lies: each device looks up its own
+            # slice of every row and the rows are exchanged (all-to-all) forward and backward; the
+            # table is never gathered and its gradient never reduced.
+            rows_bytes = (c.batch_size // k // d_ways) * c.seq_len * cfg.d_model * act_bytes
+            fsdp_gather += k * 2 * (f - 1) / f * rows_bytes
+        elif f > 1:
+            gathered = local * f
+            # Inside the layer scan a weight is gathered for the forward pass and again for the
+            # backward (ZeRO-3); outside it the gathered copy is kept for the backward pass.
+            gathers = 2 if axes.LAYERS in row["logical"] else 1
+            fsdp_gather += k * gathers * (f - 1) / f * gathered
+            fsdp_reduce += k * (f - 1) / f * gathered * (2 if backend == "cpu" else 1)
+    return {
+        "tensor_parallel": tensor_parallel,
+        "data_parallel": data_parallel,
+        "fsdp_gather": fsdp_gather,
+        "fsdp_reduce": fsdp_reduce,
+        "total": tensor_parallel + data_parallel + fsdp_gather + fsdp_reduce,
+        "unmodelled": sorted(f"{name}->{','.join(mesh_axes)}" for name, mesh_axes in unmodelled),
+    }

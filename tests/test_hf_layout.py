@@ -1,0 +1,85 @@
+"""The Hugging Face Llama layout without transformers: config.json and every tensor block there and back.
+
+tests/test_convert.py checks the same mappings against transformers' logits; these run without torch
+and read each parameter the way a sharded import does, one block per device.
+"""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+from conftest import small_config
+
+from gspmd_tp import hf_layout, trainer
+from gspmd_tp import state as state_lib
+from gspmd_tp.errors import UserError
+
+# A config.json as LlamaConfig writes it: 8 query heads on 4 key/value heads.
+LLAMA = dict(
+    model_type="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-6,
+)
+
+
+@pytest.mark.parametrize(
+    "option,message",
+    [
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling with rope_type 'llama3'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type 'yarn'"),
+        ({"attention_bias": True}, "attention_bias=true is not supported"),
+        ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"model_type": "mixtral"}, "model_type 'mixtral' is not supported"),
+        ({"head_dim": 7}, "head_dim must be even"),
+    ],
+)
+def test_unsupported_option_is_named(option, message):
+    base = trainer.model_config(small_config())
+    with pytest.raises(UserError, match=message):
+        hf_layout.model_config_from_hf({**LLAMA, **option}, base)
+
+
+def test_written_config_json_reads_back_as_the_same_model():
+    base = trainer.model_config(small_config())
+    cfg = hf_layout.model_config_from_hf(LLAMA, base)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim) == (8, 4, 8, 96)
+    written = hf_layout.hf_config(cfg, "bfloat16", 32, base={"bos_token_id": 1, "torch_dtype": "float32"})
+    assert written["bos_token_id"] == 1 and "torch_dtype" not in written
+    assert hf_layout.model_config_from_hf(written, base) == cfg
+
+
+def _halves(shape):
+    """Every block of `shape` cut in two along each axis longer than 1, as a sharding would read it."""
+    cuts = [[slice(0, n)] if n == 1 else [slice(0, n // 2), slice(n // 2, n)] for n in shape]
+    return itertools.product(*cuts)
+
+
+@pytest.mark.parametrize("scan,tied", [(True, False), (False, True)])
+def test_every_block_of_every_parameter_reads_back_from_sharded_files(tmp_path, scan, tied):
+    pytest.importorskip("safetensors")
+    cfg = trainer.model_config(small_config(**{"model.scan_layers": scan, "model.tie_embeddings": tied}))
+    rng = np.random.default_rng(0)
+    params = {
+        path: rng.standard_normal(shape).astype(np.float32)
+        for path, (shape, _) in state_lib.param_axes(cfg).items()
+    }
+    tensors = hf_layout.hf_tensors(cfg, params)
+    files = hf_layout.write_safetensors(tmp_path, tensors, np.float32, max_shard_bytes=100_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(files) > 2 and index["weight_map"].keys() == hf_layout.hf_shapes(cfg).keys()
+
+    with hf_layout.hf_reader(tmp_path) as read:
+        assert {name: read(name) for name in index["weight_map"]} == hf_layout.hf_shapes(cfg)
+        for path, x in params.items():
+            # The split group axis of qkv cuts between query heads and the key: blocks, not heads.
+            for block in _halves(x.shape):
+                got = hf_layout.read_param(read, cfg, path, x.shape, block)
+                np.testing.assert_array_equal(got, x[block], err_msg=f"{path} {block}")
