@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from gspmd_tp.axes import BATCH, LENGTH, VOCAB
-from gspmd_tp.model import output_projection
+from gspmd_tp.projection import output_projection
 
 
 def cross_entropy_sums(logits_blv, targets_bl):

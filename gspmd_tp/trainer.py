@@ -21,7 +21,8 @@ from gspmd_tp import loss as loss_lib
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import make_mesh, mesh_string
-from gspmd_tp.model import ModelConfig, Transformer, explicit_projection_grad, flops_per_token, param_count
+from gspmd_tp.model import ModelConfig, Transformer, flops_per_token, param_count
+from gspmd_tp.projection import explicit_projection_grad
 from gspmd_tp.rules import Rules, axes_of, load_rules
 
 
