@@ -1,4 +1,4 @@
-"""plan --target: the real TPU compiler, for a v5e slice that is not attached (needs libtpu)."""
+"""plan --target: the real TPU compiler, for a v5e (and a v4) slice that is not attached (needs libtpu)."""
 
 import pytest
 from conftest import small_config
@@ -63,3 +63,11 @@ def test_sequence_parallel_on_tpu_reduce_scatters_the_same_bytes():
     assert sp["collectives"]["all-gather"]["count"] >= 8
     assert sp["ratio"] == pytest.approx(1.0, abs=0.05)
     assert sp["bytes_per_device"] == pytest.approx(one_d["bytes_per_device"], rel=0.05)
+
+
+def test_v4_devices_are_tensorcores_two_to_a_chip():
+    """libtpu's compile-only v4 slice has a device per TensorCore (a v4 slice in its default megacore
+    mode shows one per chip), so each device gets half the chip's HBM, FLOP/s and bandwidth."""
+    p = plan.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"), target="tpu:v4:2x2x1")
+    assert p["devices"] == 8 and p["tpu"]["device_kind"] == "TPU v4"
+    assert p["tpu"]["devices_per_chip"] == 2 and p["tpu"]["hbm_per_device"] == 16 * 2**30
