@@ -19,7 +19,7 @@ import numpy as np
 
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
-from gspmd_tp.model import ModelConfig
+from gspmd_tp.model import SIZES, ModelConfig
 
 # ---------------------------------------------------------------------------------------------
 # config.json <-> ModelConfig
@@ -28,13 +28,7 @@ from gspmd_tp.model import ModelConfig
 # Our keys that a Hugging Face config.json determines; the rest of config.model (dtype, remat,
 # scan_layers) says how to compute, not what the model is, and stays as the run's config sets it.
 HF_MODEL_KEYS = (
-    "vocab_size",
-    "d_model",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "mlp_dim",
+    *SIZES,
     "rope_theta",
     "norm_eps",
     "tie_embeddings",

@@ -61,6 +61,8 @@ REMAT_POLICIES = {
 
 
 ATTENTION_IMPLEMENTATIONS = ("einsum", "xla", "cudnn")
+# The ModelConfig fields that are sizes: each must be positive.
+SIZES = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
 PROJECTION_GRADS = ("auto", "explicit", "xla")
 
 
@@ -101,15 +103,7 @@ class ModelConfig:
     def validate(self) -> list[str]:
         """Problems with these sizes, as one-line messages (empty when fine)."""
         problems = []
-        for name in (
-            "vocab_size",
-            "d_model",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "mlp_dim",
-        ):
+        for name in SIZES:
             if getattr(self, name) <= 0:
                 problems.append(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:

@@ -100,3 +100,18 @@ def trained_workdir(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("trained")
     trainer.train(small_config(), str(workdir))
     return workdir
+
+
+# A config.json as transformers' LlamaConfig writes it: 8 query heads on 4 key/value heads (grouped),
+# so megatron's mp=4 divides kv_heads.
+LLAMA = dict(
+    model_type="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-6,
+)

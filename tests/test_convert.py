@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import small_config
+from conftest import LLAMA, small_config
 
 from gspmd_tp import checkpoint, convert
 from gspmd_tp import state as state_lib
@@ -25,17 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-# 8 query heads on 4 key/value heads (grouped), so megatron's mp=4 divides kv_heads.
-LLAMA = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-6,
-)
 MODELS = {
     "untied": dict(LLAMA, tie_word_embeddings=False),
     # head_dim 16 is not hidden_size / heads (8): the projections change width.
@@ -132,7 +121,7 @@ def test_import_and_export_reproduce_transformers_logits(tmp_path, hf_models, ki
 
 def test_vocab_the_mesh_does_not_divide_is_an_error(tmp_path):
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(LLAMA, model_type="llama", vocab_size=258)))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(LLAMA, vocab_size=258)))
     with pytest.raises(UserError, match=r"vocab=258\) is not divisible by mesh axes mp=4"):
         convert.from_hf(str(tmp_path / "hf"), str(tmp_path / "run"), small_config(rules="megatron_1d"))
     assert not (tmp_path / "run").exists()  # nothing written

@@ -9,24 +9,11 @@ import json
 
 import numpy as np
 import pytest
-from conftest import small_config
+from conftest import LLAMA, small_config
 
 from gspmd_tp import hf_layout, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
-
-# A config.json as LlamaConfig writes it: 8 query heads on 4 key/value heads.
-LLAMA = dict(
-    model_type="llama",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-6,
-)
 
 
 @pytest.mark.parametrize(
