@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from gspmd_tp import axes, trainer
+from gspmd_tp import step as step_lib
 from gspmd_tp.rules import axes_of
 from gspmd_tp.state import logical_specs, path_str
 
@@ -120,7 +121,7 @@ def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[s
 
     # With microbatches, gradients are reduced over the batch axes once per step where the trainer
     # sums them per batch shard, else once per microbatch (onto parameters sharded over those axes).
-    once = k == 1 or trainer.sums_per_batch_shard(tuple(batch_axes), s.shardings.params, c.batch_size // k)
+    once = k == 1 or step_lib.sums_per_batch_shard(tuple(batch_axes), s.shardings.params, c.batch_size // k)
     dp_reductions = 1 if once else k
     data_parallel = fsdp_gather = fsdp_reduce = 0.0
     for row in rows:

@@ -23,6 +23,7 @@ import numpy as np
 from gspmd_tp import hlo, metrics, restore, trainer
 from gspmd_tp import rules as rules_lib
 from gspmd_tp import state as state_lib
+from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import mesh_file_name
 from gspmd_tp.model import Transformer, flops_per_token
@@ -75,10 +76,10 @@ def time_phases(s, step, state, batch, steps: int) -> tuple[dict, object]:
     model = Transformer(s.model_cfg)
     c = s.config
     with state_lib.sharding_context(s.mesh, s.rules):
-        forward = trainer.make_eval_step(s).lower(s.abstract_state.params, batch).compile()
+        forward = step_lib.make_eval_step(s).lower(s.abstract_state.params, batch).compile()
         gradient = (
             jax.jit(
-                lambda p, t: trainer.accumulated_grads(
+                lambda p, t: step_lib.accumulated_grads(
                     model, c.grad_accum, s.shardings.params, p, t, c.loss_chunk
                 ),
                 in_shardings=(s.shardings.params, s.batch_sharding),
@@ -108,7 +109,7 @@ def _compiled(config, warmup: int, s: trainer.Setup | None = None):
     given), after `warmup` steps."""
     s = s or trainer.setup(config)
     t0 = time.perf_counter()
-    step = trainer.compile_train_step(s)
+    step = step_lib.compile_train_step(s)
     compile_s = time.perf_counter() - t0
     state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, config.seq_len, config.seed)
     rng = np.random.default_rng(0)

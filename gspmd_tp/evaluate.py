@@ -28,6 +28,7 @@ import jax
 
 from gspmd_tp import data, outputs, restore, trainer
 from gspmd_tp import state as state_lib
+from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import mesh_string
 
@@ -46,7 +47,7 @@ def evaluate_params(s: trainer.Setup, params) -> dict:
     rows = data.process_rows(s.batch_sharding, c.batch_size)
     eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
     with state_lib.sharding_context(s.mesh, s.rules):
-        loss = trainer.evaluate(s, trainer.make_eval_step(s), params, eval_ds)
+        loss = trainer.evaluate(s, step_lib.make_eval_step(s), params, eval_ds)
     batches = trainer.eval_batch_count(s, eval_ds)
     tokens = batches * c.batch_size * c.seq_len  # every target of every batch counts
     nats = loss * tokens

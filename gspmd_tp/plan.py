@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from gspmd_tp import analysis, hlo, outputs, tpu, trainer
+from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import mesh_file_name, mesh_string, parse_mesh
 from gspmd_tp.rules import IndivisibleError, short_names
@@ -64,7 +65,7 @@ def plan(
     if s is None:
         s = trainer.setup(config, tpu.target_devices(target, slices) if target else None)
     rows = analysis.leaf_table(s)
-    compiled = trainer.compile_train_step(s)
+    compiled = step_lib.compile_train_step(s)
     text = compiled.as_text()
     mesh = mesh_string(s.mesh)  # resolved: dp=-1 shows as the size it stands for
     if dump_hlo:

@@ -78,12 +78,13 @@ def run_steps(config, batches, devices=None, state=None):
     import jax
 
     from gspmd_tp import state as state_lib
+    from gspmd_tp import step as step_lib
     from gspmd_tp import trainer
 
     s = trainer.setup(config, devices)
     if state is None:
         state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, config.seq_len, config.seed)
-    step = trainer.compile_train_step(s)
+    step = step_lib.compile_train_step(s)
     history = []
     for tokens in batches:
         state, stats = step(state, jax.device_put(tokens, s.batch_sharding))

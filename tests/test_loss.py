@@ -6,6 +6,7 @@ import pytest
 from conftest import small_config, token_batches
 
 from gspmd_tp import state as state_lib
+from gspmd_tp import step as step_lib
 from gspmd_tp import trainer
 from gspmd_tp.errors import UserError
 from gspmd_tp.model import Transformer
@@ -26,7 +27,7 @@ def test_chunked_loss_and_gradients_equal_the_plain_ones(rules, mesh, tied):
     with state_lib.sharding_context(s.mesh, s.rules):
         for chunk in (0, 8):
             fn = jax.jit(
-                lambda p, t, k=chunk: trainer.accumulated_grads(model, 1, s.shardings.params, p, t, k)
+                lambda p, t, k=chunk: step_lib.accumulated_grads(model, 1, s.shardings.params, p, t, k)
             )
             out.append(fn(state.params, tokens))
     (loss0, grads0), (loss8, grads8) = out
@@ -40,7 +41,7 @@ def test_chunking_cuts_step_memory_for_a_large_vocabulary():
     for chunk in (0, 32):
         c = small_config(rules="megatron_1d", mesh="dp=2,mp=4", seq_len=256, loss_chunk=chunk)
         c.model.vocab_size = 16384
-        temps[chunk] = trainer.compile_train_step(trainer.setup(c)).memory_analysis().temp_size_in_bytes
+        temps[chunk] = step_lib.compile_train_step(trainer.setup(c)).memory_analysis().temp_size_in_bytes
     # Per device the whole logits are 4 sequences x 256 positions x 4096 vocabulary x float32
     # (16.8 MB); chunking saves at least that much (measured: 60.0 MB -> 40.6 MB of temporaries).
     logits_bytes = 4 * 256 * (16384 // 4) * 4

@@ -9,6 +9,7 @@ import pytest
 from conftest import small_config
 
 from gspmd_tp import analysis, hlo, plan, trainer
+from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +43,7 @@ def test_2d_gathers_each_activation_once_and_the_mlp_output_gradient_once():
     TPU compiler does not (test_plan_tpu)."""
     c = small_config(rules="megatron_2d", mesh="dp=2,mp=4")
     s = trainer.setup(c)
-    found = hlo.collectives(trainer.compile_train_step(s).as_text(), 8)
+    found = hlo.collectives(step_lib.compile_train_step(s).as_text(), 8)
     activation = (c.batch_size // 2) * c.seq_len * c.model.d_model * 4
 
     def gathers(where):
@@ -201,7 +202,7 @@ def test_logits_are_never_gathered_over_the_vocabulary(rules):
     from gspmd_tp import hlo
 
     c = small_config(rules=rules, mesh="dp=2,mp=4", **{"model.vocab_size": 384})
-    text = trainer.compile_train_step(trainer.setup(c)).as_text()
+    text = step_lib.compile_train_step(trainer.setup(c)).as_text()
     for coll in hlo.collectives(text, 8):
         line = next(ln for ln in text.splitlines() if f"%{coll.name} = " in ln)
         result_type = line.split("=", 1)[1].split(coll.kind)[0]
@@ -221,7 +222,7 @@ def test_sequence_parallel_splits_the_saved_residual_stream_over_mp():
     layers, b, t, d, mp = 2, 8 // 2, 32, 64, 4
     full, split = (layers, b, t, d), (layers, b, t // mp, d)
     text = {
-        r: trainer.compile_train_step(trainer.setup(small_config(rules=r, mesh="dp=2,mp=4"))).as_text()
+        r: step_lib.compile_train_step(trainer.setup(small_config(rules=r, mesh="dp=2,mp=4"))).as_text()
         for r in ("megatron_1d", "megatron_1d_sp")
     }
     assert _loop_carried(text["megatron_1d_sp"], split) >= 4
@@ -263,7 +264,7 @@ def test_sharding_the_analysis_does_not_model_gets_no_ratio(tmp_path):
 @pytest.fixture
 def no_compiling(monkeypatch):
     """Fails a test that compiles the train step."""
-    monkeypatch.setattr(trainer, "compile_train_step", lambda *a: pytest.fail("compiled before checking"))
+    monkeypatch.setattr(step_lib, "compile_train_step", lambda *a: pytest.fail("compiled before checking"))
 
 
 @pytest.mark.parametrize(
