@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import errno
+import socket
+
 import jax
 
 from gspmd_tp.errors import UserError
+
+
+def _port_taken(port: int) -> bool:
+    """Whether another socket already listens on `port` on some interface: jax's coordination service
+    binds it on all of them, and its gRPC server can crash the process when the bind fails."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is free
+                probe.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+    return False
 
 
 def initialize(
@@ -34,6 +51,11 @@ def initialize(
         )
     if not explicit and not auto:
         return
+    if explicit and process_id == 0 and _port_taken(int(port)):
+        raise UserError(
+            f"--coordinator_address={coordinator_address}: port {port} is already in use on this host "
+            "(another job's coordinator?); choose a free port for process 0"
+        )
     # CPU processes exchange collectives over gloo; accelerators bring their own transport.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     timeouts = {

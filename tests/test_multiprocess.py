@@ -161,3 +161,20 @@ def test_bad_job_flags_are_named_before_joining(args, message):
 
     with pytest.raises(UserError, match=re.escape(message)):
         distributed.initialize(*args)
+
+
+def test_a_coordinator_port_already_taken_is_one_line():
+    """Process 0 checks the port before jax's coordination service binds it (whose failed bind
+    could take the whole process down with a segmentation fault)."""
+    import socket
+
+    from gspmd_tp import distributed
+    from gspmd_tp.errors import UserError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(UserError, match=f"port {port} is already in use on this host"):
+            distributed.initialize(f"127.0.0.1:{port}", 2, 0, False, 100)
+    assert not distributed.jax.distributed.is_initialized()
