@@ -24,6 +24,7 @@ import zipfile
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 
 from gspmd_tp import outputs
 from gspmd_tp.checkpoint_files import (
@@ -355,6 +356,8 @@ def main(argv=None) -> int:
     p_export.add_argument("out", help="OUT.npz")
     p_export.add_argument("--step", type=int, default=None, help="default: the newest")
     args = parser.parse_args(argv)
+    # orbax warns, for every healthy step, that a lone item has no checkpoint-level metadata file.
+    logging.set_verbosity(logging.ERROR)
     try:
         if args.command == "info":
             print(info(args.dir, args.step))

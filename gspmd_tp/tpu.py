@@ -28,6 +28,9 @@ def target_devices(target: str, slices: int = 1) -> list:
     # Compile-only use needs no exclusive hold on a TPU: without this a second process planning
     # at the same time fails on libtpu's lockfile.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Nor workers to find: unset, libtpu asks a metadata server that is not there and prints an
+    # INVALID_ARGUMENT error with a source trace that reads like a failure.
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     from jax.experimental import topologies
 
     try:
