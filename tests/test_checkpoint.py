@@ -94,6 +94,7 @@ def test_info_export_and_import_onto_another_mesh(tmp_path):
         timeout=120,
     )
     assert info.returncode == 0, info.stderr[-2000:]
+    assert info.stderr == ""  # nothing from orbax about a healthy checkpoint
     assert "steps: 2 (" in info.stdout
     assert "saved on mesh dp=2,mp=4 by 1 process(es) with rules" in info.stdout
     assert "megatron_2d.yaml" in info.stdout and "d_model=64" in info.stdout
