@@ -92,6 +92,32 @@ def run_steps(config, batches, devices=None, state=None):
     return state, history
 
 
+def loss_and_grads(config, variants):
+    """[(mean loss, gradient)] of step.accumulated_grads on one batch of `config`'s initial
+    parameters, one jit-compiled call per (grad_accum, loss_chunk) in `variants`."""
+    import jax
+
+    from gspmd_tp import state as state_lib
+    from gspmd_tp import step as step_lib
+    from gspmd_tp import trainer
+    from gspmd_tp.model import Transformer
+
+    s = trainer.setup(config)
+    state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, config.seq_len, config.seed)
+    tokens = jax.device_put(token_batches(config, 1)[0], s.batch_sharding)
+    model = Transformer(s.model_cfg)
+    out = []
+    with state_lib.sharding_context(s.mesh, s.rules):
+        for accum, chunk in variants:
+            fn = jax.jit(
+                lambda p, t, a=accum, k=chunk: step_lib.accumulated_grads(
+                    model, a, s.shardings.params, p, t, k
+                )
+            )
+            out.append(fn(state.params, tokens))
+    return out
+
+
 @pytest.fixture(scope="session")
 def trained_workdir(tmp_path_factory):
     """A workdir trained 4 steps with small_config() (megatron_2d on dp=2,mp=4): checkpoints at

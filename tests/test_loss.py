@@ -3,13 +3,11 @@
 import jax
 import numpy as np
 import pytest
-from conftest import small_config, token_batches
+from conftest import loss_and_grads, small_config
 
-from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
 from gspmd_tp import trainer
 from gspmd_tp.errors import UserError
-from gspmd_tp.model import Transformer
 from gspmd_tp.rules import RULES_DIR
 
 SHIPPED = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
@@ -19,18 +17,7 @@ CASES = [(r, "dp=2,mp=4", False) for r in SHIPPED] + [("megatron_1d_sp", "dp=1,m
 @pytest.mark.parametrize("rules, mesh, tied", CASES)
 def test_chunked_loss_and_gradients_equal_the_plain_ones(rules, mesh, tied):
     c = small_config(rules=rules, mesh=mesh, **{"model.tie_embeddings": tied})
-    s = trainer.setup(c)
-    state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, c.seq_len, c.seed)
-    tokens = jax.device_put(token_batches(c, 1)[0], s.batch_sharding)
-    model = Transformer(s.model_cfg)
-    out = []
-    with state_lib.sharding_context(s.mesh, s.rules):
-        for chunk in (0, 8):
-            fn = jax.jit(
-                lambda p, t, k=chunk: step_lib.accumulated_grads(model, 1, s.shardings.params, p, t, k)
-            )
-            out.append(fn(state.params, tokens))
-    (loss0, grads0), (loss8, grads8) = out
+    (loss0, grads0), (loss8, grads8) = loss_and_grads(c, [(1, 0), (1, 8)])
     np.testing.assert_allclose(float(loss8), float(loss0), rtol=1e-5)
     for g0, g8 in zip(jax.tree.leaves(grads0), jax.tree.leaves(grads8), strict=True):
         np.testing.assert_allclose(np.asarray(g8), np.asarray(g0), rtol=1e-5, atol=1e-7)

@@ -4,12 +4,11 @@ over data parallelism once per step where parameters are replicated over it."""
 import jax
 import numpy as np
 import pytest
-from conftest import small_config, token_batches
+from conftest import loss_and_grads, small_config
 
 from gspmd_tp import hlo, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
-from gspmd_tp.model import Transformer
 
 
 def test_compiled_step_really_shards():
@@ -28,16 +27,7 @@ def test_compiled_step_really_shards():
 )
 def test_gradient_accumulation_equals_full_batch(rules, mesh):
     c = small_config(rules=rules, mesh=mesh, batch_size=32)  # microbatches of 8 rows: 1 per device
-    s = trainer.setup(c)
-    state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, c.seq_len, c.seed)
-    tokens = jax.device_put(token_batches(c, 1)[0], s.batch_sharding)
-    model = Transformer(s.model_cfg)
-    results = []
-    with state_lib.sharding_context(s.mesh, s.rules):
-        for accum in (1, 4):
-            fn = jax.jit(lambda p, t, a=accum: step_lib.accumulated_grads(model, a, s.shardings.params, p, t))
-            results.append(fn(state.params, tokens))
-    (loss1, grads1), (loss4, grads4) = results
+    (loss1, grads1), (loss4, grads4) = loss_and_grads(c, [(1, 0), (4, 0)])
     np.testing.assert_allclose(float(loss4), float(loss1), rtol=1e-6)
     for g1, g4 in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads4), strict=True):
         np.testing.assert_allclose(np.asarray(g4), np.asarray(g1), rtol=1e-4, atol=1e-7)
