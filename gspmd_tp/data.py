@@ -353,9 +353,8 @@ def process_rows(sharding, global_batch: int) -> tuple[int, int]:
     return first, stop - first
 
 
-def global_batch(local: dict[str, np.ndarray], sharding, batch_size: int | None = None) -> jax.Array:
+def global_batch(local: dict[str, np.ndarray], sharding, batch_size: int) -> jax.Array:
     """The global (batch_size, seq_len + 1) token array assembled from every process's local rows
-    (default batch_size: the local rows times the process count)."""
+    (process_rows; processes that share rows under tensor parallelism give the same ones)."""
     tokens = np.asarray(local["tokens"], np.int32)
-    rows = batch_size or tokens.shape[0] * jax.process_count()
-    return jax.make_array_from_process_local_data(sharding, tokens, (rows,) + tokens.shape[1:])
+    return jax.make_array_from_process_local_data(sharding, tokens, (batch_size,) + tokens.shape[1:])

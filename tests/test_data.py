@@ -410,7 +410,7 @@ def test_global_batch_on_eight_devices():
     mesh = make_mesh("dp=8,mp=1", ("dp", "mp"))
     sharding = NamedSharding(mesh, PartitionSpec("dp", None))
     tokens = np.arange(8 * 5, dtype=np.int64).reshape(8, 5)
-    arr = data.global_batch({"tokens": tokens, "id": np.arange(8)}, sharding)
+    arr = data.global_batch({"tokens": tokens, "id": np.arange(8)}, sharding, 8)
     assert isinstance(arr, jax.Array)
     assert arr.shape == (8 * jax.process_count(), 5) and arr.dtype == np.int32
     assert arr.sharding.is_equivalent_to(sharding, arr.ndim)
