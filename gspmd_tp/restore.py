@@ -188,14 +188,14 @@ def _read_params(workdir: str, step: int, s: trainer.Setup):
 
 
 def restore_params(workdir: str, step: int, s: trainer.Setup):
-    """The parameters of checkpoint `step`, read straight into the shardings of `s`."""
+    """The parameters of checkpoint `step`, read straight into the shardings of `s`; a step that does
+    not read is a one-line UserError (files.read_newest), never skipped."""
     from gspmd_tp import checkpoint_files as files
 
-    try:
-        return _read_params(workdir, step, s)
-    except Exception as e:  # noqa: BLE001 - orbax raises a bare Exception for tensorstore read errors
-        path = os.path.join(files.checkpoint_dir(workdir), str(step))
-        raise UserError(f"{path}: the parameters do not restore ({files.short_error(e)})") from None
+    _, params = files.read_newest(
+        files.checkpoint_dir(workdir), step, lambda _: _read_params(workdir, step, s)
+    )
+    return params
 
 
 def restore_newest_params(workdir: str, step: int, s: trainer.Setup):

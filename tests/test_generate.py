@@ -185,6 +185,19 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(trained_workdi
     assert sorted(str(p) for p in run.rglob("*")) == before  # read-only: nothing moved or written
 
 
+def test_a_damaged_step_asked_for_by_number_is_refused_not_skipped(trained_workdir, tmp_path):
+    """restore_params (convert to-hf --step N) reads step N or says in one line why it cannot."""
+    from test_faults import flip_bytes
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_workdir, run)
+    flip_bytes(run / "checkpoints" / "4")
+    step, _, s = restore.load_setup(str(run), {}, 4)
+    with pytest.raises(UserError, match=r"/4 is partial or corrupted \(.*\); choose another --step") as e:
+        restore.restore_params(str(run), step, s)
+    assert "\n" not in str(e.value) and "TensorStore" not in str(e.value)
+
+
 def test_a_rule_file_that_moved_is_read_from_the_checkpoint(trained_workdir, tmp_path, capsys):
     def relative_rules(meta):
         meta["config"]["rules"] = "myrules/my.yaml"  # as typed in another cwd
