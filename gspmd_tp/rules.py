@@ -74,10 +74,17 @@ def resolve_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise UserError(f"rule file {name_or_path!r} is a directory; name a .yaml file in it")
     shipped = RULES_DIR / (name_or_path if name_or_path.endswith(".yaml") else name_or_path + ".yaml")
     if shipped.is_file():
         return shipped
     names = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
+    if not names:  # a wheel: the shipped rule files live in the checkout's rules/, not the package
+        raise UserError(
+            f"rule file {name_or_path!r} not found, and no shipped rule files in {RULES_DIR} "
+            "(install the checkout with pip install -e, or give the rule file's path)"
+        )
     raise UserError(f"rule file {name_or_path!r} not found (shipped rule files: {', '.join(names)})")
 
 
@@ -95,24 +102,48 @@ def load_rules(name_or_path: str) -> Rules:
     return parse_rules(text, str(path))
 
 
-def _rule_lines(text: str) -> list[int]:
-    """The 1-based line of each item of the `rules:` list in rule-file text (already parsed)."""
-    node = yaml.compose(text, Loader=yaml.SafeLoader)
+def _rule_lines(node) -> list[int]:
+    """The 1-based line of each item of the `rules:` list, from the composed YAML node."""
     for key, value in node.value if isinstance(node, yaml.MappingNode) else []:
         if key.value == "rules" and isinstance(value, yaml.SequenceNode):
             return [item.start_mark.line + 1 for item in value.value]
     return []
 
 
+def _first_duplicate_key(node) -> tuple[str, int] | None:
+    """(key, 1-based line) of the first mapping key given twice anywhere under `node`: YAML
+    loaders keep the last silently, so a second `rules:` pasted below the first would replace it."""
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode):
+                if key.value in seen:
+                    return key.value, key.start_mark.line + 1
+                seen.add(key.value)
+            found = _first_duplicate_key(value)
+            if found:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            found = _first_duplicate_key(item)
+            if found:
+                return found
+    return None
+
+
 def parse_rules(text: str, source: str) -> Rules:
     """Validates rule-file text; every error is one line naming `source` and the item."""
     try:
         data = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise UserError(f"{source}: malformed YAML{where}: {problem}") from None
+    duplicate = _first_duplicate_key(node)
+    if duplicate:
+        raise UserError(f"{source}: key {duplicate[0]!r} given twice (again at line {duplicate[1]})")
     if not isinstance(data, dict):
         raise UserError(f"{source}: expected a mapping with keys {sorted(_KEYS)}")
     unknown = sorted(set(data) - _KEYS)
@@ -132,7 +163,7 @@ def parse_rules(text: str, source: str) -> Rules:
     if not isinstance(data["rules"], list):
         raise UserError(f"{source}: rules must be a list of [logical_axis, mesh_axes] pairs")
     rules = []
-    lines = _rule_lines(text)
+    lines = _rule_lines(node)
     for i, item in enumerate(data["rules"]):
         # Rules are counted from 1, with the line they are on, as YAML errors count lines.
         rule = f"rule {i + 1} (line {lines[i]})" if i < len(lines) else f"rule {i + 1}"

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gspmd_tp import axes
 from gspmd_tp.model import ModelConfig, Transformer
-from gspmd_tp.rules import Rules, check_coverage, check_divisible
+from gspmd_tp.rules import Rules, axes_of, check_coverage, check_divisible
 
 
 @flax.struct.dataclass
@@ -84,6 +84,22 @@ def validate(model_cfg: ModelConfig, rules: Rules, mesh: Mesh, micro_batch: int,
     params = param_axes(model_cfg)
     used = {n for _, names in params.values() for n in names if n} | set(axes.ACTIVATION_AXES)
     check_coverage(rules, used)
+    check_divisible(rules, dict(mesh.shape), _tensors(model_cfg, micro_batch, seq_len))
+
+
+def idle_mesh_axes(model_cfg: ModelConfig, rules: Rules, mesh: Mesh) -> list[str]:
+    """Mesh axes of more than one device that shard no parameter and no key activation: the
+    devices along them all compute the same thing."""
+    used = set()
+    for _, names in _tensors(model_cfg, 1, 1).values():
+        for entry in rules.spec(names):
+            used.update(axes_of(entry))
+    return [a for a, n in mesh.shape.items() if n > 1 and a not in used]
+
+
+def _tensors(model_cfg: ModelConfig, micro_batch: int, seq_len: int):
+    """{name: (shape, logical names)} of every parameter and key activation, as validate checks them."""
+    params = param_axes(model_cfg)
     activations = {
         "activation tokens": ((micro_batch, seq_len), (axes.BATCH, axes.LENGTH)),
         "activation residual stream": (
@@ -107,7 +123,7 @@ def validate(model_cfg: ModelConfig, rules: Rules, mesh: Mesh, micro_batch: int,
             (axes.BATCH, axes.LENGTH, axes.VOCAB),
         ),
     }
-    check_divisible(rules, dict(mesh.shape), {**{f"params/{k}": v for k, v in params.items()}, **activations})
+    return {**{f"params/{k}": v for k, v in params.items()}, **activations}
 
 
 def state_shardings(model_cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seq_len: int):

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 
@@ -15,11 +16,11 @@ import optax
 from gspmd_tp import axes, checkpoint, checkpoint_files, data, faults, metrics, optim, outputs
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
-from gspmd_tp.errors import UserError
+from gspmd_tp.errors import UserError, warn
 from gspmd_tp.mesh import make_mesh, mesh_string
 from gspmd_tp.model import ModelConfig, flops_per_token, param_count
 from gspmd_tp.projection import explicit_projection_grad
-from gspmd_tp.rules import Rules, load_rules
+from gspmd_tp.rules import Rules, axes_of, load_rules
 
 
 def log(message: str) -> None:
@@ -130,7 +131,21 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     # "auto" follows the devices the step compiles for, not the host (a TPU plan made on a laptop).
     explicit = explicit_projection_grad(model_cfg.projection_grad, platform)
     model_cfg = dataclasses.replace(model_cfg, projection_grad="explicit" if explicit else "xla")
-    state_lib.validate(model_cfg, rules, mesh, config.batch_size // config.grad_accum, config.seq_len)
+    micro_batch = config.batch_size // config.grad_accum
+    batch_axes = axes_of(rules.spec((axes.BATCH,))[0])
+    ways = math.prod(mesh.shape[a] for a in batch_axes)
+    if config.grad_accum > 1 and micro_batch % ways:
+        sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in batch_axes)
+        raise UserError(
+            f"config.batch_size={config.batch_size} / config.grad_accum={config.grad_accum} = {micro_batch} "
+            f"rows per microbatch is not divisible by the batch's mesh axes {sizes} ({rules.source})"
+        )
+    state_lib.validate(model_cfg, rules, mesh, micro_batch, config.seq_len)
+    for axis in state_lib.idle_mesh_axes(model_cfg, rules, mesh):
+        warn(
+            f"warning: mesh axis {axis} ({mesh.shape[axis]} devices) shards no parameter and no activation "
+            f"under {rules.source}: its devices all compute the same thing"
+        )
     tx, schedule = optim.make_optimizer(config.optim, config.steps)
     abstract, shardings = state_lib.state_shardings(model_cfg, tx, mesh, rules, config.seq_len)
     return Setup(

@@ -104,6 +104,9 @@ rules:
             r"bad\.yaml: rule 2 \(line 3\) maps 'vocab' to mesh axis 'tp'",
         ),
         ("rules: []\n", r"bad\.yaml: missing key 'mesh_axes'"),
+        # A second rules: block pasted below the first would silently replace it.
+        (GOOD + "rules:\n  - [batch, dp]\n", r"bad\.yaml: key 'rules' given twice \(again at line 13\)"),
+        (GOOD.replace("[mlp, mp]", "{mlp: mp, mlp: dp}"), r"key 'mlp' given twice \(again at line 7\)"),
         ("- 1\n", r"bad\.yaml: expected a mapping"),
     ],
 )
@@ -140,6 +143,25 @@ def test_indivisible_batch_is_an_error():
         trainer.setup(small_config(batch_size=6, mesh="dp=4,mp=2"))
 
 
+def test_indivisible_microbatch_names_batch_size_and_grad_accum():
+    with pytest.raises(
+        UserError, match=r"config.batch_size=16 / config.grad_accum=4 = 4 rows per microbatch .* dp=8"
+    ):
+        trainer.setup(small_config(batch_size=16, grad_accum=4, rules="dp", mesh="dp=8,mp=1"))
+
+
+def test_a_mesh_axis_that_shards_nothing_is_named_in_a_warning(tmp_path, capsys):
+    path = tmp_path / "no_batch.yaml"
+    path.write_text(GOOD.replace("[batch, dp]", "[batch, null]"))
+    trainer.setup(small_config(rules=str(path), mesh="dp=4,mp=2"))
+    assert (
+        "warning: mesh axis dp (4 devices) shards no parameter and no activation" in capsys.readouterr().err
+    )
+    trainer.setup(small_config(rules="megatron_1d", mesh="dp=4,mp=2"))
+    trainer.setup(small_config(rules="megatron_1d", mesh="dp=8,mp=1"))  # mp has one device
+    assert capsys.readouterr().err == ""
+
+
 def test_mesh_of_wrong_size_is_an_error():
     with pytest.raises(UserError, match=r"mesh 'dp=2,mp=2' has 4 devices but 8 are available"):
         trainer.setup(small_config(mesh="dp=2,mp=2"))
@@ -148,6 +170,11 @@ def test_mesh_of_wrong_size_is_an_error():
 def test_mesh_axes_must_match_the_rule_file():
     with pytest.raises(UserError, match=r"names axes \['data', 'mp'\] but the rule file's mesh_axes"):
         make_mesh("data=2,mp=4", load_rules("dp").mesh_axes)
+
+
+def test_a_directory_given_as_a_rule_file_says_so(tmp_path):
+    with pytest.raises(UserError, match=r"rule file '.*' is a directory; name a \.yaml file in it"):
+        load_rules(str(tmp_path))
 
 
 def test_unknown_rule_file_lists_the_shipped_ones():
