@@ -118,6 +118,19 @@ def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[s
         if name in (axes.HEAD_DIM, axes.LAYERS) and e
     }
     unmodelled |= {(n, tuple(sorted(hidden_axes(n)))) for n in (axes.LENGTH, axes.HEAD_DIM) if hidden_axes(n)}
+    # A weight split over an axis that neither the batch nor its own activations use is gathered
+    # whole for every use ([mlp, [dp, mp]] after [batch, dp]: the activation cannot take dp).
+    for row in rows:
+        if row["kind"] != "params":
+            continue
+        known = batch_axes.union(*(hidden_axes(n) for n in row["logical"] if n))
+        for name, e in zip(row["logical"], row["spec"], strict=True):
+            if set(axes_of(e)) - known:
+                unmodelled.add((name, tuple(axes_of(e))))
+    # Query heads split where their key/value heads are not (fewer kv_heads than the mesh axis):
+    # every device computes the scores of the heads it does not hold, and they are gathered.
+    if hidden_axes(axes.HEADS) != hidden_axes(axes.KV_HEADS):
+        unmodelled.add((f"{axes.HEADS} (not {axes.KV_HEADS})", tuple(sorted(hidden_axes(axes.HEADS)))))
 
     # With microbatches, gradients are reduced over the batch axes once per step where the trainer
     # sums them per batch shard, else once per microbatch (onto parameters sharded over those axes).

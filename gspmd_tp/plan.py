@@ -45,7 +45,7 @@ from gspmd_tp import analysis, hlo, outputs, tpu, trainer
 from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import mesh_file_name, mesh_string, parse_mesh
-from gspmd_tp.rules import IndivisibleError, short_names
+from gspmd_tp.rules import IndivisibleError, resolve_path, short_names
 
 
 def plan(
@@ -68,9 +68,9 @@ def plan(
     compiled = step_lib.compile_train_step(s)
     text = compiled.as_text()
     mesh = mesh_string(s.mesh)  # resolved: dp=-1 shows as the size it stands for
+    label = label or os.path.basename(s.rules.source).removesuffix(".yaml")
     if dump_hlo:
         os.makedirs(dump_hlo, exist_ok=True)
-        label = label or os.path.basename(s.rules.source).removesuffix(".yaml")
         name = f"{label}_{mesh_file_name(mesh)}.hlo.txt"
         with open(os.path.join(dump_hlo, name), "w") as f:
             f.write(text)
@@ -94,6 +94,7 @@ def plan(
         "device_kind": device.device_kind,
         "tpu": estimate,
         "rules": s.rules.source,
+        "label": label,  # the rule file's name, or its short_names label in a --compare
         "mesh": mesh,
         "devices": n,
         "backend": backend,
@@ -241,7 +242,8 @@ def compare(
                 prepared.append((rules, c, trainer.setup(c, devices)))
             except IndivisibleError as e:
                 resolved = ",".join(f"{k}={v}" for k, v in parse_mesh(mesh, count).items())
-                prepared.append((rules, {"rules": rules, "mesh": resolved, "error": str(e)}, None))
+                row = {"rules": str(resolve_path(rules)), "label": labels[rules], "mesh": resolved}
+                prepared.append((rules, {**row, "error": str(e)}, None))
     if all(s is None for _, _, s in prepared):
         raise UserError(f"no rule file x mesh of --compare fits this model; first: {prepared[0][1]['error']}")
     return [
@@ -262,7 +264,7 @@ def format_compare(results: list[dict]) -> str:
     if timed:
         lines[0] += f" {'est. step':>10} {'fits':>5}"
     for r in results:
-        name = os.path.basename(r["rules"]).removesuffix(".yaml")
+        name = r["label"]
         if "error" in r:
             lines.append(f"{name:<14} {r['mesh']:<12} {r['error']}")
             continue
@@ -278,9 +280,7 @@ def format_compare(results: list[dict]) -> str:
             lines[-1] += "  <- best" if r is best else ""
     for r in results:
         if "error" not in r and r["analytical"]["unmodelled"]:
-            lines.append(
-                f"{os.path.basename(r['rules']).removesuffix('.yaml')} {r['mesh']}: ratio {_ratio(r)}"
-            )
+            lines.append(f"{r['label']} {r['mesh']}: ratio {_ratio(r)}")
     return "\n".join(lines)
 
 
@@ -292,7 +292,7 @@ def chart(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in results if "error" not in r]
-    labels = [f"{os.path.basename(r['rules']).removesuffix('.yaml')}\n{r['mesh']}" for r in ok]
+    labels = [f"{r['label']}\n{r['mesh']}" for r in ok]
     x = np.arange(len(ok))
     timed = [r for r in ok if (r.get("tpu") or {}).get("step_s_estimate")]
     panels = 3 if timed else 2

@@ -261,6 +261,47 @@ def test_sharding_the_analysis_does_not_model_gets_no_ratio(tmp_path):
     assert "n/a: the analysis does not model this rule file's head_dim->mp sharding" in plan.format_plan(p)
 
 
+@pytest.mark.parametrize(
+    "changes, unmodelled",
+    [
+        # The activation cannot take dp (the batch holds it), so the weight is gathered over mp.
+        ({"mlp": "[dp, mp]"}, ["mlp->dp,mp"]),
+        # Fewer kv heads than mp: attention scores are computed whole and gathered.
+        ({"kv_heads": "null"}, ["heads (not kv_heads)->mp"]),
+    ],
+)
+def test_layouts_the_analysis_has_no_term_for_are_named(tmp_path, changes, unmodelled):
+    s = trainer.setup(small_config(rules=_rule_file(tmp_path, "odd", **changes), mesh="dp=2,mp=4"))
+    assert analysis.analytical_bytes(s, analysis.leaf_table(s), "cpu")["unmodelled"] == unmodelled
+
+
+def test_compare_labels_two_rule_files_of_one_name_apart(tmp_path, monkeypatch):
+    monkeypatch.setattr(step_lib, "compile_train_step", lambda s: _FakeCompiled())
+    (tmp_path / "other").mkdir()
+    other = _rule_file(tmp_path / "other", "megatron_1d", mlp="null")
+    rows = plan.compare(small_config(), ["megatron_1d", other], ["dp=2,mp=4"])
+    assert [r["label"] for r in rows] == ["megatron_1d", "megatron_1d_2"]
+    table = plan.format_compare(rows)
+    assert "megatron_1d    dp=2,mp=4" in table and "megatron_1d_2  dp=2,mp=4" in table
+
+
+class _FakeCompiled:
+    """Stands in for a compiled step: no collectives, no memory."""
+
+    def as_text(self):
+        return ""
+
+    def memory_analysis(self):
+        import types
+
+        return types.SimpleNamespace(
+            argument_size_in_bytes=0,
+            output_size_in_bytes=0,
+            temp_size_in_bytes=0,
+            generated_code_size_in_bytes=0,
+        )
+
+
 @pytest.fixture
 def no_compiling(monkeypatch):
     """Fails a test that compiles the train step."""
