@@ -40,6 +40,7 @@ from gspmd_tp.checkpoint_files import (
     short_error,
     steps_on_disk,
 )
+from gspmd_tp.data import absolute_patterns
 from gspmd_tp.errors import UserError, warn
 from gspmd_tp.model import ModelConfig
 
@@ -184,7 +185,11 @@ def _identity(config: dict, key: str):
     """`key`'s value as far as it shapes the run; _ABSENT where a run saved before the key existed."""
     if key == "data.eval_fraction" and _lookup(config, "data.eval_files") not in ("", None, _ABSENT):
         return None  # held-out files replace the hashed held-out fraction, which is then unused
-    return _lookup(config, key)
+    value = _lookup(config, key)
+    if key in ("data.train_files", "data.eval_files") and isinstance(value, str):
+        # Runs save them absolute; one saved before that was relative to where it ran, taken as here.
+        return absolute_patterns(value)
+    return value
 
 
 def check_same_run(saved_config: dict, config, where: str) -> None:

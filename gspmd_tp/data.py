@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 import queue
 import sysconfig
 import threading
@@ -42,6 +43,24 @@ def _stdlib_documents() -> list[tuple[str, bytes]]:
     return docs
 
 
+def absolute_patterns(patterns: str) -> str:
+    """Comma-separated file patterns made absolute, so that a saved run's data is found from any
+    working directory and one file spelled two ways is one run's data."""
+    return ",".join(os.path.abspath(p.strip()) for p in patterns.split(",") if p.strip())
+
+
+def _name_under_pattern(pattern: str, path: str) -> str:
+    """`path` relative to the pattern's directories before the first wildcard: the name a
+    document's held-out hash reads, the same however the pattern spells those directories."""
+    parts = Path(pattern).parts
+    literal = []
+    for part in parts[:-1]:
+        if any(ch in part for ch in "*?["):
+            break
+        literal.append(part)
+    return os.path.relpath(path, os.path.join(*literal) if literal else ".")
+
+
 def _file_documents(patterns: str, field: str, what: str) -> list[tuple[str, bytes]]:
     docs, paths = [], []
     for pattern in [p.strip() for p in patterns.split(",") if p.strip()]:
@@ -51,8 +70,12 @@ def _file_documents(patterns: str, field: str, what: str) -> list[tuple[str, byt
         for path in matched:
             if not path.endswith((".jsonl", ".txt")):
                 raise UserError(f"config.data.{what}: {path} is neither .txt nor .jsonl")
+            name = _name_under_pattern(pattern, path)
             try:
-                docs += _jsonl_documents(path, field) if path.endswith(".jsonl") else [_txt_document(path)]
+                if path.endswith(".jsonl"):
+                    docs += [(f"{name}:{line}", text) for line, text in _jsonl_documents(path, field)]
+                else:
+                    docs.append((name, Path(path).read_bytes()))  # tokens are bytes: any encoding trains
             except OSError as e:
                 raise UserError(f"config.data.{what}: cannot read {path}: {e.strerror or e}") from None
             paths.append(path)
@@ -71,11 +94,8 @@ def _not_utf8(path: str, line: int, raw: bytes, e: UnicodeDecodeError) -> UserEr
     )
 
 
-def _txt_document(path: str) -> tuple[str, bytes]:
-    return path, Path(path).read_bytes()  # tokens are bytes: any encoding trains
-
-
-def _jsonl_documents(path: str, field: str) -> list[tuple[str, bytes]]:
+def _jsonl_documents(path: str, field: str) -> list[tuple[int, bytes]]:
+    """(line number, text) of each non-blank line's `field`."""
     docs = []
     # Binary lines split on "\n" only, as editors number them (text mode also splits on a lone "\r").
     with open(path, "rb") as f:
@@ -100,7 +120,7 @@ def _jsonl_documents(path: str, field: str) -> list[tuple[str, bytes]]:
                 elif not isinstance(value[field], str):  # str() would train on "None", "5", "['a']"
                     problem = f"got {json.dumps(value[field])[:40]}"
                 else:
-                    docs.append((f"{path}:{i + 1}", value[field].encode("utf-8")))
+                    docs.append((i + 1, value[field].encode("utf-8")))
                     continue
             raise UserError(
                 f"{path}:{i + 1}: expected a JSON object with a string field {field!r} "
@@ -166,6 +186,14 @@ def load_corpus(data) -> tuple[np.ndarray, np.ndarray]:
             f"set config.data.eval_files or add files"
         )
     return _pack(train), _pack(held)
+
+
+def held_out_tokens(data) -> np.ndarray:
+    """The held-out token stream alone; with config.data.eval_files only those files are read."""
+    if data.eval_files:
+        check(data)
+        return _pack(_file_documents(data.eval_files, data.jsonl_field, "eval_files"))
+    return load_corpus(data)[1]
 
 
 class PackedWindows:

@@ -43,7 +43,7 @@ def evaluate_params(s: trainer.Setup, params) -> dict:
     """Loss and perplexities of `params` over config.eval_batches held-out batches (at most one
     pass over them)."""
     c = s.config
-    _, eval_tokens = data.load_corpus(c.data)
+    eval_tokens = data.held_out_tokens(c.data)
     rows = data.process_rows(s.batch_sharding, c.batch_size)
     eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
     with state_lib.sharding_context(s.mesh, s.rules):

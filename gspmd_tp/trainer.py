@@ -203,6 +203,9 @@ def train(config, workdir: str) -> dict:
     s = setup(config)
     c = s.config
     workdir = os.path.abspath(workdir)
+    # Saved absolute, so that evaluate, generate and a resume find the files from any directory.
+    c.data.train_files = data.absolute_patterns(c.data.train_files)
+    c.data.eval_files = data.absolute_patterns(c.data.eval_files)
     n_params = param_count(s.model_cfg)
     log(
         f"gspmd_tp: {n_params['total'] / 1e6:.2f}M parameters | mesh {mesh_string(s.mesh)} on "

@@ -89,6 +89,28 @@ def test_user_files_split_is_disjoint_and_complete(tmp_path):
     np.testing.assert_array_equal(again[1], held)
 
 
+def test_the_split_is_the_same_however_the_path_is_spelled(tmp_path, monkeypatch):
+    for i in range(60):
+        write(tmp_path / "data" / f"doc{i:02d}.txt", f"document {i}")
+    write(
+        tmp_path / "data" / "lines.jsonl",
+        "".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(60)),
+    )
+    monkeypatch.chdir(tmp_path)
+    spellings = ["data/*", "./data/*", f"{tmp_path}/data/*", "data/../data/*"]
+    splits = [data.load_corpus(data_config(train_files=p, eval_fraction=0.2)) for p in spellings]
+    for train, held in splits[1:]:
+        np.testing.assert_array_equal(train, splits[0][0])
+        np.testing.assert_array_equal(held, splits[0][1])
+    assert 0 < len(documents(splits[0][1])) < 120
+
+
+def test_evaluation_reads_only_the_eval_files(tmp_path):
+    write(tmp_path / "e.txt", "held out")
+    cfg = data_config(train_files=str(tmp_path / "moved_away" / "*.txt"), eval_files=str(tmp_path / "e.txt"))
+    assert bytes(data.held_out_tokens(cfg)) == b"held out\0"
+
+
 # --- user files ----------------------------------------------------------------------------------
 
 

@@ -188,6 +188,34 @@ def test_other_eval_fraction_with_the_same_eval_files_is_the_same_run():
     checkpoint.check_same_run(saved, small_config(), "run")
 
 
+def test_data_files_are_saved_absolute_and_one_file_spelled_two_ways_is_one_run(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    for i in range(40):
+        (tmp_path / "data" / f"doc{i}.txt").write_text(f"document {i} " * 40)
+    monkeypatch.chdir(tmp_path)
+    trainer.train(
+        small_config(
+            steps=1, eval_every=100, **{"data.train_files": "data/*.txt", "data.eval_fraction": 0.5}
+        ),
+        "run",
+    )
+    (meta,) = [m for _, m in checkpoint_files.readable_checkpoints(str(tmp_path / "run"))]
+    assert meta["config"]["data"]["train_files"] == f"{tmp_path}/data/*.txt"
+    elsewhere = tmp_path / "data"
+    monkeypatch.chdir(elsewhere)  # the same files, spelled from another directory
+    last = trainer.train(
+        small_config(steps=2, eval_every=100, **{"data.train_files": "./*.txt", "data.eval_fraction": 0.5}),
+        "../run",
+    )
+    assert last["step"] == 2
+    with pytest.raises(
+        UserError, match=r"data\.train_files: saved '.*/data/\*\.txt', now '.*/data/doc1\*\.txt'"
+    ):
+        trainer.train(
+            small_config(steps=3, **{"data.train_files": "doc1*.txt", "data.eval_fraction": 0.5}), "../run"
+        )
+
+
 def test_a_read_failure_that_is_not_damage_moves_nothing(trained, tmp_path, monkeypatch):
     workdir = tmp_path / "run"
     shutil.copytree(trained, workdir)
