@@ -42,36 +42,54 @@ def parse_flags(argv: list[str], load: bool = True) -> list[str]:
 def loaded_config():
     """The parsed --config, or one line on stderr and exit 1 where its file did not load."""
     from absl import flags
+    from ml_collections import ConfigDict
 
     with _config_mistakes_exit():
-        flags.FLAGS.config.keys()  # a file that failed to load raises on first use
-        return flags.FLAGS.config
+        config = flags.FLAGS.config
+        config.keys()  # a file that failed to load raises on first use
+        if not isinstance(config, ConfigDict):
+            path = _config_path(sys.argv, None)
+            print(
+                f"error: --config={path}: get_config() returned a {type(config).__name__}, "
+                "not an ml_collections ConfigDict",
+                file=sys.stderr,
+            )
+            sys.exit(1)
+        return config
 
 
 @contextlib.contextmanager
 def _config_mistakes_exit(argv: list[str] | None = None, default: str | None = None):
     try:
         yield
-    except (OSError, KeyError, AttributeError, TypeError) as e:
+    except (OSError, KeyError, AttributeError, TypeError, SyntaxError) as e:
         print(f"error: {_config_mistake(sys.argv if argv is None else argv, e, default)}", file=sys.stderr)
         sys.exit(1)
+
+
+def _config_path(argv: list[str], default: str | None) -> str:
+    """The --config file as given, or the default's path marked as such."""
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    if given:
+        return given[-1]
+    if default is None:
+        from absl import flags
+
+        default = flags.FLAGS["config"].default_as_str.strip("'")
+    return f"{default} (the default)"
 
 
 def _config_mistake(argv: list[str], e: Exception, default: str | None) -> str:
     overrides = [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
     if isinstance(e, OSError):
-        given = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-        if given:
-            path = given[-1]
-        else:
-            if default is None:
-                from absl import flags
-
-                default = flags.FLAGS["config"].default_as_str.strip("'")
-            path = f"{default} (the default)"
+        path = _config_path(argv, default)
         if not os.path.isfile(path.split(":", 1)[0].split(" ", 1)[0]):
             return f"--config={path}: no such file (cwd {os.getcwd()})"
         return f"--config={path}: {str(e).splitlines()[0]}"
+    if isinstance(e, SyntaxError):
+        return f"--config={_config_path(argv, default)}: {e.msg} (line {e.lineno}) in {e.filename}"
+    if isinstance(e, AttributeError) and "has no attribute 'get_config'" in str(e):
+        return f"--config={_config_path(argv, default)}: the file defines no get_config()"
     if isinstance(e, (KeyError, AttributeError)):
         message = e
         while isinstance(message, BaseException) and message.args:

@@ -11,37 +11,29 @@ points can ask `device_count_from_argv` how many devices to simulate before jax 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ml_collections import ConfigDict
 
+from gspmd_tp.config_keys import default_config
 from gspmd_tp.errors import UserError, warn
 
 if TYPE_CHECKING:
     from gspmd_tp import trainer
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
-# Every shipped config starts from this one: its keys are the defaults of keys a run saved before
-# they existed does not have.
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.py"
 DEFAULT_DEVICES = 8  # what train.py simulates by default (configs/tiny.py host_device_count)
 
 
-def _default_config() -> dict:
-    spec = importlib.util.spec_from_file_location("gspmd_tp_default_config", DEFAULT_CONFIG)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config().to_dict()
-
-
 def _laid_over(defaults: dict, saved: dict) -> dict:
-    """`saved`, with the keys it lacks (at any depth) taken from `defaults`."""
+    """`saved`, with the keys it lacks (at any depth) taken from `defaults` and the keys `defaults`
+    lacks (ones a newer version no longer reads) left out."""
     merged = dict(defaults)
     for key, value in saved.items():
+        if key not in defaults:
+            continue
         if isinstance(value, dict) and isinstance(defaults.get(key), dict):
             value = _laid_over(defaults[key], value)
         merged[key] = value
@@ -113,7 +105,7 @@ def saved_config(
         step, meta = found[0]
     else:
         step, meta = files.read_newest(files.checkpoint_dir(workdir), step, files.read_step_meta)
-    config = ConfigDict(_laid_over(_default_config(), meta["config"]))
+    config = ConfigDict(_laid_over(default_config(), meta["config"]))
     config.model = ConfigDict(checkpoint.saved_model(meta["model"]))  # what its parameters are
     config.init_from = ""
     return step, meta, apply_overrides(config, overrides)

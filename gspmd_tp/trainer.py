@@ -16,6 +16,7 @@ import optax
 from gspmd_tp import axes, checkpoint, checkpoint_files, data, faults, metrics, optim, outputs
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
+from gspmd_tp.config_keys import check_keys
 from gspmd_tp.errors import UserError, warn
 from gspmd_tp.mesh import make_mesh, mesh_string
 from gspmd_tp.model import ModelConfig, flops_per_token, param_count
@@ -44,6 +45,7 @@ def model_config(config) -> ModelConfig:
 
 def check_config(config) -> None:
     """Checks the run-level keys; raises UserError naming the key."""
+    check_keys(config)
     for key in (
         "steps",
         "batch_size",

@@ -53,13 +53,15 @@ def test_bad_input_is_one_line(trained_workdir, monkeypatch, capsys, args, messa
 
 
 def test_a_run_saved_before_newer_config_keys_still_evaluates(trained_workdir, tmp_path, capsys):
-    """Keys added to the config since a run was saved (data.prefetch, model.attention) take defaults."""
+    """Keys added to the config since a run was saved (data.prefetch, model.attention) take defaults;
+    keys no longer read (optim.schedule_kind here) are left out."""
     old = tmp_path / "old"
     shutil.copytree(trained_workdir, old)
     for meta_file in old.glob("checkpoints/*/meta/metadata"):
         meta = json.loads(meta_file.read_text())
         del meta["config"]["data"]["prefetch"], meta["config"]["model"]["attention"]
         del meta["model"]["attention"]
+        meta["config"]["optim"]["schedule_kind"] = "cosine"
         meta_file.write_text(json.dumps(meta))
     assert evaluate.main(["--workdir", str(old), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 4

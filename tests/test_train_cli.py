@@ -110,3 +110,41 @@ def test_config_file_and_key_mistakes_are_one_line(tmp_path, command, cwd, messa
     )
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("def get_config(:\n    pass\n", "--config=CFG: invalid syntax (line 1) in CFG"),
+        ("X = 1\n", "--config=CFG: the file defines no get_config()"),
+        ("def get_config():\n    return {'steps': 1}\n", "--config=CFG: get_config() returned a dict, not"),
+        (
+            "from configs import tiny\ndef get_config():\n    c = tiny.get_config()\n"
+            "    c.optim.learning_rate = 1e-4\n    return c\n",
+            "config.optim.learning_rate is not a key gspmd_tp reads (known: b1, b2,",
+        ),
+        (
+            "from configs import tiny\ndef get_config():\n    c = tiny.get_config()\n"
+            "    c.warmup = 5\n    return c\n",
+            "config.warmup is not a key gspmd_tp reads (known: batch_size,",
+        ),
+        (
+            "from configs import tiny\ndef get_config():\n    c = tiny.get_config()\n"
+            "    del c['loss_chunk']\n    return c\n",
+            "config.loss_chunk is missing (configs/tiny.py sets 0)",
+        ),
+    ],
+    ids=["syntax", "no-get_config", "dict", "misspelt-key", "unknown-key", "missing-key"],
+)
+def test_a_config_file_that_is_wrong_is_one_line(tmp_path, body, message):
+    cfg = tmp_path / "mine.py"
+    cfg.write_text(body)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, "train.py", f"--config={cfg}", f"--workdir={tmp_path / 'run'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert errors[0].startswith(f"error: {message.replace('CFG', str(cfg))}"), errors
+    assert not (tmp_path / "run").exists()

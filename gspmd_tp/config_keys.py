@@ -1,0 +1,52 @@
+"""The keys a run's config has: those of configs/tiny.py, which every shipped config starts from.
+
+A key a config file misspells (`optim.learning_rate` for `optim.lr`) would otherwise be silently
+unused; a key it lacks would fail deep inside the run. Imports no jax.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from pathlib import Path
+
+from gspmd_tp.errors import UserError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.py"
+
+
+def default_config() -> dict:
+    """configs/tiny.py's config as a plain dict."""
+    spec = importlib.util.spec_from_file_location("gspmd_tp_default_config", DEFAULT_CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config().to_dict()
+
+
+def check_keys(config, skip: tuple[str, ...] = ("model",)) -> None:
+    """Raises UserError naming the first key `config` has and the default config lacks, or the
+    reverse; the sections in `skip` are checked elsewhere (config.model by trainer.model_config)."""
+    if not DEFAULT_CONFIG.is_file():  # an installed wheel: no configs/ to compare with
+        return
+    problem = _first_difference(config.to_dict(), default_config(), "config", skip)
+    if problem:
+        raise UserError(problem)
+
+
+def _first_difference(given: dict, known: dict, where: str, skip: tuple[str, ...]) -> str | None:
+    for key in given:
+        if key in skip:
+            continue
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f"; did you mean {where}.{close[0]}?" if close else f" (known: {', '.join(sorted(known))})"
+            return f"{where}.{key} is not a key gspmd_tp reads{hint}"
+        if isinstance(known[key], dict) and isinstance(given[key], dict):
+            problem = _first_difference(given[key], known[key], f"{where}.{key}", ())
+            if problem:
+                return problem
+    for key in known:
+        if key not in given and key not in skip:
+            tiny = f"configs/tiny.py sets {known[key]!r}"
+            return f"{where}.{key} is missing ({tiny}); start from configs/tiny.py get_config()"
+    return None
