@@ -153,12 +153,22 @@ def to_hf(
 # Command line
 
 
-def _resume_command(s: trainer.Setup, workdir: str, config_path: str) -> str:
-    model = " ".join(f"--config.model.{k}={getattr(s.model_cfg, k)}" for k in hf_layout.HF_MODEL_KEYS)
-    return (
-        f"python train.py --config={config_path} --workdir={workdir} --config.rules={s.config.rules} "
-        f"--config.mesh={s.config.mesh} {model}"
+def _resume_command(s: trainer.Setup, workdir: str, config_path: str, argv: list[str]) -> str:
+    """The train.py command that resumes the imported run: the model's sizes spelled out, and every
+    other --config.KEY the import was given (a run's seq_len or data must match on resume)."""
+    model = [f"--config.model.{k}={getattr(s.model_cfg, k)}" for k in hf_layout.HF_MODEL_KEYS]
+    given = {a.split("=", 1)[0]: a for a in argv if a.startswith("--config.")}
+    given.update(
+        {
+            "--config.rules": f"--config.rules={s.config.rules}",
+            "--config.mesh": f"--config.mesh={s.config.mesh}",
+        }
     )
+    others = [a for key, a in given.items() if key.removeprefix("--config.") not in _MODEL_OVERRIDES]
+    return " ".join([f"python train.py --config={config_path} --workdir={workdir}", *others, *model])
+
+
+_MODEL_OVERRIDES = {f"model.{k}" for k in hf_layout.HF_MODEL_KEYS}
 
 
 def main(argv) -> None:
@@ -180,7 +190,7 @@ def main(argv) -> None:
             _set_cpu_devices(config.host_device_count)
             s = from_hf(flags_.hf_dir, flags_.workdir, config)
             print(f"wrote step 0 to {checkpoint_files.checkpoint_dir(flags_.workdir)}; fine-tune with:")
-            print(_resume_command(s, flags_.workdir, flags_["config"].config_filename))
+            print(_resume_command(s, flags_.workdir, flags_["config"].config_filename, sys.argv))
         else:
             outputs.check_dir(flags_.hf_dir, "--hf_dir")
             count = flags_.host_device_count

@@ -227,9 +227,10 @@ def train(config, workdir: str) -> dict:
 
     # Read-only look at the workdir: a different model or another run is an error before any write.
     found = checkpoint_files.readable_checkpoints(workdir, warn=log)
-    for _, meta in found:
+    for step, meta in found:
         checkpoint.check_model_matches(meta["model"], s.model_cfg, workdir)
-        checkpoint.check_same_run(meta["config"], c, workdir)
+        if step > 0:  # step 0 (convert from-hf) has read no data: any data and seeds may follow it
+            checkpoint.check_same_run(meta["config"], c, workdir)
     imported = None
     if not found and c.init_from:  # read only by a fresh run: a resumed one may have lost the file
         if not os.path.isfile(c.init_from):

@@ -200,8 +200,14 @@ def test_commands_import_fine_tune_with_train_py_and_export(tmp_path, hf_models)
     resume = printed.strip().splitlines()[-1].split()
     assert resume[:2] == ["python", "train.py"] and "--config.model.num_kv_heads=4" in resume
 
-    # The printed command, as a user would run it, resumes from the converted step 0.
-    trained = _cli(*resume[1:], *small, "--config.steps=2", "--config.log_every=1", "--config.eval_every=2")
+    assert all(flag in resume for flag in small)  # seq_len must match on resume: the import's overrides carry
+    # The printed command, as a user would run it, resumes from the converted step 0, on the user's
+    # own data (step 0 has read none, so the import's data does not bind the fine-tune).
+    for i in range(40):
+        (tmp_path / "mine" / f"doc{i}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "mine" / f"doc{i}.txt").write_text(f"my document {i} " * 30)
+    mine = [f"--config.data.train_files={tmp_path}/mine/*.txt", "--config.data.eval_fraction=0.5"]
+    trained = _cli(*resume[1:], *mine, "--config.steps=2", "--config.log_every=1", "--config.eval_every=2")
     assert "resumed from step 0" in trained and "step 2/2 | loss" in trained
     assert sorted(os.listdir(run / "checkpoints")) == ["0", "2"]
 
