@@ -12,7 +12,7 @@ import sys
 from absl import app, flags, logging
 
 from gspmd_tp import host_devices
-from gspmd_tp.errors import UserError, define_config, parse_flags
+from gspmd_tp.errors import UserError, define_config, no_positional_arguments, parse_flags
 
 _CONFIG = define_config("configs/bench_cpu.py", "A configs/*.py file.")
 _RULES = flags.DEFINE_string("rules", "", "Comma-separated rule files (default: config.rules).")
@@ -42,7 +42,7 @@ _ROUND_STEPS = flags.DEFINE_integer("round_steps", 3, "With --variants: timed st
 
 
 def main(argv):
-    del argv
+    no_positional_arguments(argv)
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported

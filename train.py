@@ -9,7 +9,7 @@ import sys
 from absl import app, flags, logging
 
 from gspmd_tp import host_devices
-from gspmd_tp.errors import UserError, define_config, parse_flags
+from gspmd_tp.errors import UserError, define_config, no_positional_arguments, parse_flags
 
 _CONFIG = define_config("configs/tiny.py", "A configs/*.py file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, events.")
@@ -26,7 +26,7 @@ _DISTRIBUTED = flags.DEFINE_bool(
 
 
 def main(argv):
-    del argv
+    no_positional_arguments(argv)
     # Library INFO logs (orbax prints several lines per save) would bury the progress lines.
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value

@@ -15,6 +15,15 @@ def warn(message: str) -> None:
     print(message, file=sys.stderr)
 
 
+def no_positional_arguments(argv: list[str]) -> None:
+    """One line on stderr and exit 1 where absl left a positional argument (`config.steps=5`
+    without its dashes would otherwise be dropped and the run go on with the default)."""
+    if len(argv) > 1:
+        usage = "flags are --NAME=VALUE, config keys --config.KEY=VALUE"
+        print(f"error: unexpected argument {argv[1]!r} ({usage})", file=sys.stderr)
+        sys.exit(1)
+
+
 def define_config(default: str, help_text: str):
     """The --config flag (ml_collections): a configs/*.py file plus --config.KEY=VALUE overrides.
 

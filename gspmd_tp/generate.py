@@ -80,8 +80,10 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
     return lines
 
 
-def check_sampling(max_new_tokens: int | None, temperature: float, top_k: int) -> None:
+def check_sampling(max_new_tokens: int | None, temperature: float, top_k: int, seed: int = 0) -> None:
     """Sampling flags that are wrong whatever the model: UserError naming the flag."""
+    if not 0 <= seed < 2**31:  # the sampling key's seed is an int32 on the devices
+        raise UserError(f"--seed must be in [0, 2**31), got {seed}")
     if max_new_tokens is not None and max_new_tokens <= 0:
         raise UserError(f"--max_new_tokens must be positive, got {max_new_tokens}")
     if not temperature >= 0:  # also NaN
@@ -282,7 +284,7 @@ def main(argv=None) -> int:
     try:
         overrides = restore.split_overrides(rest)
         prompts = read_prompts(args.prompt, args.prompts_file)
-        check_sampling(args.max_new_tokens, args.temperature, args.top_k)
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)
         step, _, s = restore.load_setup(args.workdir, overrides)
         token_lists = [encode(p) for p in prompts]
         max_new = fit_length(token_lists, args.max_new_tokens, s.config.seq_len)

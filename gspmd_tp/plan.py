@@ -43,7 +43,7 @@ import numpy as np
 
 from gspmd_tp import analysis, hlo, outputs, tpu, trainer
 from gspmd_tp import step as step_lib
-from gspmd_tp.errors import UserError
+from gspmd_tp.errors import UserError, no_positional_arguments
 from gspmd_tp.mesh import mesh_file_name, mesh_string, parse_mesh
 from gspmd_tp.rules import IndivisibleError, resolve_path, short_names
 
@@ -327,7 +327,7 @@ def chart(results: list[dict], path: str) -> None:
 
 def main(argv) -> None:
     """CLI: python -m gspmd_tp.plan --config=... [--json] [--compare=... --meshes=...]."""
-    del argv
+    no_positional_arguments(argv)
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)

@@ -91,6 +91,11 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
             ROOT,
             "--config=configs/nope.py: no such file (cwd ROOT)",
         ),
+        (
+            ["train.py", "--workdir=WORKDIR", "config.steps=5"],
+            ROOT,
+            "unexpected argument 'config.steps=5' (flags are --NAME=VALUE, config keys --config.KEY=VALUE)",
+        ),
         # No --config: bench.py loads its default, and applies the overrides, while defining its flags.
         (["bench.py", "--config.model.nope=1"], ROOT, "--config.model.nope: the config has no key 'nope'"),
         (["-m", "gspmd_tp.plan"], "TMP", "--config=configs/tiny.py (the default): no such file (cwd TMP)"),
