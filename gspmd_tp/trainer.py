@@ -237,6 +237,10 @@ def train(config, workdir: str) -> dict:
             raise UserError(f"config.init_from: no file {c.init_from}")
         imported = checkpoint.import_params(c.init_from, s.abstract_state.params)
 
+    if found and found[0][0] >= c.steps:  # before compiling: minutes on a large model
+        log(f"nothing to do: the newest checkpoint is at step {found[0][0]} >= config.steps={c.steps}")
+        return {"step": found[0][0]}
+
     t0 = time.perf_counter()
     train_step = step_lib.compile_train_step(s)
     with state_lib.sharding_context(s.mesh, s.rules):
@@ -249,10 +253,6 @@ def train(config, workdir: str) -> dict:
     state, data_state, start = _initial_state(s, workdir, found, mngr, imported)
     if data_state is not None:
         data_iter.set_state(data_state)
-    if start >= c.steps:
-        log(f"nothing to do: the newest checkpoint is at step {start} >= config.steps={c.steps}")
-        mngr.close()
-        return {"step": start}
     log(f"compiled in {compile_s:.1f}s; training steps {start + 1}..{c.steps}")
 
     writer = metrics.MetricsWriter(workdir, enabled=jax.process_index() == 0)

@@ -11,6 +11,7 @@ from conftest import run_steps, small_config, token_batches
 
 from gspmd_tp import optim, trainer
 from gspmd_tp import state as state_lib
+from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.rules import RULES_DIR
 
@@ -154,6 +155,14 @@ def test_resuming_needs_no_init_from_file(trained_workdir, tmp_path):
     with pytest.raises(UserError, match=r"config.init_from: no file .*gone.npz"):
         trainer.train(small_config(init_from=str(tmp_path / "gone.npz")), str(tmp_path / "fresh"))
     assert not (tmp_path / "fresh").exists()
+
+
+def test_a_finished_run_says_so_before_compiling(trained_workdir, tmp_path, monkeypatch, capsys):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained_workdir, workdir)
+    monkeypatch.setattr(step_lib, "compile_train_step", lambda s: pytest.fail("compiled a finished run"))
+    assert trainer.train(small_config(steps=4), str(workdir)) == {"step": 4}
+    assert "nothing to do: the newest checkpoint is at step 4 >= config.steps=4" in capsys.readouterr().out
 
 
 def test_a_vocabulary_below_the_byte_tokens_is_named_for_any_data():
