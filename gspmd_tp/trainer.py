@@ -163,6 +163,38 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     )
 
 
+def check_memory(stats, mesh) -> None:
+    """UserError where the compiled step cannot fit: per device against an accelerator's memory,
+    or all of this host's simulated CPU devices together against its RAM. Before anything is written."""
+    need = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    need -= stats.alias_size_in_bytes  # the donated state is written in place
+    device = mesh.devices.flat[0]
+    if device.platform == "cpu":
+        local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        have, what = _host_memory(), f"this host's {_gib(_host_memory())} of RAM"
+        need *= local
+        where = f"{local} CPU devices x {_gib(need / local)}"
+    else:
+        have = (device.memory_stats() or {}).get("bytes_limit", 0)
+        what, where = f"a {device.device_kind}'s {_gib(have)}", f"{_gib(need)} per device"
+    if have and need > have:
+        raise UserError(
+            f"the compiled train step needs {where}, more than {what}; shrink config.batch_size or "
+            "config.seq_len, add config.grad_accum or another rule file (python -m gspmd_tp.plan shows each)"
+        )
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
 def eval_batch_count(s: Setup, dataset) -> int:
     """config.eval_batches, at most one pass over the held-out batches (no window counted twice)."""
     per_pass = getattr(dataset, "batches_per_pass", None)
@@ -246,6 +278,7 @@ def train(config, workdir: str) -> dict:
     with state_lib.sharding_context(s.mesh, s.rules):
         eval_step = step_lib.make_eval_step(s)
     compile_s = time.perf_counter() - t0
+    check_memory(train_step.memory_analysis(), s.mesh)
 
     # The first write: unreadable newest steps move aside so that saving those steps again works.
     checkpoint_files.move_aside_unreadable(workdir, [step for step, _ in found], warn=log)

@@ -165,6 +165,24 @@ def test_a_finished_run_says_so_before_compiling(trained_workdir, tmp_path, monk
     assert "nothing to do: the newest checkpoint is at step 4 >= config.steps=4" in capsys.readouterr().out
 
 
+def test_a_step_that_cannot_fit_is_refused_before_anything_is_written():
+    import types
+
+    mesh = trainer.setup(small_config()).mesh
+    stats = types.SimpleNamespace(
+        argument_size_in_bytes=2**20,
+        output_size_in_bytes=2**20,
+        alias_size_in_bytes=2**20,
+        temp_size_in_bytes=0,
+    )
+    trainer.check_memory(stats, mesh)
+    stats.temp_size_in_bytes = 2**50
+    with pytest.raises(
+        UserError, match=r"needs 8 CPU devices x 1048576\.0 GiB, more than this host's .* of RAM"
+    ):
+        trainer.check_memory(stats, mesh)
+
+
 def test_a_vocabulary_below_the_byte_tokens_is_named_for_any_data():
     c = small_config()
     c.model.vocab_size = 128
