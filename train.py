@@ -45,14 +45,14 @@ def main(argv):
     except Exception as e:
         import jax
 
-        if "RESOURCE_EXHAUSTED" in str(e):  # what check_memory could not foresee (fragmentation, others)
-            first = str(e).strip().splitlines()[0]
-            print(
-                f"error: out of memory: {first} (python -m gspmd_tp.plan shows per-device memory)",
-                file=sys.stderr,
-            )
-            sys.exit(1)
         if jax.process_count() == 1:
+            if "RESOURCE_EXHAUSTED" in str(e):  # what check_memory could not foresee (others' use)
+                first = str(e).strip().splitlines()[0]
+                print(
+                    f"error: out of memory: {first} (python -m gspmd_tp.plan shows per-device memory)",
+                    file=sys.stderr,
+                )
+                sys.exit(1)
             raise
         # A failed collective in a multi-process job almost always means a peer died. Exit now:
         # the normal exit path would wait at jax.distributed's shutdown barrier for that peer.
