@@ -15,8 +15,10 @@ if __name__ == "__main__":  # before jax is imported: no TPU probe on a host wit
     host_devices.cpu_platform_where_alone()
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import logging as std_logging
 import os
 import sys
 import zipfile
@@ -95,13 +97,48 @@ def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
 
 def restore(mngr: ocp.CheckpointManager, step: int, abstract_state):
     """(state, data-iterator state) at `step`, read straight into abstract_state's shardings."""
-    restored = mngr.restore(
-        step,
-        args=ocp.args.Composite(
-            **{STATE: ocp.args.StandardRestore(abstract_state), DATA: ocp.args.JsonRestore()}
-        ),
-    )
+    with _quiet_after_a_failed_read():
+        restored = mngr.restore(
+            step,
+            args=ocp.args.Composite(
+                **{STATE: ocp.args.StandardRestore(abstract_state), DATA: ocp.args.JsonRestore()}
+            ),
+        )
     return restored[STATE], restored[DATA]
+
+
+@contextlib.contextmanager
+def _quiet_after_a_failed_read():
+    """Where a read fails, the array reads still in flight end later, each printing a traceback:
+    asyncio's "exception was never retrieved", their own error when the coroutine is collected, or
+    "Event loop is closed" from orbax's finished loop. Those, and only those, go unprinted from the
+    read on where it fails, so that the one-line warning about the checkpoint is what the user sees."""
+    asyncio_log, hooks = std_logging.getLogger("asyncio"), (sys.unraisablehook, sys.excepthook)
+    asyncio_log.addFilter(_not_never_retrieved)
+    orphan = "_read_array_index_and_device_put"
+    sys.unraisablehook = _dropping(hooks[0], lambda i: _closed_loop(i.exc_value) or orphan in repr(i.object))
+    sys.excepthook = _dropping(hooks[1], lambda *info: _closed_loop(info[1]))
+    yield  # an exception leaves the filters in place for the reads still in flight
+    asyncio_log.removeFilter(_not_never_retrieved)
+    sys.unraisablehook, sys.excepthook = hooks
+
+
+def _not_never_retrieved(record) -> bool:
+    return "exception was never retrieved" not in record.getMessage()
+
+
+def _closed_loop(e) -> bool:
+    return isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+
+
+def _dropping(hook, orphan):
+    """`hook`, except for what `orphan` says a read left in flight raised."""
+
+    def dropping(*args):
+        if not orphan(*args):
+            hook(*args)
+
+    return dropping
 
 
 def restore_newest(mngr: ocp.CheckpointManager, found: list[tuple[int, dict]], abstract_state, warn=print):

@@ -29,7 +29,7 @@ CORRUPT_DIR = "corrupt_checkpoints"
 _MISSING_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS")
 # These two also cover requests that were wrong; only with a decoding failure do they mean damage.
 _DECODE_CODES = ("FAILED_PRECONDITION", "INVALID_ARGUMENT")
-_DECODE_WORDS = ("corrupt", "decod", "decompress", "checksum")
+_DECODE_WORDS = ("corrupt", "decod", "decompress", "checksum", "truncated")
 # Tensorstore appends its whole spec (some 60 lines) and source locations to every message.
 _TENSORSTORE_TAIL = re.compile(r"\s*\[(tensorstore_spec|source locations)=.*", re.DOTALL)
 

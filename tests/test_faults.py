@@ -129,8 +129,18 @@ def _remove_metadata(step_dir: Path):
     (step_dir / "state" / "_METADATA").unlink()
 
 
+def _remove_a_data_file(step_dir: Path):
+    """One file of array chunks gone: tensorstore reads it as a truncated zstd stream."""
+    max(
+        (f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"),
+        key=os.path.getsize,
+    ).unlink()
+
+
 @pytest.mark.parametrize(
-    "damage", [_remove_metadata, _garble_arrays, flip_bytes], ids=["partial", "corrupted", "undecodable"]
+    "damage",
+    [_remove_metadata, _garble_arrays, flip_bytes, _remove_a_data_file],
+    ids=["partial", "corrupted", "undecodable", "data-file-gone"],
 )
 def test_broken_newest_checkpoint_is_skipped_with_a_warning(trained, tmp_path, capsys, damage):
     workdir = tmp_path / "run"
