@@ -42,6 +42,13 @@ def main(argv):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        # Outside the training loop (whose Ctrl-C saves and stops): compiling or restoring. Leave
+        # at once: a normal exit while XLA's compiler threads still run can end in a segfault.
+        print(
+            "stopped by Ctrl-C before training began; no checkpoint was written", file=sys.stderr, flush=True
+        )
+        os._exit(130)
     except Exception as e:
         import jax
 
