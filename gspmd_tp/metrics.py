@@ -25,6 +25,9 @@ PEAK_BF16_FLOPS = (
 )
 
 
+JSONL, TENSORBOARD = "metrics.jsonl", "tensorboard"  # in the run directory
+
+
 def peak_flops(device_kind: str, override: float = 0.0) -> float | None:
     """Dense bf16 peak FLOP/s of one device; `override` > 0 wins; None when unknown."""
     if override > 0:
@@ -59,10 +62,10 @@ class MetricsWriter:
         self._tb = None
         if enabled:
             os.makedirs(workdir, exist_ok=True)
-            self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
+            self._jsonl = open(os.path.join(workdir, JSONL), "a")  # noqa: SIM115
             from tensorboardX import SummaryWriter  # imported lazily: only process 0 needs it
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD))
 
     def write(self, step: int, metrics: dict) -> None:
         """Records `metrics` for `step`. A None or non-finite value goes to JSON only, as null:

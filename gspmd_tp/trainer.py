@@ -234,6 +234,12 @@ def train(config, workdir: str) -> dict:
     exits at once. A NaN/Inf loss or gradient raises UserError (or is skipped, per config).
     """
     outputs.check_dir(workdir, "--workdir")
+    # What a run writes inside it, where it exists already (a resumed run) and is not writable:
+    # found now, not when the first save fails in the background minutes later.
+    checkpoint_dir = checkpoint_files.checkpoint_dir(workdir)
+    outputs.check_dir(checkpoint_dir, "--workdir's checkpoints")
+    outputs.check_dir(os.path.join(workdir, metrics.TENSORBOARD), "--workdir's tensorboard")
+    outputs.check_file(os.path.join(workdir, metrics.JSONL), "--workdir's metrics")
     s = setup(config)
     c = s.config
     workdir = os.path.abspath(workdir)
@@ -385,7 +391,7 @@ def train(config, workdir: str) -> dict:
             mngr.close()
         writer.close()
     log(
-        f"done: metrics in {os.path.join(workdir, 'metrics.jsonl')}, TensorBoard events in "
-        f"{os.path.join(workdir, 'tensorboard')}, checkpoints in {checkpoint_files.checkpoint_dir(workdir)}"
+        f"done: metrics in {os.path.join(workdir, metrics.JSONL)}, TensorBoard events in "
+        f"{os.path.join(workdir, metrics.TENSORBOARD)}, checkpoints in {checkpoint_dir}"
     )
     return last_row

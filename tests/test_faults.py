@@ -226,6 +226,30 @@ def test_data_files_are_saved_absolute_and_one_file_spelled_two_ways_is_one_run(
         )
 
 
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda w: (w / "checkpoints").write_text(""),
+            r"--workdir's checkpoints=.*/checkpoints: .* is a file",
+        ),
+        (lambda w: (w / "metrics.jsonl").mkdir(), r"--workdir's metrics=.*/metrics\.jsonl: is a directory"),
+        (
+            lambda w: (w / "tensorboard").write_text(""),
+            r"--workdir's tensorboard=.*: .* is a file, not a directory",
+        ),
+    ],
+    ids=["checkpoints", "metrics", "tensorboard"],
+)
+def test_what_the_run_writes_in_its_workdir_is_checked_before_compiling(tmp_path, monkeypatch, make, message):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    make(workdir)
+    monkeypatch.setattr(trainer.step_lib, "compile_train_step", lambda s: pytest.fail("compiled"))
+    with pytest.raises(UserError, match=message):
+        trainer.train(small_config(), str(workdir))
+
+
 def test_a_read_failure_that_is_not_damage_moves_nothing(trained, tmp_path, monkeypatch):
     workdir = tmp_path / "run"
     shutil.copytree(trained, workdir)
