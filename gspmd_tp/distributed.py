@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import socket
 
 import jax
+import numpy as np
 
 from gspmd_tp.errors import UserError
 
@@ -78,3 +80,38 @@ def initialize(
             else f"--coordinator_address={coordinator_address}"
         )
         raise UserError(f"{how}: joining the job failed: {first}") from None
+
+
+def check_same_everywhere(config: dict, rules_text: str) -> None:
+    """UserError, on every process, naming the first config key (or the rule file) that some process
+    of the job was given otherwise: processes started with other values would train apart."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    items = sorted(_flat(config).items()) + [("the rule file's text", rules_text)]
+    digests = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:3], "little") for _, v in items]
+    keys = int.from_bytes(hashlib.sha256(repr([k for k, _ in items]).encode()).digest()[:3], "little")
+    mine = np.array([keys, *digests], np.int32)  # 24-bit digests: jax gathers int32
+    sizes = multihost_utils.process_allgather(np.array([mine.size], np.int32))
+    if len(set(sizes.ravel().tolist())) > 1:
+        raise UserError("the processes of this job were given configs with different keys; start each alike")
+    everyone = multihost_utils.process_allgather(mine)  # (processes, 1 + keys)
+    for column, name in enumerate(["the config's keys"] + [k for k, _ in items]):
+        values = everyone[:, column]
+        if (values != values[0]).any():
+            other = int(np.argmax(values != values[0]))
+            raise UserError(
+                f"{name} differs between process 0 and process {other} of this job; "
+                "start every process with the same config, rule file and overrides"
+            )
+
+
+def _flat(config: dict, prefix: str = "config.") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat

@@ -13,7 +13,7 @@ import time
 import jax
 import optax
 
-from gspmd_tp import axes, checkpoint, checkpoint_files, data, faults, metrics, optim, outputs
+from gspmd_tp import axes, checkpoint, checkpoint_files, data, distributed, faults, metrics, optim, outputs
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
 from gspmd_tp.config_keys import check_keys
@@ -242,6 +242,7 @@ def train(config, workdir: str) -> dict:
     outputs.check_file(os.path.join(workdir, metrics.JSONL), "--workdir's metrics")
     s = setup(config)
     c = s.config
+    distributed.check_same_everywhere(c.to_dict(), s.rules.text)
     workdir = os.path.abspath(workdir)
     # Saved absolute, so that evaluate, generate and a resume find the files from any directory.
     c.data.train_files = data.absolute_patterns(c.data.train_files)

@@ -41,8 +41,8 @@ def env(devices: int) -> dict:
     return {**e, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
 
 
-def start(workdir, steps, *extra, processes=2):
-    """Starts the job; 1 process gets 8 devices, 2 processes 4 each."""
+def start(workdir, steps, *extra, processes=2, only=((), ())):
+    """Starts the job; 1 process gets 8 devices, 2 processes 4 each (process i adding `only[i]`)."""
     args = [sys.executable, "train.py", *SMALL, f"--workdir={workdir}", f"--config.steps={steps}", *extra]
     if processes == 1:
         return [subprocess.Popen(args, cwd=ROOT, env=env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -50,7 +50,13 @@ def start(workdir, steps, *extra, processes=2):
     port = free_port()
     return [
         subprocess.Popen(
-            [*args, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+            [
+                *args,
+                *only[i],
+                f"--coordinator_address=127.0.0.1:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+            ],
             cwd=ROOT,
             env=env(4),
             stdout=subprocess.PIPE,
@@ -91,6 +97,17 @@ def test_two_processes_match_one_and_checkpoints_move_both_ways(tmp_path):
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     for step, loss in want.items():
         assert abs(got[step] - loss) <= 1e-5 * abs(loss), (step, got[step], loss)
+
+
+def test_processes_given_other_values_are_refused_before_training(tmp_path):
+    procs = start(tmp_path / "run", 4, only=((), ("--config.optim.lr=0.001",)))
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 1, err[-2000:]
+        assert "error: config.optim.lr differs between process 0 and process 1 of this job" in err, err[
+            -2000:
+        ]
+    assert not (tmp_path / "run").exists()
 
 
 def wait_for_training(workdir):
