@@ -1,6 +1,6 @@
 """Held-out loss of a trained run, and a chart of its loss curves.
 
-    python -m gspmd_tp.evaluate --workdir=DIR [--eval_batches=N] [--json] [--plot=loss.png]
+    python -m gspmd_tp.evaluate --workdir=DIR [--step=N] [--eval_batches=N] [--json] [--plot=loss.png]
         [--config.rules=NAME --config.mesh=dp=4,mp=2 ...]
     python -m gspmd_tp.evaluate --workdir=DIR --plot=loss.png --plot_only   # no checkpoint read
 
@@ -130,6 +130,9 @@ def main(argv=None) -> int:
     """python -m gspmd_tp.evaluate --workdir=DIR [--eval_batches=N] [--json] [--plot=PNG]."""
     parser = argparse.ArgumentParser(prog="python -m gspmd_tp.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True, help="a run directory (train.py --workdir)")
+    parser.add_argument(
+        "--step", type=int, default=None, help="checkpoint step (default: the newest that reads)"
+    )
     parser.add_argument("--eval_batches", type=int, default=None, help="default: the run's config")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default=None, help="write the loss curves of metrics.jsonl to this PNG")
@@ -151,8 +154,8 @@ def main(argv=None) -> int:
         rows = read_metrics(args.workdir) if args.plot else None
         result = None
         if not args.plot_only:
-            step, _, s = restore.load_setup(args.workdir, overrides)
-            step, params = restore.restore_newest_params(args.workdir, step, s)
+            step, _, s = restore.load_setup(args.workdir, overrides, args.step)
+            step, params = restore.params_for(args.workdir, step, s, args.step)
             result = {"step": step, "mesh": mesh_string(s.mesh), "rules": s.rules.source}
             result.update(evaluate_params(s, params))
         if args.plot and jax.process_index() == 0:

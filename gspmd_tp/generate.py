@@ -1,7 +1,7 @@
 """Sampling from a trained run: prefill the prompts, then decode token by token from a key/value cache.
 
     python -m gspmd_tp.generate --workdir=DIR --prompt=TEXT [--max_new_tokens=N] [--temperature=T]
-        [--top_k=K] [--seed=S] [--config.rules=NAME --config.mesh=dp=4,mp=2 ...]
+        [--top_k=K] [--seed=S] [--step=N] [--config.rules=NAME --config.mesh=dp=4,mp=2 ...]
     python -m gspmd_tp.generate --workdir=DIR --prompts_file=FILE    # one prompt per line, one batch
 
 The newest checkpoint's parameters are restored onto the run's mesh and rule file (or the ones
@@ -266,6 +266,9 @@ def main(argv=None) -> int:
     """python -m gspmd_tp.generate --workdir=DIR --prompt=TEXT [...]; prints each prompt continued."""
     parser = argparse.ArgumentParser(prog="python -m gspmd_tp.generate", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True, help="a run directory (train.py --workdir)")
+    parser.add_argument(
+        "--step", type=int, default=None, help="checkpoint step (default: the newest that reads)"
+    )
     parser.add_argument("--prompt", default=None, help="text to continue")
     parser.add_argument("--prompts_file", default=None, help="one prompt per line, sampled as one batch")
     parser.add_argument(
@@ -285,11 +288,11 @@ def main(argv=None) -> int:
         overrides = restore.split_overrides(rest)
         prompts = read_prompts(args.prompt, args.prompts_file)
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)
-        step, _, s = restore.load_setup(args.workdir, overrides)
+        step, _, s = restore.load_setup(args.workdir, overrides, args.step)
         token_lists = [encode(p) for p in prompts]
         max_new = fit_length(token_lists, args.max_new_tokens, s.config.seq_len)
         # Every check above runs before the parameters are read and before anything compiles.
-        step, params = restore.restore_newest_params(args.workdir, step, s)
+        step, params = restore.params_for(args.workdir, step, s, args.step)
         if jax.process_index() == 0:
             print(
                 f"step {step} of {args.workdir} | mesh {mesh_string(s.mesh)} | rules {s.rules.source} | "

@@ -190,6 +190,14 @@ def restore_params(workdir: str, step: int, s: trainer.Setup):
     return params
 
 
+def params_for(workdir: str, step: int, s: trainer.Setup, asked: int | None):
+    """(step, parameters) for a reader's --step: exactly the step `asked` for, else the newest that
+    restores (restore_newest_params from `step`, the newest load_setup found)."""
+    if asked is not None:
+        return step, restore_params(workdir, step, s)
+    return restore_newest_params(workdir, step, s)
+
+
 def restore_newest_params(workdir: str, step: int, s: trainer.Setup):
     """(step, parameters) of checkpoint `step` or, where its files are damaged, of the newest older
     checkpoint that restores; each one skipped is named in a warning on stderr."""

@@ -23,6 +23,15 @@ def test_loss_equals_the_trainers_eval_loss(trained_workdir, capsys):
     assert result["byte_perplexity"] == pytest.approx(2 ** result["bits_per_byte"])
 
 
+def test_an_older_step_asked_for_is_the_one_evaluated(trained_workdir, capsys):
+    assert evaluate.main(["--workdir", str(trained_workdir), "--json", "--step=2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = {
+        r["step"]: r for r in map(json.loads, (trained_workdir / "metrics.jsonl").read_text().splitlines())
+    }
+    assert result["step"] == 2 and result["loss"] == pytest.approx(rows[2]["eval_loss"], rel=1e-5)
+
+
 def test_report_and_plot(trained_workdir, tmp_path, capsys):
     png = tmp_path / "loss.png"
     argv = ["--workdir", str(trained_workdir), "--eval_batches=2", f"--plot={png}"]
@@ -40,6 +49,7 @@ def test_report_and_plot(trained_workdir, tmp_path, capsys):
     "args, message",
     [
         (["--eval_batches=0"], "--eval_batches must be positive, got 0"),
+        (["--step=3"], "checkpoints: no step 3 (have 2, 4)"),
         (["--plot_only"], "--plot_only needs --plot=PNG"),
         (["--config.rules=nonexistent"], "rule file 'nonexistent' not found"),
         (["--plot=/dev/null/loss.png"], "--plot=/dev/null/loss.png: /dev/null is a file, not a directory"),

@@ -123,6 +123,7 @@ def test_decode_stops_at_the_document_separator_and_replaces_bad_bytes():
         (["--prompt=" + "y" * 40], "fills the 32 positions the model was trained on"),
         (["--prompt=x", "--top_k=257"], "--top_k must be in 0..256"),
         (["--prompt=x", "--top_k=-1"], "--top_k must be in 0..256"),
+        (["--prompt=x", "--step=3"], "checkpoints: no step 3 (have 2, 4)"),
         (["--prompt=x", "--seed=4294967296"], "--seed must be in [0, 2**31), got 4294967296"),
         (["--prompt=x", "--temperature=-1"], "--temperature must be >= 0"),
         (["--prompt=x", "--config.nope=1"], "the run's config has no key 'nope'"),
