@@ -171,7 +171,8 @@ def check_memory(stats, mesh) -> None:
     device = mesh.devices.flat[0]
     if device.platform == "cpu":
         local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-        have, what = _host_memory(), f"this host's {_gib(_host_memory())} of RAM"
+        have = _host_memory()
+        what = f"this host's {_gib(have)} of RAM"
         need *= local
         where = f"{local} CPU devices x {_gib(need / local)}"
     else:
