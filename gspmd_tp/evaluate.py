@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         result = None
         if not args.plot_only:
             step, _, s = restore.load_setup(args.workdir, overrides, args.step)
-            step, params = restore.params_for(args.workdir, step, s, args.step)
+            step, params = restore.params_for(args.workdir, step, s, exact=args.step is not None)
             result = {"step": step, "mesh": mesh_string(s.mesh), "rules": s.rules.source}
             result.update(evaluate_params(s, params))
         if args.plot and jax.process_index() == 0:

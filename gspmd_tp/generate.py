@@ -292,7 +292,7 @@ def main(argv=None) -> int:
         token_lists = [encode(p) for p in prompts]
         max_new = fit_length(token_lists, args.max_new_tokens, s.config.seq_len)
         # Every check above runs before the parameters are read and before anything compiles.
-        step, params = restore.params_for(args.workdir, step, s, args.step)
+        step, params = restore.params_for(args.workdir, step, s, exact=args.step is not None)
         if jax.process_index() == 0:
             print(
                 f"step {step} of {args.workdir} | mesh {mesh_string(s.mesh)} | rules {s.rules.source} | "

@@ -190,10 +190,10 @@ def restore_params(workdir: str, step: int, s: trainer.Setup):
     return params
 
 
-def params_for(workdir: str, step: int, s: trainer.Setup, asked: int | None):
-    """(step, parameters) for a reader's --step: exactly the step `asked` for, else the newest that
-    restores (restore_newest_params from `step`, the newest load_setup found)."""
-    if asked is not None:
+def params_for(workdir: str, step: int, s: trainer.Setup, exact: bool):
+    """(step, parameters) of the step load_setup found: that step only where a reader's --step
+    asked for it (`exact`), else it or the newest older one that restores."""
+    if exact:
         return step, restore_params(workdir, step, s)
     return restore_newest_params(workdir, step, s)
 
