@@ -171,7 +171,7 @@ def load_corpus(data) -> tuple[np.ndarray, np.ndarray]:
         docs = _stdlib_documents()
         source = "the default corpus (config.data.train_files is empty)"
     if data.eval_files:
-        return _pack(docs), _pack(_file_documents(data.eval_files, data.jsonl_field, "eval_files"))
+        return _pack(docs), held_out_tokens(data)
     train = [d for d in docs if not _held_out(d[0], data.eval_fraction)]
     held = [d for d in docs if _held_out(d[0], data.eval_fraction)]
     if not train or not held:
