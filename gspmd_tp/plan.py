@@ -68,7 +68,7 @@ def plan(
     compiled = step_lib.compile_train_step(s)
     text = compiled.as_text()
     mesh = mesh_string(s.mesh)  # resolved: dp=-1 shows as the size it stands for
-    label = label or os.path.basename(s.rules.source).removesuffix(".yaml")
+    label = label or short_names([s.rules.source])[s.rules.source]
     if dump_hlo:
         os.makedirs(dump_hlo, exist_ok=True)
         name = f"{label}_{mesh_file_name(mesh)}.hlo.txt"
