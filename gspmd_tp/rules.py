@@ -133,14 +133,17 @@ def _first_duplicate_key(node) -> tuple[str, int] | None:
 
 def parse_rules(text: str, source: str) -> Rules:
     """Validates rule-file text; every error is one line naming `source` and the item."""
-    try:
-        data = yaml.safe_load(text)
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    loader = yaml.SafeLoader(text)
+    try:  # one parse: the node tree for duplicate keys (which plain loading lets pass), then the data
+        node = loader.get_single_node()
+        data = None if node is None else loader.construct_document(node)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise UserError(f"{source}: malformed YAML{where}: {problem}") from None
+    finally:
+        loader.dispose()
     duplicate = _first_duplicate_key(node)
     if duplicate:
         raise UserError(f"{source}: key {duplicate[0]!r} given twice (again at line {duplicate[1]})")
