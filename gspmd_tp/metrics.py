@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import time
 
 # Dense bf16 peak FLOP/s per device, from the vendors' data sheets. Matched against
 # jax's device_kind as whole words, first match wins. An unknown device logs no MFU.
@@ -26,6 +27,8 @@ PEAK_BF16_FLOPS = (
 
 
 JSONL, TENSORBOARD = "metrics.jsonl", "tensorboard"  # in the run directory
+# Rows of steps a resumed run trains again (logged after its checkpoint), moved out of JSONL.
+REPLACED = "metrics_replaced.jsonl"
 
 
 def peak_flops(device_kind: str, override: float = 0.0) -> float | None:
@@ -50,13 +53,45 @@ def _json_number(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
+def set_aside_after(workdir: str, step: int) -> int:
+    """Moves the rows of JSONL logged after `step` to REPLACED (appended there); returns how many.
+
+    A run that resumes from step N trains N+1.. again; their old rows would otherwise stand twice.
+    A last line cut short by a kill (no newline) goes too, so that the next row starts a line.
+    """
+    path = os.path.join(workdir, JSONL)
+    if not os.path.exists(path):
+        return 0
+    keep, later, cut = [], [], []
+    with open(path) as f:
+        for line in f:
+            if not line.endswith("\n"):
+                cut.append(line + "\n")
+                continue
+            try:
+                row_step = json.loads(line)["step"]
+            except (ValueError, TypeError, KeyError):
+                row_step = None
+            (later if isinstance(row_step, int) and row_step > step else keep).append(line)
+    if later or cut:
+        with open(os.path.join(workdir, REPLACED), "a") as f:
+            f.writelines(later + cut)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
+    return len(later)
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl and mirrors it to TensorBoard.
 
-    Every process may call it; only the one created with enabled=True (process 0) writes.
+    Every process may call it; only the one created with enabled=True (process 0) writes. A run
+    that starts at step `start` hides TensorBoard's events of later steps (it trains them again);
+    set_aside_after does the same for metrics.jsonl.
     """
 
-    def __init__(self, workdir: str, enabled: bool):
+    def __init__(self, workdir: str, enabled: bool, start: int = 0):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
@@ -65,7 +100,11 @@ class MetricsWriter:
             self._jsonl = open(os.path.join(workdir, JSONL), "a")  # noqa: SIM115
             from tensorboardX import SummaryWriter  # imported lazily: only process 0 needs it
 
-            self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD))
+            # The file is named by the second it was opened and the host: a writer opened in the
+            # same second would truncate its predecessor's file but for the suffix, in opening order.
+            self._tb = SummaryWriter(
+                os.path.join(workdir, TENSORBOARD), purge_step=start + 1, filename_suffix=f".{time.time_ns()}"
+            )
 
     def write(self, step: int, metrics: dict) -> None:
         """Records `metrics` for `step`. A None or non-finite value goes to JSON only, as null:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import ml_collections
 import optax
 
 from gspmd_tp.errors import UserError
@@ -60,3 +61,35 @@ def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformatio
         ),
     )
     return tx, schedule
+
+
+SCHEDULE_KEYS = ("optim.lr", "optim.warmup_steps", "optim.min_lr_ratio", "steps")
+
+
+def note_schedule_change(saved_config: dict, config, step: int, count: int, log) -> None:
+    """Logs one line where a resumed run's schedule differs from the one its checkpoint at `step`
+    was trained on (a new config.steps stretches the cosine decay): what changed and the learning
+    rate of the next step (the optimizer's update `count`), before and now."""
+    now = config.to_dict()
+    saved_optim = {**now["optim"], **saved_config.get("optim", {})}  # keys added later: today's defaults
+    saved = {**now, **saved_config, "optim": saved_optim}
+    changed = []
+    for key in SCHEDULE_KEYS:
+        before, after = (_get(d, key) for d in (saved, now))
+        if before != after:
+            changed.append(f"config.{key} {before} -> {after}")
+    if not changed:
+        return
+    old = make_schedule(ml_collections.ConfigDict(saved_optim), saved["steps"])
+    new = make_schedule(config.optim, config.steps)
+    log(
+        f"note: the learning-rate schedule differs from the one step {step} was trained on "
+        f"({', '.join(changed)}): step {step + 1} trains at lr {float(new(count)):.3e}, "
+        f"not {float(old(count)):.3e}"
+    )
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d[part]
+    return d

@@ -295,12 +295,25 @@ def train(config, workdir: str) -> dict:
     if data_state is not None:
         data_iter.set_state(data_state)
     log(f"compiled in {compile_s:.1f}s; training steps {start + 1}..{c.steps}")
-
-    writer = metrics.MetricsWriter(workdir, enabled=jax.process_index() == 0)
+    resumed = dict(found).get(start)  # the meta of the checkpoint resumed; None on a fresh start
+    # Steps skipped for a non-finite loss: the count covers the whole run, before the checkpoint too.
+    skipped = resumed.get("skipped_steps", 0) if resumed else 0
+    if resumed:
+        optim.note_schedule_change(resumed["config"], c, start, start - skipped, log)
+    if jax.process_index() == 0:
+        replaced = metrics.set_aside_after(workdir, start)
+        if replaced:
+            rows = f"{replaced} row{'s' if replaced > 1 else ''}"
+            log(
+                f"{metrics.JSONL}: {rows} of steps after {start} moved to {metrics.REPLACED}; "
+                "they train again"
+            )
+    writer = metrics.MetricsWriter(workdir, enabled=jax.process_index() == 0, start=start)
     flops = flops_per_token(s.model_cfg, c.seq_len)
     peak = metrics.peak_flops(jax.devices()[0].device_kind, c.peak_flops_per_device)
     tokens_per_step = c.batch_size * c.seq_len
     watch = faults.NonFiniteWatch(c.skip_nonfinite_steps, log)
+    watch.skipped = skipped
     last_saved = start if start else None
     last_row: dict = {}
     # `data_wait_ms` is what the loop waits for its next batch, read ahead or not.
@@ -363,7 +376,9 @@ def train(config, workdir: str) -> dict:
                 stopping = stop.requested()
                 if step % c.checkpoint_every == 0 or done or stopping:
                     watch.check(last_saved)  # never save a state that went through a non-finite step
-                    checkpoint.save(mngr, step, state, batches.get_state(), s.meta())
+                    checkpoint.save(
+                        mngr, step, state, batches.get_state(), {**s.meta(), "skipped_steps": watch.skipped}
+                    )
                     last_saved = step
                 if stopping:
                     if pending is not None:

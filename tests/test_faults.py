@@ -365,6 +365,13 @@ def test_skip_nonfinite_steps_keeps_the_old_state(tmp_path):
     at_2, at_4 = np.load(_export(tmp_path, 2)), np.load(_export(tmp_path, 4))
     for k in at_2.files:
         np.testing.assert_array_equal(at_4[k], at_2[k])
+    # Resumed, the count goes on from the checkpoint's: steps 5 and 6 are skipped too.
+    assert (
+        trainer.train(small_config(steps=6, skip_nonfinite_steps=True, **EXPLODE), str(tmp_path))[
+            "skipped_steps"
+        ]
+        == 4
+    )
 
 
 def _export(workdir, step):

@@ -70,7 +70,8 @@ def test_mfu_is_none_without_a_peak_or_throughput():
 
 
 def read_scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
-    """{tag: [(step, value)]} from every TFRecord event file under `tb_dir`."""
+    """{tag: [(step, value)]} from every TFRecord event file under `tb_dir`, as TensorBoard reads
+    them: a session start at step N (a writer's purge_step) drops the values of steps >= N before it."""
     scalars: dict[str, list[tuple[int, float]]] = {}
     for path in sorted(tb_dir.glob("events.out.tfevents.*")):
         raw = path.read_bytes()
@@ -79,6 +80,8 @@ def read_scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
             (length,) = struct.unpack("<Q", raw[pos : pos + 8])
             event = event_pb2.Event.FromString(raw[pos + 12 : pos + 12 + length])
             pos += 12 + length + 4  # length, its crc, the record, its crc
+            if event.session_log.status == event_pb2.SessionLog.START:
+                scalars = {t: [(st, v) for st, v in vs if st < event.step] for t, vs in scalars.items()}
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
@@ -114,6 +117,28 @@ def test_metrics_writer_appends_on_resume(tmp_path):
         writer.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_a_run_restarted_at_a_checkpoint_replaces_the_later_rows(tmp_path):
+    writer = metrics.MetricsWriter(str(tmp_path), enabled=True)
+    for step in (1, 2, 3):
+        writer.write(step, {"loss": float(step)})
+    writer.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')  # a row cut short by a kill: moved out, or the next row would join it
+    assert metrics.set_aside_after(str(tmp_path), 1) == 2
+    writer = metrics.MetricsWriter(str(tmp_path), enabled=True, start=1)
+    writer.write(2, {"loss": 20.0})
+    writer.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines == ['{"step": 1, "loss": 1.0}', '{"step": 2, "loss": 20.0}']
+    replaced = (tmp_path / metrics.REPLACED).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in replaced[:2]] == [2, 3]
+    assert replaced[2] == '{"step": 4, "lo'
+    # TensorBoard hides the first run's steps >= 2 (a writer opened in the same second keeps its file).
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 2
+    assert read_scalars(tmp_path / "tensorboard")["loss"] == [(1, 1.0), (2, 20.0)]
+    assert metrics.set_aside_after(str(tmp_path / "nowhere"), 0) == 0
 
 
 def test_metrics_writer_disabled_writes_nothing(tmp_path):

@@ -157,6 +157,30 @@ def test_resuming_needs_no_init_from_file(trained_workdir, tmp_path):
     assert not (tmp_path / "fresh").exists()
 
 
+def test_a_resumed_run_replaces_the_rows_of_the_steps_it_trains_again(trained_workdir, tmp_path, capsys):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained_workdir, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "4")  # as if killed after logging step 4, before saving it
+    before = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in before] == [1, 2, 4]
+    trainer.train(small_config(steps=6), str(workdir))
+    out = capsys.readouterr().out
+    assert "metrics.jsonl: 1 row of steps after 2 moved to metrics_replaced.jsonl; they train again" in out
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 6]  # once each; 3 is the resumed run's first
+    assert rows[:2] == before[:2]
+    assert [json.loads(line) for line in (workdir / "metrics_replaced.jsonl").read_text().splitlines()] == [
+        before[2]
+    ]
+    # The decay now runs to step 6: the note gives the rate step 3 trains at, and the old one.
+    old, new = optim.make_schedule(small_config().optim, 4), optim.make_schedule(small_config().optim, 6)
+    assert (
+        "note: the learning-rate schedule differs from the one step 2 was trained on (config.steps 4 -> 6): "
+        f"step 3 trains at lr {float(new(2)):.3e}, not {float(old(2)):.3e}"
+    ) in out
+    assert rows[2]["learning_rate"] == pytest.approx(float(new(2)))
+
+
 def test_a_finished_run_says_so_before_compiling(trained_workdir, tmp_path, monkeypatch, capsys):
     workdir = tmp_path / "run"
     shutil.copytree(trained_workdir, workdir)
