@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         if args.plot_only and not args.plot:
             raise UserError("--plot_only needs --plot=PNG")
         if args.plot:
-            outputs.check_file(args.plot, "--plot")
+            outputs.check_image(args.plot, "--plot")
         rows = read_metrics(args.workdir) if args.plot else None
         result = None
         if not args.plot_only:

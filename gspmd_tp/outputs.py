@@ -52,6 +52,18 @@ def check_file(path: str, flag: str) -> None:
         raise UserError(f"{flag}={path}: {reason}")
 
 
+def check_image(path: str, flag: str) -> None:
+    """check_file, and the extension must name an image format matplotlib writes: a name without one
+    would be written as NAME.png, one it does not know would fail after the work is done."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    check_file(path, flag)
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    if extension not in FigureCanvasBase.get_supported_filetypes():
+        what = f"the extension .{extension} is not an image format" if extension else "no file extension"
+        raise UserError(f"{flag}={path}: {what}; name it *.png, *.svg or *.pdf")
+
+
 def make_parent(path: str) -> None:
     """Creates the directory that file `path` goes in, where it is missing."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -53,6 +53,7 @@ def test_report_and_plot(trained_workdir, tmp_path, capsys):
         (["--plot_only"], "--plot_only needs --plot=PNG"),
         (["--config.rules=nonexistent"], "rule file 'nonexistent' not found"),
         (["--plot=/dev/null/loss.png"], "--plot=/dev/null/loss.png: /dev/null is a file, not a directory"),
+        (["--plot=/tmp/loss.jpgg"], "--plot=/tmp/loss.jpgg: the extension .jpgg is not an image format"),
     ],
 )
 def test_bad_input_is_one_line(trained_workdir, monkeypatch, capsys, args, message):

@@ -63,3 +63,15 @@ def test_an_empty_path_is_refused_not_taken_for_the_current_directory():
         outputs.check_dir("", "--workdir")
     with pytest.raises(UserError, match=_whole("--json_out is empty")):
         outputs.check_file("", "--json_out")
+
+
+def test_a_chart_needs_an_image_format_matplotlib_writes(tmp_path):
+    for name in ("loss.png", "loss.SVG", "loss.pdf"):
+        outputs.check_image(str(tmp_path / name), "--plot")
+    with pytest.raises(UserError, match=r"^--plot=.*loss.jpgg: the extension .jpgg is not an image format"):
+        outputs.check_image(str(tmp_path / "loss.jpgg"), "--plot")
+    with pytest.raises(
+        UserError, match=r"^--chart=.*chart: no file extension; name it \*.png, \*.svg or \*.pdf"
+    ):
+        outputs.check_image(str(tmp_path / "chart"), "--chart")
+    assert list(tmp_path.iterdir()) == []
