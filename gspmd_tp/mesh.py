@@ -12,8 +12,9 @@ from jax.sharding import AxisType, Mesh
 from gspmd_tp.errors import UserError
 
 
-def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
-    """Parses "dp=2,mp=4" into {"dp": 2, "mp": 4}; one size may be -1 and is filled in."""
+def parse_mesh(spec: str, num_devices: int, hint: str = "") -> dict[str, int]:
+    """Parses "dp=2,mp=4" into {"dp": 2, "mp": 4}; one size may be -1 and is filled in. `hint` ends
+    the message of a device count that does not match."""
     sizes: dict[str, int] = {}
     for part in spec.replace(" ", "").split(","):
         name, eq, value = part.partition("=")
@@ -39,7 +40,7 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
         sizes[free[0]] = num_devices // known
     if math.prod(sizes.values()) != num_devices:
         raise UserError(
-            f"mesh {spec!r} has {math.prod(sizes.values())} devices but {num_devices} are available"
+            f"mesh {spec!r} has {math.prod(sizes.values())} devices but {num_devices} are available{hint}"
         )
     return sizes
 
@@ -50,7 +51,10 @@ def make_mesh(spec: str, mesh_axes: list[str] | tuple[str, ...], devices=None) -
     Axes are Auto (not Explicit) so that with_sharding_constraint steers GSPMD.
     """
     devices = jax.devices() if devices is None else devices
-    sizes = parse_mesh(spec, len(devices))
+    cpu = devices[0].platform == "cpu"
+    sizes = parse_mesh(
+        spec, len(devices), "; --config.host_device_count=N simulates N CPU devices" if cpu else ""
+    )
     if set(sizes) != set(mesh_axes):
         raise UserError(
             f"mesh {spec!r} names axes {sorted(sizes)} but the rule file's mesh_axes are {list(mesh_axes)}"

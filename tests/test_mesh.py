@@ -75,7 +75,9 @@ def test_make_mesh_axis_names_must_match_rule_file(spec, axes):
 
 
 def test_make_mesh_checks_sizes_against_its_devices():
-    with pytest.raises(UserError, match="has 8 devices but 2 are available"):
+    # On CPU devices the message says how to simulate more.
+    message = "has 8 devices but 2 are available; --config.host_device_count=N simulates N CPU devices$"
+    with pytest.raises(UserError, match=message):
         make_mesh("dp=2,mp=4", ("dp", "mp"), devices=jax.devices()[:2])
 
 
