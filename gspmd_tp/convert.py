@@ -106,6 +106,15 @@ def from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
     return s
 
 
+def check_empty(hf_dir: str) -> None:
+    """UserError where `hf_dir` holds anything: an export over another would overwrite its weights
+    and leave its other files (a generation config, old shards) beside the new ones."""
+    held = sorted(os.listdir(hf_dir)) if os.path.isdir(hf_dir) else []
+    if held:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise UserError(f"--hf_dir={hf_dir} is not empty (it holds {shown}); export into a new directory")
+
+
 def to_hf(
     workdir: str,
     hf_dir: str,
@@ -124,6 +133,7 @@ def to_hf(
     """
     if dtype not in _DTYPES:
         raise UserError(f"--dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    check_empty(hf_dir)
     base = hf_layout.read_hf_config(hf_base, "--hf_base") if hf_base else None
     overrides = {key: value for key, value in (("rules", rules), ("mesh", mesh)) if value}
     explicit = step is not None
@@ -179,7 +189,11 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)
     command = argv[1] if len(argv) == 2 else None
     if command not in ("from-hf", "to-hf"):
-        print("usage: python -m gspmd_tp.convert {from-hf,to-hf} --FLAG=VALUE ...", file=sys.stderr)
+        given = f"unknown command {command!r}; " if command else ""
+        print(
+            f"error: {given}usage: python -m gspmd_tp.convert {{from-hf,to-hf}} --FLAG=VALUE ...",
+            file=sys.stderr,
+        )
         sys.exit(2)
     try:
         if not flags_.workdir or not flags_.hf_dir:
@@ -193,6 +207,7 @@ def main(argv) -> None:
             print(_resume_command(s, flags_.workdir, flags_["config"].config_filename, sys.argv))
         else:
             outputs.check_dir(flags_.hf_dir, "--hf_dir")
+            check_empty(flags_.hf_dir)
             count = flags_.host_device_count
             if count is None:  # as many as the mesh it restores onto spans
                 count = restore.reader_device_count(flags_.workdir, flags_.mesh, flags_.step)

@@ -156,6 +156,14 @@ def test_to_hf_reads_only_the_parameters_and_writes_nothing_in_the_workdir(tmp_p
     convert.to_hf(str(run), str(tmp_path / "hf"))
     assert _tree(run) == before
     _assert_close(_hf_logits(tmp_path / "hf"), want)
+    # A second export into the same directory is refused before the checkpoint is read.
+    exported = _tree(tmp_path / "hf")
+    monkeypatch.setattr(convert.restore, "load_setup", lambda *_: pytest.fail("read the checkpoint"))
+    with pytest.raises(
+        UserError, match=r"--hf_dir=.*/hf is not empty \(it holds config.json, model.safetensors\)"
+    ):
+        convert.to_hf(str(run), str(tmp_path / "hf"), dtype="bfloat16")
+    assert _tree(tmp_path / "hf") == exported
 
 
 def test_to_hf_checks_hf_base_before_reading_the_checkpoint(tmp_path, monkeypatch):
@@ -192,6 +200,18 @@ def test_commands_refuse_unwritable_outputs_in_one_line():
         assert last == f"error: {message}: /dev/null is a file, not a directory"
 
 
+def test_an_unknown_command_is_named():
+    result = subprocess.run(
+        [sys.executable, "-m", "gspmd_tp.convert", "to_hf", "--workdir=/nonexistent"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(
+        "error: unknown command 'to_hf'; usage: python -m gspmd_tp.convert {from-hf,to-hf}"
+    )
+    assert result.stderr.count("\n") == 1
+
+
 def test_commands_import_fine_tune_with_train_py_and_export(tmp_path, hf_models):
     hf_dir, want = hf_models["untied"]
     run, out = tmp_path / "run", tmp_path / "hf"
@@ -209,6 +229,7 @@ def test_commands_import_fine_tune_with_train_py_and_export(tmp_path, hf_models)
     mine = [f"--config.data.train_files={tmp_path}/mine/*.txt", "--config.data.eval_fraction=0.5"]
     trained = _cli(*resume[1:], *mine, "--config.steps=2", "--config.log_every=1", "--config.eval_every=2")
     assert "resumed from step 0" in trained and "step 2/2 | loss" in trained
+    assert "learning-rate schedule differs" not in trained  # step 0 trained on no schedule
     assert sorted(os.listdir(run / "checkpoints")) == ["0", "2"]
 
     export = ["-m", "gspmd_tp.convert", "to-hf", f"--workdir={run}", f"--hf_dir={out}", f"--hf_base={hf_dir}"]
