@@ -298,7 +298,7 @@ def train(config, workdir: str) -> dict:
     resumed = dict(found).get(start)  # the meta of the checkpoint resumed; None on a fresh start
     # Steps skipped for a non-finite loss: the count covers the whole run, before the checkpoint too.
     skipped = resumed.get("skipped_steps", 0) if resumed else 0
-    if resumed:
+    if resumed and start:  # a step-0 checkpoint (an import) trained on no schedule
         optim.note_schedule_change(resumed["config"], c, start, start - skipped, log)
     if jax.process_index() == 0:
         replaced = metrics.set_aside_after(workdir, start)
