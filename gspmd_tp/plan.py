@@ -214,9 +214,16 @@ def format_plan(p: dict) -> str:
     for c in p["largest_collectives"]:
         lines.append(
             f"  {c['kind']:<18} group {c['group_size']:<3} x{c['executions']:<4} "
-            f"{_mb(c['ring_bytes_per_device']):>12}  {c['op_name'][-90:]}"
+            f"{_mb(c['ring_bytes_per_device']):>12}  {_short_op(c['op_name'])}"
         )
     return "\n".join(lines)
+
+
+def _short_op(name: str, width: int = 90) -> str:
+    """A jax op name for the table: without the jit(step)/ every one starts with, and cut at the
+    left (marked ...) where still longer than `width`."""
+    name = name.removeprefix("jit(step)/")
+    return name if len(name) <= width else "..." + name[-(width - 3) :]
 
 
 def compare(
@@ -340,7 +347,7 @@ def main(argv) -> None:
         if _SLICES.value != 1 and not _TARGET.value:
             raise UserError(f"--slices={_SLICES.value} needs --target (slices of a TPU target)")
         if _CHART.value:
-            outputs.check_file(_CHART.value, "--chart")
+            outputs.check_image(_CHART.value, "--chart")
         if _DUMP_HLO.value:
             outputs.check_dir(_DUMP_HLO.value, "--dump_hlo")
         if _COMPARE.value:

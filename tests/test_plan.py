@@ -173,6 +173,7 @@ def test_cli_compare_input_mistakes_are_one_line_errors_before_compiling(tmp_pat
         (["--compare=megatron_1d,"], "--compare=megatron_1d,: an empty rule file name"),
         (["--compare=megatron_1d", "--meshes=dp=2, mp=4"], "mesh 'dp=2,': expected NAME=SIZE items"),
         (["--meshes=dp=2,mp=4"], "--meshes=dp=2,mp=4 is for --compare"),
+        (["--compare=megatron_1d", f"--chart={chart}x"], "the extension .pngx is not an image format"),
     ]:
         assert message in _plan_cli_error(flags), flags
         assert not chart.exists()
@@ -331,3 +332,12 @@ def test_compare_reports_a_mesh_the_model_cannot_divide_as_a_row(monkeypatch):
     assert rows[1]["mesh"] == "dp=1,mp=8" and "is not divisible by mesh axes mp=8" in rows[1]["error"]
     with pytest.raises(UserError, match="no rule file x mesh of --compare fits this model; first: .*mp=8"):
         plan.compare(c, ["megatron_1d"], ["dp=1,mp=8"])
+
+
+def test_op_names_lose_their_common_prefix_and_a_cut_is_marked():
+    assert plan._short_op("jit(step)/jvp(Transformer)/layers/attn/dot_general") == (
+        "jvp(Transformer)/layers/attn/dot_general"
+    )
+    long = "jit(step)/" + "/".join(f"scope{i}" for i in range(20)) + "/dot_general"
+    short = plan._short_op(long)
+    assert len(short) == 90 and short.startswith("...") and short.endswith("scope19/dot_general")
