@@ -14,7 +14,6 @@ if __name__ == "__main__":  # before jax is imported: no TPU probe on a host wit
 
     host_devices.cpu_platform_where_alone()
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -43,7 +42,7 @@ from gspmd_tp.checkpoint_files import (
     steps_on_disk,
 )
 from gspmd_tp.data import absolute_patterns
-from gspmd_tp.errors import UserError, warn
+from gspmd_tp.errors import ArgumentParser, UserError, warn
 from gspmd_tp.model import ModelConfig
 
 # Config keys that make a run the run it is: resuming with other values would train on another data
@@ -384,9 +383,7 @@ def info(path: str, step: int | None = None) -> str:
 
 def main(argv=None) -> int:
     """python -m gspmd_tp.checkpoint {info DIR | export DIR OUT.npz} [--step N]."""
-    parser = argparse.ArgumentParser(
-        prog="python -m gspmd_tp.checkpoint", description=__doc__.splitlines()[0]
-    )
+    parser = ArgumentParser(prog="python -m gspmd_tp.checkpoint", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="steps, model config, rules, mesh and sizes")
     p_info.add_argument("dir", help="a workdir, its checkpoints/ directory or one step directory")

@@ -194,7 +194,7 @@ def main(argv) -> None:
             f"error: {given}usage: python -m gspmd_tp.convert {{from-hf,to-hf}} --FLAG=VALUE ...",
             file=sys.stderr,
         )
-        sys.exit(2)
+        sys.exit(1)
     try:
         if not flags_.workdir or not flags_.hf_dir:
             raise UserError("--workdir and --hf_dir are required")

@@ -1,6 +1,7 @@
 """The one exception type for mistakes a user can fix (bad rule file, mesh, config), and the
 --config flag of the entry points, whose mistakes are reported the same way."""
 
+import argparse
 import contextlib
 import os
 import sys
@@ -8,6 +9,15 @@ import sys
 
 class UserError(ValueError):
     """A one-line, user-fixable error. Entry points print it to stderr and exit non-zero."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage mistakes (an unknown flag, --step=abc) are one line on stderr and exit
+    1, as every other user error, instead of the usage block and exit 2."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message} (--help lists the flags)", file=sys.stderr)
+        sys.exit(1)
 
 
 def warn(message: str) -> None:
@@ -39,10 +49,15 @@ def parse_flags(argv: list[str], load: bool = True) -> list[str]:
     """app.run's flags_parser: absl's parsing, plus a --config file that does not load (with
     `load`; else when first used, through loaded_config) or an override naming a key the config
     lacks reported in one line on stderr (exit 1)."""
-    from absl import app
+    from absl import flags
 
     with _config_mistakes_exit(argv):
-        args = app.parse_flags_with_usage(argv)
+        try:
+            args = flags.FLAGS(argv)
+        except flags.Error as e:  # absl's own report is two lines and a FATAL
+            message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+            print(f"error: {message} (--helpshort lists the flags)", file=sys.stderr)
+            sys.exit(1)
     if load:
         loaded_config()
     return args

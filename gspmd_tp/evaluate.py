@@ -19,7 +19,6 @@ if __name__ == "__main__":  # simulated devices must be requested before jax is 
     # By default as many as the run's mesh spans, so that it restores under its own mesh.
     host_devices.request(host_devices.count_from_argv(sys.argv, restore.device_count_from_argv(sys.argv)))
 
-import argparse
 import json
 import math
 import os
@@ -29,7 +28,7 @@ import jax
 from gspmd_tp import data, outputs, restore, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
-from gspmd_tp.errors import UserError
+from gspmd_tp.errors import ArgumentParser, UserError
 from gspmd_tp.mesh import mesh_string
 
 # data.py's tokens are bytes: each target is one byte of the packed corpus (the separator is the
@@ -128,7 +127,7 @@ def _report(r: dict, workdir: str) -> str:
 
 def main(argv=None) -> int:
     """python -m gspmd_tp.evaluate --workdir=DIR [--eval_batches=N] [--json] [--plot=PNG]."""
-    parser = argparse.ArgumentParser(prog="python -m gspmd_tp.evaluate", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m gspmd_tp.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True, help="a run directory (train.py --workdir)")
     parser.add_argument(
         "--step", type=int, default=None, help="checkpoint step (default: the newest that reads)"

@@ -23,7 +23,6 @@ if __name__ == "__main__":  # simulated devices must be requested before jax is 
     # By default as many as the run's mesh spans, so that it restores under its own mesh.
     host_devices.request(host_devices.count_from_argv(sys.argv, restore.device_count_from_argv(sys.argv)))
 
-import argparse
 import dataclasses
 import math
 
@@ -34,7 +33,7 @@ import numpy as np
 
 from gspmd_tp import axes, data, restore, trainer
 from gspmd_tp import state as state_lib
-from gspmd_tp.errors import UserError
+from gspmd_tp.errors import ArgumentParser, UserError
 from gspmd_tp.mesh import mesh_string
 from gspmd_tp.model import Decoding, Transformer
 from gspmd_tp.rules import axes_of, check_divisible
@@ -264,7 +263,7 @@ def sample_tokens(
 
 def main(argv=None) -> int:
     """python -m gspmd_tp.generate --workdir=DIR --prompt=TEXT [...]; prints each prompt continued."""
-    parser = argparse.ArgumentParser(prog="python -m gspmd_tp.generate", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m gspmd_tp.generate", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True, help="a run directory (train.py --workdir)")
     parser.add_argument(
         "--step", type=int, default=None, help="checkpoint step (default: the newest that reads)"

@@ -205,7 +205,7 @@ def test_an_unknown_command_is_named():
         [sys.executable, "-m", "gspmd_tp.convert", "to_hf", "--workdir=/nonexistent"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert result.returncode == 2 and result.stdout == ""
+    assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.startswith(
         "error: unknown command 'to_hf'; usage: python -m gspmd_tp.convert {from-hf,to-hf}"
     )

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from gspmd_tp import evaluate, restore
+from gspmd_tp import checkpoint, evaluate, generate, restore
 
 
 def test_loss_equals_the_trainers_eval_loss(trained_workdir, capsys):
@@ -84,6 +84,29 @@ def test_no_checkpoint_or_metrics_is_one_line(tmp_path, capsys):
     assert evaluate.main(["--workdir", str(tmp_path), "--plot=x.png", "--plot_only"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "metrics.jsonl: no such file" in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    "main, args, message",
+    [
+        (
+            evaluate.main,
+            ["--workdir=x", "--step=abc"],
+            "python -m gspmd_tp.evaluate: argument --step: invalid int",
+        ),
+        (
+            generate.main,
+            ["--workdir=x", "--top_k=k"],
+            "python -m gspmd_tp.generate: argument --top_k: invalid int",
+        ),
+        (checkpoint.main, ["infoo", "x"], "python -m gspmd_tp.checkpoint: argument command: invalid choice"),
+    ],
+)
+def test_flag_mistakes_are_one_line(capsys, main, args, message):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
 
 
 def test_more_batches_than_the_held_out_split_are_one_pass(trained_workdir, tmp_path, capsys):

@@ -118,6 +118,20 @@ def test_config_file_and_key_mistakes_are_one_line(tmp_path, command, cwd, messa
 
 
 @pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config.steps=abc"], "flag --config.steps=abc: invalid literal for int() with base 10: 'abc'"),
+        (["--worksdir=x"], "Unknown command line flag 'worksdir'. Did you mean: workdir ?"),
+        ([], "flag --workdir=None: Flag --workdir must have a value other than None."),
+    ],
+)
+def test_flag_mistakes_are_one_line(args, message):
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr == f"error: {message} (--helpshort lists the flags)\n"
+
+
+@pytest.mark.parametrize(
     "body, message",
     [
         ("def get_config(:\n    pass\n", "--config=CFG: invalid syntax (line 1) in CFG"),
