@@ -15,6 +15,46 @@ from gspmd_tp.errors import UserError
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.py"
 
 
+# What other trainers (MaxText, t5x, levanter, Hugging Face) call some of the keys, for the hint a
+# key given under such a name gets.
+OTHER_NAMES = {
+    "learning_rate": "optim.lr",
+    "warmup": "optim.warmup_steps",
+    "lr_warmup_steps": "optim.warmup_steps",
+    "beta1": "optim.b1",
+    "beta2": "optim.b2",
+    "adam_b1": "optim.b1",
+    "adam_b2": "optim.b2",
+    "adam_eps": "optim.eps",
+    "max_grad_norm": "optim.clip_norm",
+    "gradient_clipping_threshold": "optim.clip_norm",
+    "num_train_steps": "steps",
+    "total_steps": "steps",
+    "max_steps": "steps",
+    "train_steps": "steps",
+    "global_batch_size": "batch_size",
+    "train_batch_size": "batch_size",
+    "gradient_accumulation_steps": "grad_accum",
+    "max_target_length": "seq_len",
+    "seq_length": "seq_len",
+    "max_seq_len": "seq_len",
+    "hidden_size": "model.d_model",
+    "emb_dim": "model.d_model",
+    "num_hidden_layers": "model.num_layers",
+    "num_decoder_layers": "model.num_layers",
+    "num_attention_heads": "model.num_heads",
+    "num_key_value_heads": "model.num_kv_heads",
+    "intermediate_size": "model.mlp_dim",
+    "ffn_dim": "model.mlp_dim",
+}
+
+
+def ours(key: str) -> str | None:
+    """`config.PATH` of the key other trainers call `key`, or None."""
+    path = OTHER_NAMES.get(key.lower())
+    return f"config.{path}" if path else None
+
+
 def default_config() -> dict:
     """configs/tiny.py's config as a plain dict."""
     spec = importlib.util.spec_from_file_location("gspmd_tp_default_config", DEFAULT_CONFIG)
@@ -40,6 +80,8 @@ def _first_difference(given: dict, known: dict, where: str, skip: tuple[str, ...
         if key not in known:
             close = difflib.get_close_matches(key, list(known), n=1)
             hint = f"; did you mean {where}.{close[0]}?" if close else f" (known: {', '.join(sorted(known))})"
+            if ours(key):
+                hint = f"; gspmd_tp calls it {ours(key)}"
             return f"{where}.{key} is not a key gspmd_tp reads{hint}"
         if isinstance(known[key], dict) and isinstance(given[key], dict):
             problem = _first_difference(given[key], known[key], f"{where}.{key}", ())

@@ -122,5 +122,9 @@ def _config_mistake(argv: list[str], e: Exception, default: str | None) -> str:
         key = lines[0].strip("'\"")
         named = [o for o in overrides if key in o[len("--config.") :].split(".")]
         hint = "".join(f" ({line.strip()})" for line in lines[1:] if line.strip())
+        from gspmd_tp.config_keys import ours  # it imports this module
+
+        if ours(key):
+            hint = f" (gspmd_tp calls it {ours(key)})"
         return f"{named[0] if named else '--config'}: the config has no key {key!r}{hint}"
     return f"{' '.join(overrides) or '--config'}: {type(e).__name__}: {e}"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ml_collections import ConfigDict
 
-from gspmd_tp.config_keys import default_config
+from gspmd_tp.config_keys import default_config, ours
 from gspmd_tp.errors import UserError, warn
 
 if TYPE_CHECKING:
@@ -79,7 +79,8 @@ def apply_overrides(config: ConfigDict, overrides: dict[str, str]) -> ConfigDict
                 raise UserError(f"--config.{key}: the run's config has no section {part!r}")
             target = target[part]
         if leaf not in target:
-            raise UserError(f"--config.{key}: the run's config has no key {key!r}")
+            hint = f" (gspmd_tp calls it {ours(leaf)})" if ours(leaf) else ""
+            raise UserError(f"--config.{key}: the run's config has no key {key!r}{hint}")
         target[leaf] = _coerce(key, value, target[leaf])
     return config
 

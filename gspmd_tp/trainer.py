@@ -16,7 +16,7 @@ import optax
 from gspmd_tp import axes, checkpoint, checkpoint_files, data, distributed, faults, metrics, optim, outputs
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
-from gspmd_tp.config_keys import check_keys
+from gspmd_tp.config_keys import check_keys, ours
 from gspmd_tp.errors import UserError, warn
 from gspmd_tp.mesh import make_mesh, mesh_string
 from gspmd_tp.model import ModelConfig, flops_per_token, param_count
@@ -35,7 +35,9 @@ def model_config(config) -> ModelConfig:
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(config.model) - fields)
     if unknown:
-        raise UserError(f"config.model has unknown key {unknown[0]!r} (known: {', '.join(sorted(fields))})")
+        named = ours(unknown[0])
+        hint = f"gspmd_tp calls it {named}" if named else f"known: {', '.join(sorted(fields))}"
+        raise UserError(f"config.model has unknown key {unknown[0]!r} ({hint})")
     cfg = ModelConfig(**config.model.to_dict())
     problems = cfg.validate()
     if problems:

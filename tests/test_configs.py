@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from gspmd_tp import trainer
+from gspmd_tp.errors import UserError
 
 CONFIGS = sorted(
     p.stem for p in (Path(__file__).parent.parent / "configs").glob("*.py") if p.stem != "__init__"
@@ -20,3 +21,12 @@ def test_config_sets_up(name):
     s = trainer.setup(config)
     assert s.mesh.size == 8
     assert s.model_cfg.validate() == []
+
+
+def test_a_model_key_under_another_trainers_name_is_named_with_ours():
+    config = importlib.import_module("configs.tiny").get_config()
+    config.model.num_hidden_layers = 2
+    with pytest.raises(
+        UserError, match=r"^config.model has unknown key 'num_hidden_layers' \(gspmd_tp calls it"
+    ):
+        trainer.model_config(config)

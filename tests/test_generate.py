@@ -127,6 +127,10 @@ def test_decode_stops_at_the_document_separator_and_replaces_bad_bytes():
         (["--prompt=x", "--seed=4294967296"], "--seed must be in [0, 2**31), got 4294967296"),
         (["--prompt=x", "--temperature=-1"], "--temperature must be >= 0"),
         (["--prompt=x", "--config.nope=1"], "the run's config has no key 'nope'"),
+        (
+            ["--prompt=x", "--config.optim.beta1=0.8"],
+            "no key 'optim.beta1' (gspmd_tp calls it config.optim.b1)",
+        ),
         (["--prompt=x", "--config.mesh=dp=3,mp=4"], "mesh 'dp=3,mp=4' has 12 devices"),
         ([], "give exactly one of --prompt=TEXT and --prompts_file=FILE"),
         (["--prompt=x", "--nonsense"], "unrecognized argument '--nonsense'"),

@@ -98,6 +98,12 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
         ),
         # No --config: bench.py loads its default, and applies the overrides, while defining its flags.
         (["bench.py", "--config.model.nope=1"], ROOT, "--config.model.nope: the config has no key 'nope'"),
+        (
+            ["train.py", "--workdir=WORKDIR", "--config.model.hidden_size=64"],
+            ROOT,
+            "--config.model.hidden_size: the config has no key 'hidden_size' "
+            "(gspmd_tp calls it config.model.d_model)",
+        ),
         (["-m", "gspmd_tp.plan"], "TMP", "--config=configs/tiny.py (the default): no such file (cwd TMP)"),
     ],
 )
@@ -140,12 +146,12 @@ def test_flag_mistakes_are_one_line(args, message):
         (
             "from configs import tiny\ndef get_config():\n    c = tiny.get_config()\n"
             "    c.optim.learning_rate = 1e-4\n    return c\n",
-            "config.optim.learning_rate is not a key gspmd_tp reads (known: b1, b2,",
+            "config.optim.learning_rate is not a key gspmd_tp reads; gspmd_tp calls it config.optim.lr",
         ),
         (
             "from configs import tiny\ndef get_config():\n    c = tiny.get_config()\n"
-            "    c.warmup = 5\n    return c\n",
-            "config.warmup is not a key gspmd_tp reads (known: batch_size,",
+            "    c.wandb_project = 'x'\n    return c\n",
+            "config.wandb_project is not a key gspmd_tp reads (known: batch_size,",
         ),
         (
             "from configs import tiny\ndef get_config():\n    c = tiny.get_config()\n"
