@@ -74,8 +74,14 @@ def set_aside_after(workdir: str, step: int) -> int:
                 row_step = None
             (later if isinstance(row_step, int) and row_step > step else keep).append(line)
     if later or cut:
-        with open(os.path.join(workdir, REPLACED), "a") as f:
-            f.writelines(later + cut)
+        replaced = os.path.join(workdir, REPLACED)
+        # A kill between this append and the replace below moves the same rows again next time.
+        there = set()
+        if os.path.exists(replaced):
+            with open(replaced) as f:
+                there = set(f)
+        with open(replaced, "a") as f:
+            f.writelines(line for line in later + cut if line not in there)
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(keep)
@@ -102,8 +108,13 @@ class MetricsWriter:
 
             # The file is named by the second it was opened and the host: a writer opened in the
             # same second would truncate its predecessor's file but for the suffix, in opening order.
+            # flush_secs=0: the writer's thread flushes each event as it writes it (flush() does not
+            # wait for that thread), so a killed run loses no event of a step it will not train again.
             self._tb = SummaryWriter(
-                os.path.join(workdir, TENSORBOARD), purge_step=start + 1, filename_suffix=f".{time.time_ns()}"
+                os.path.join(workdir, TENSORBOARD),
+                purge_step=start + 1,
+                filename_suffix=f".{time.time_ns()}",
+                flush_secs=0,
             )
 
     def write(self, step: int, metrics: dict) -> None:

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import struct
+import time
 
 import flax.linen as nn
 import jax
@@ -139,6 +140,25 @@ def test_a_run_restarted_at_a_checkpoint_replaces_the_later_rows(tmp_path):
     assert len(list((tmp_path / "tensorboard").iterdir())) == 2
     assert read_scalars(tmp_path / "tensorboard")["loss"] == [(1, 1.0), (2, 20.0)]
     assert metrics.set_aside_after(str(tmp_path / "nowhere"), 0) == 0
+
+
+def test_rows_moved_again_after_a_kill_are_not_duplicated(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {i}}}\n' for i in (1, 2, 3)))
+    (tmp_path / metrics.REPLACED).write_text('{"step": 3}\n')  # moved, then killed before the replace
+    assert metrics.set_aside_after(str(tmp_path), 1) == 2
+    assert (tmp_path / metrics.REPLACED).read_text() == '{"step": 3}\n{"step": 2}\n'
+
+
+def test_an_event_is_on_disk_soon_after_it_is_written_without_closing(tmp_path):
+    """A run killed after logging a step must not lose its events: the writer's own thread flushes
+    every 120 s unless told otherwise, and flush() does not wait for that thread."""
+    writer = metrics.MetricsWriter(str(tmp_path), enabled=True)
+    writer.write(7, {"loss": 7.0})
+    deadline = time.monotonic() + 10
+    while "loss" not in read_scalars(tmp_path / "tensorboard") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert read_scalars(tmp_path / "tensorboard")["loss"] == [(7, 7.0)]
+    writer.close()
 
 
 def test_metrics_writer_disabled_writes_nothing(tmp_path):
