@@ -29,6 +29,7 @@ class StopSignal:
         self._signum = 0  # the signal this process received, 0 for none
         self.stopped_by: str | None = None  # what stopped the run: this process's signal, or a peer's
         self._previous: dict = {}
+        self._wakeup: tuple[int, int] | None = None  # a pipe that counts deliveries
 
     def __enter__(self) -> StopSignal:
         # signal.signal only works on the main thread; elsewhere (a library caller's worker thread)
@@ -36,16 +37,46 @@ class StopSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            self._count_deliveries()
         return self
+
+    def _count_deliveries(self) -> None:
+        # Python runs a handler between bytecodes: two Ctrl-C while the main thread waits in a
+        # step or a save would run it once, and the second would not exit at once. Python's own
+        # low-level handler writes one byte per delivery to the wakeup fd, which counts them.
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        if signal.set_wakeup_fd(write, warn_on_full_buffer=False) == -1:
+            self._wakeup = (read, write)
+        else:  # someone else's (an event loop's): leave it to them
+            signal.set_wakeup_fd(-1)
+            os.close(read)
+            os.close(write)
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._wakeup:
+            signal.set_wakeup_fd(-1)
+            for fd in self._wakeup:
+                os.close(fd)
+            self._wakeup = None
+
+    def _deliveries(self) -> int:
+        """Stop signals delivered since the last call, at least the one being handled."""
+        if not self._wakeup:
+            return 1
+        try:
+            received = os.read(self._wakeup[0], 4096)
+        except BlockingIOError:
+            received = b""
+        return max(1, sum(received.count(int(sig)) for sig in STOP_SIGNALS))
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self._signum:
+        if self._signum or self._deliveries() > 1:
             # The user (or the scheduler) insists: no checkpoint, no cleanup, the shell's exit code.
             print(f"received {name} again: exiting at once without saving", file=sys.stderr, flush=True)
             os._exit(128 + signum)

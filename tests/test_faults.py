@@ -70,6 +70,34 @@ def test_second_signal_exits_at_once(tmp_path):
     assert "checkpoint saved" not in out
 
 
+# The main thread inside one long call into C (as in a step or a save): Python runs the handler once,
+# after the call, however many signals came meanwhile.
+BUSY_IN_C = """
+import sys, numpy as np
+from gspmd_tp import faults
+with faults.StopSignal(print) as stop:
+    a = np.random.default_rng(0).random((1600, 1600))
+    print("busy", flush=True)
+    np.linalg.svd(a)
+    print("stop requested:", stop.requested(), flush=True)
+"""
+
+
+def test_a_second_signal_while_the_first_waits_to_be_handled_still_exits_at_once():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BUSY_IN_C], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline() == "busy\n"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, (out, err[-2000:])
+    assert "received SIGINT again: exiting at once without saving" in err and "stop requested" not in out
+
+
 def test_sigkill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
     proc = start(tmp_path, *RUN_FOREVER, "--config.checkpoint_every=2")
     ckpt = tmp_path / "checkpoints"
