@@ -130,6 +130,35 @@ class MetricsWriter:
                 self._tb.add_scalar(key, value, int(step))
         self._tb.flush()
 
+    def amend(self, step: int, metrics: dict) -> None:
+        """Adds `metrics` to the row of `step` already in metrics.jsonl (a row of its own where
+        there is none) and to TensorBoard: figures of a step computed after it was logged."""
+        if not self.enabled:
+            return
+        path = self._jsonl.name
+        self._jsonl.close()
+        with open(path) as f:
+            lines = f.readlines()
+        added = {k: _json_number(v) for k, v in metrics.items()}
+        for i, line in enumerate(lines):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and row.get("step") == step:
+                lines[i] = json.dumps({**row, **added}, allow_nan=False) + "\n"
+                break
+        else:
+            lines.append(json.dumps({"step": int(step), **added}, allow_nan=False) + "\n")
+        with open(path + ".tmp", "w") as f:
+            f.writelines(lines)
+        os.replace(path + ".tmp", path)
+        self._jsonl = open(path, "a")  # noqa: SIM115
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self._tb.add_scalar(key, value, int(step))
+        self._tb.flush()
+
     def close(self) -> None:
         """Flushes and closes the files."""
         if self.enabled:

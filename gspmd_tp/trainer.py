@@ -279,7 +279,8 @@ def train(config, workdir: str) -> dict:
             raise UserError(f"config.init_from: no file {c.init_from}")
         imported = checkpoint.import_params(c.init_from, s.abstract_state.params)
 
-    if found and found[0][0] >= c.steps:  # before compiling: minutes on a large model
+    # Before compiling (minutes on a large model); an evaluation a stop cut short still runs.
+    if found and found[0][0] >= c.steps and not found[0][1].get("eval_pending"):
         log(f"nothing to do: the newest checkpoint is at step {found[0][0]} >= config.steps={c.steps}")
         return {"step": found[0][0]}
 
@@ -311,6 +312,11 @@ def train(config, workdir: str) -> dict:
                 "they train again"
             )
     writer = metrics.MetricsWriter(workdir, enabled=jax.process_index() == 0, start=start)
+    if resumed and resumed.get("eval_pending"):  # a stop cut the evaluation of this step short
+        with state_lib.sharding_context(s.mesh, s.rules):
+            eval_loss = evaluate(s, eval_step, state.params, eval_ds)
+        writer.amend(start, {"eval_loss": eval_loss})
+        log(f"step {start}'s evaluation, cut short by the stop, done now: eval_loss {eval_loss:.4f}")
     flops = flops_per_token(s.model_cfg, c.seq_len)
     peak = metrics.peak_flops(jax.devices()[0].device_kind, c.peak_flops_per_device)
     tokens_per_step = c.batch_size * c.seq_len
@@ -318,6 +324,7 @@ def train(config, workdir: str) -> dict:
     watch.skipped = skipped
     last_saved = start if start else None
     last_row: dict = {}
+    eval_cut: list[int] = []  # the step whose evaluation a stop signal cut short
     # `data_wait_ms` is what the loop waits for its next batch, read ahead or not.
     depth = c.data.prefetch if c.data.prefetch >= 0 else (0 if jax.devices()[0].platform == "cpu" else 2)
     batches = None
@@ -345,6 +352,8 @@ def train(config, workdir: str) -> dict:
             eval_loss = evaluate(s, eval_step, eval_params, eval_ds, stop.requested)
             if eval_loss is not None:
                 row["eval_loss"] = eval_loss
+            else:  # the checkpoint this stop saves says so, and the resumed run evaluates it
+                eval_cut.append(step)
         writer.write(step, row)
         log(metrics.progress_line(step, c.steps, row))
         last_row = {"step": step, **row}
@@ -378,9 +387,8 @@ def train(config, workdir: str) -> dict:
                 stopping = stop.requested()
                 if step % c.checkpoint_every == 0 or done or stopping:
                     watch.check(last_saved)  # never save a state that went through a non-finite step
-                    checkpoint.save(
-                        mngr, step, state, batches.get_state(), {**s.meta(), "skipped_steps": watch.skipped}
-                    )
+                    meta = {**s.meta(), "skipped_steps": watch.skipped, "eval_pending": step in eval_cut}
+                    checkpoint.save(mngr, step, state, batches.get_state(), meta)
                     last_saved = step
                 if stopping:
                     if pending is not None:

@@ -1,5 +1,6 @@
 """Faults: stop signals, SIGKILL during an async save, corrupted checkpoints, NaN/Inf, mismatches."""
 
+import json
 import os
 import re
 import shutil
@@ -408,7 +409,7 @@ def _export(workdir, step):
     return out
 
 
-def test_stop_signal_during_evaluation_saves_at_that_step(tmp_path, monkeypatch):
+def test_stop_signal_during_evaluation_saves_at_that_step(tmp_path, monkeypatch, capsys):
     original = trainer.evaluate
 
     def interrupted(*args):
@@ -420,3 +421,13 @@ def test_stop_signal_during_evaluation_saves_at_that_step(tmp_path, monkeypatch)
     assert last["stopped"] and last["step"] == 2
     assert "eval_loss" not in last  # cut short, not reported as a full evaluation
     assert os.listdir(tmp_path / "checkpoints") == ["2"]
+    # The resumed run evaluates step 2 first and adds the figure to step 2's row.
+    monkeypatch.setattr(trainer, "evaluate", original)
+    trainer.train(small_config(steps=4, eval_every=2, checkpoint_every=100), str(tmp_path))
+    assert "step 2's evaluation, cut short by the stop, done now: eval_loss" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "eval_loss" in r) for r in rows] == [(1, False), (2, True), (3, False), (4, True)]
+    reference = tmp_path / "uninterrupted"
+    trainer.train(small_config(steps=4, eval_every=2, checkpoint_every=100), str(reference))
+    want = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1]["eval_loss"] == pytest.approx(want[1]["eval_loss"], rel=1e-6)

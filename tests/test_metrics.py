@@ -161,6 +161,22 @@ def test_an_event_is_on_disk_soon_after_it_is_written_without_closing(tmp_path):
     writer.close()
 
 
+def test_amend_adds_to_the_row_of_its_step_or_writes_one(tmp_path):
+    writer = metrics.MetricsWriter(str(tmp_path), enabled=True)
+    writer.write(2, {"loss": 2.0})
+    writer.amend(2, {"eval_loss": 2.5})
+    writer.amend(4, {"eval_loss": math.nan})
+    writer.write(5, {"loss": 5.0})  # appends after an amend
+    writer.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [
+        {"step": 2, "loss": 2.0, "eval_loss": 2.5},
+        {"step": 4, "eval_loss": None},
+        {"step": 5, "loss": 5.0},
+    ]
+    assert read_scalars(tmp_path / "tensorboard")["eval_loss"] == [(2, 2.5)]
+
+
 def test_metrics_writer_disabled_writes_nothing(tmp_path):
     workdir = tmp_path / "run"
     writer = metrics.MetricsWriter(str(workdir), enabled=False)
