@@ -4,6 +4,7 @@ python train.py --config=configs/tiny.py --workdir=runs/tiny [--config.KEY=VALUE
 """
 
 import os
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -34,6 +35,9 @@ def main(argv):
     from gspmd_tp import distributed
     from gspmd_tp.trainer import train
 
+    # Until the training loop's own handler takes over (and after it), SIGTERM stops the run the
+    # way Ctrl-C does: one line, no traceback.
+    signal.signal(signal.SIGTERM, _stop_outside_the_loop)
     try:
         distributed.initialize(
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DISTRIBUTED.value, _HEARTBEAT.value
@@ -42,13 +46,15 @@ def main(argv):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         # Outside the training loop (whose Ctrl-C saves and stops): compiling or restoring. Leave
         # at once: a normal exit while XLA's compiler threads still run can end in a segfault.
+        sig = e.args[0] if e.args and isinstance(e.args[0], signal.Signals) else signal.SIGINT
+        name = "Ctrl-C" if sig == signal.SIGINT else sig.name
         print(
-            "stopped by Ctrl-C before training began; no checkpoint was written", file=sys.stderr, flush=True
+            f"stopped by {name} before training began; no checkpoint was written", file=sys.stderr, flush=True
         )
-        os._exit(130)
+        os._exit(128 + sig)
     except Exception as e:
         import jax
 
@@ -71,6 +77,10 @@ def main(argv):
             flush=True,
         )
         os._exit(1)
+
+
+def _stop_outside_the_loop(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum))
 
 
 if __name__ == "__main__":

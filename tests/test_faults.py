@@ -44,6 +44,19 @@ def wait_for(proc, pattern, timeout=120):
     raise AssertionError(f"never printed {pattern!r}: {''.join(lines)[-2000:]} {proc.stderr.read()[-2000:]}")
 
 
+@pytest.mark.parametrize("sig, name", [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
+def test_a_stop_signal_before_training_begins_is_one_line(tmp_path, sig, name):
+    proc = start(tmp_path, *RUN_FOREVER)
+    wait_for(proc, r"^gspmd_tp: .* parameters")  # then the data is read and the step compiled
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, (out[-1000:], err[-2000:])
+    assert (
+        err.strip().splitlines()[-1] == f"stopped by {name} before training began; no checkpoint was written"
+    )
+    assert "Traceback" not in err and not (tmp_path / "checkpoints").exists()
+
+
 def test_stop_signal_saves_at_the_step_boundary_and_exits_0(tmp_path):
     sig = signal.SIGTERM  # SIGINT: test_stop_signal_during_evaluation_saves_at_that_step
     proc = start(tmp_path, *RUN_FOREVER, "--config.checkpoint_every=100000")
