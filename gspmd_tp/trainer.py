@@ -243,6 +243,7 @@ def train(config, workdir: str) -> dict:
     outputs.check_dir(checkpoint_dir, "--workdir's checkpoints")
     outputs.check_dir(os.path.join(workdir, metrics.TENSORBOARD), "--workdir's tensorboard")
     outputs.check_file(os.path.join(workdir, metrics.JSONL), "--workdir's metrics")
+    outputs.check_file(os.path.join(workdir, metrics.REPLACED), "--workdir's replaced metrics")
     s = setup(config)
     c = s.config
     distributed.check_same_everywhere(c.to_dict(), s.rules.text)

@@ -277,11 +277,15 @@ def test_data_files_are_saved_absolute_and_one_file_spelled_two_ways_is_one_run(
         ),
         (lambda w: (w / "metrics.jsonl").mkdir(), r"--workdir's metrics=.*/metrics\.jsonl: is a directory"),
         (
+            lambda w: (w / "metrics_replaced.jsonl").mkdir(),
+            r"--workdir's replaced metrics=.*/metrics_replaced\.jsonl: is a directory",
+        ),
+        (
             lambda w: (w / "tensorboard").write_text(""),
             r"--workdir's tensorboard=.*: .* is a file, not a directory",
         ),
     ],
-    ids=["checkpoints", "metrics", "tensorboard"],
+    ids=["checkpoints", "metrics", "replaced-metrics", "tensorboard"],
 )
 def test_what_the_run_writes_in_its_workdir_is_checked_before_compiling(tmp_path, monkeypatch, make, message):
     workdir = tmp_path / "run"
