@@ -35,13 +35,14 @@ def main(argv):
     from gspmd_tp import distributed
     from gspmd_tp.trainer import train
 
-    # Until the training loop's own handler takes over (and after it), SIGTERM stops the run the
-    # way Ctrl-C does: one line, no traceback.
-    signal.signal(signal.SIGTERM, _stop_outside_the_loop)
     try:
         distributed.initialize(
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DISTRIBUTED.value, _HEARTBEAT.value
         )
+        # Until the training loop's own handler takes over (and after it), SIGTERM stops the run
+        # the way Ctrl-C does: one line, no traceback. Set after jax.distributed.initialize, whose
+        # preemption notifier takes SIGTERM over (and only logs it) in a multi-process job.
+        signal.signal(signal.SIGTERM, _stop_outside_the_loop)
         train(config, _WORKDIR.value)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

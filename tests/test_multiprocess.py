@@ -146,6 +146,27 @@ def test_a_stop_signal_to_one_process_stops_both_at_one_step(tmp_path):
     assert os.listdir(tmp_path / "run" / "checkpoints") == [stopped.group(1)]
 
 
+def test_sigterm_while_compiling_is_one_line_on_every_process(tmp_path):
+    """jax.distributed.initialize's preemption notifier takes SIGTERM over; train.py takes it back."""
+    procs = start(tmp_path / "run", 100_000)
+    try:
+        # Printed once every process joined and compared configs (gloo's own lines come first).
+        for line in procs[0].stdout:
+            if line.startswith("gspmd_tp: "):
+                break
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+            last = err.strip().splitlines()[-1]
+            assert last == "stopped by SIGTERM before training began; no checkpoint was written"
+    finally:
+        for p in procs:
+            p.kill()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_a_silent_peer_ends_the_job_after_the_heartbeat_timeout(tmp_path):
     # A stopped process keeps its sockets open: only --heartbeat_timeout_s (default 100 s) ends this.
     procs = start(tmp_path / "run", 100_000, "--config.checkpoint_every=100000", "--heartbeat_timeout_s=5")
