@@ -80,8 +80,8 @@ def _first_difference(given: dict, known: dict, where: str, skip: tuple[str, ...
         if key not in known:
             close = difflib.get_close_matches(key, list(known), n=1)
             hint = f"; did you mean {where}.{close[0]}?" if close else f" (known: {', '.join(sorted(known))})"
-            if ours(key):
-                hint = f"; gspmd_tp calls it {ours(key)}"
+            if named := ours(key):
+                hint = f"; gspmd_tp calls it {named}"
             return f"{where}.{key} is not a key gspmd_tp reads{hint}"
         if isinstance(known[key], dict) and isinstance(given[key], dict):
             problem = _first_difference(given[key], known[key], f"{where}.{key}", ())

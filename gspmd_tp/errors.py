@@ -124,7 +124,7 @@ def _config_mistake(argv: list[str], e: Exception, default: str | None) -> str:
         hint = "".join(f" ({line.strip()})" for line in lines[1:] if line.strip())
         from gspmd_tp.config_keys import ours  # it imports this module
 
-        if ours(key):
-            hint = f" (gspmd_tp calls it {ours(key)})"
+        if named_ours := ours(key):
+            hint = f" (gspmd_tp calls it {named_ours})"
         return f"{named[0] if named else '--config'}: the config has no key {key!r}{hint}"
     return f"{' '.join(overrides) or '--config'}: {type(e).__name__}: {e}"

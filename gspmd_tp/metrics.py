@@ -53,6 +53,28 @@ def _json_number(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
+def _json_line(row: dict) -> str:
+    """`row` as one line of strict JSON: a None or non-finite value is null (NaN and Infinity are
+    not JSON, and strict readers such as jq and JavaScript reject the line)."""
+    return json.dumps({k: _json_number(v) for k, v in row.items()}, allow_nan=False) + "\n"
+
+
+def _row(line: str) -> dict | None:
+    """The row a line of JSONL holds, or None where it is not a JSON object with an integer step."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+def _rewrite(path: str, lines: list[str]) -> None:
+    """Replaces file `path` by `lines` at once: a kill leaves the old file or the new one."""
+    with open(path + ".tmp", "w") as f:
+        f.writelines(lines)
+    os.replace(path + ".tmp", path)
+
+
 def set_aside_after(workdir: str, step: int) -> int:
     """Moves the rows of JSONL logged after `step` to REPLACED (appended there); returns how many.
 
@@ -68,11 +90,8 @@ def set_aside_after(workdir: str, step: int) -> int:
             if not line.endswith("\n"):
                 cut.append(line + "\n")
                 continue
-            try:
-                row_step = json.loads(line)["step"]
-            except (ValueError, TypeError, KeyError):
-                row_step = None
-            (later if isinstance(row_step, int) and row_step > step else keep).append(line)
+            row = _row(line)
+            (later if row and row["step"] > step else keep).append(line)
     if later or cut:
         replaced = os.path.join(workdir, REPLACED)
         # A kill between this append and the replace below moves the same rows again next time.
@@ -82,10 +101,7 @@ def set_aside_after(workdir: str, step: int) -> int:
                 there = set(f)
         with open(replaced, "a") as f:
             f.writelines(line for line in later + cut if line not in there)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(keep)
-        os.replace(tmp, path)
+        _rewrite(path, keep)
     return len(later)
 
 
@@ -118,17 +134,12 @@ class MetricsWriter:
             )
 
     def write(self, step: int, metrics: dict) -> None:
-        """Records `metrics` for `step`. A None or non-finite value goes to JSON only, as null:
-        NaN and Infinity are not JSON, and strict readers (jq, JavaScript) reject the line."""
+        """Records `metrics` for `step`. A None or non-finite value goes to JSON only, as null."""
         if not self.enabled:
             return
-        row = {"step": int(step), **{k: _json_number(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
+        self._jsonl.write(_json_line({"step": int(step), **metrics}))
         self._jsonl.flush()
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self._tb.add_scalar(key, value, int(step))
-        self._tb.flush()
+        self._to_tensorboard(step, metrics)
 
     def amend(self, step: int, metrics: dict) -> None:
         """Adds `metrics` to the row of `step` already in metrics.jsonl (a row of its own where
@@ -139,21 +150,17 @@ class MetricsWriter:
         self._jsonl.close()
         with open(path) as f:
             lines = f.readlines()
-        added = {k: _json_number(v) for k, v in metrics.items()}
-        for i, line in enumerate(lines):
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and row.get("step") == step:
-                lines[i] = json.dumps({**row, **added}, allow_nan=False) + "\n"
-                break
+        rows = [_row(line) for line in lines]
+        at = next((i for i, row in enumerate(rows) if row and row["step"] == step), None)
+        if at is None:
+            lines.append(_json_line({"step": int(step), **metrics}))
         else:
-            lines.append(json.dumps({"step": int(step), **added}, allow_nan=False) + "\n")
-        with open(path + ".tmp", "w") as f:
-            f.writelines(lines)
-        os.replace(path + ".tmp", path)
+            lines[at] = _json_line({**rows[at], **metrics})
+        _rewrite(path, lines)
         self._jsonl = open(path, "a")  # noqa: SIM115
+        self._to_tensorboard(step, metrics)
+
+    def _to_tensorboard(self, step: int, metrics: dict) -> None:
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self._tb.add_scalar(key, value, int(step))

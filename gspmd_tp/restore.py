@@ -79,7 +79,8 @@ def apply_overrides(config: ConfigDict, overrides: dict[str, str]) -> ConfigDict
                 raise UserError(f"--config.{key}: the run's config has no section {part!r}")
             target = target[part]
         if leaf not in target:
-            hint = f" (gspmd_tp calls it {ours(leaf)})" if ours(leaf) else ""
+            named = ours(leaf)
+            hint = f" (gspmd_tp calls it {named})" if named else ""
             raise UserError(f"--config.{key}: the run's config has no key {key!r}{hint}")
         target[leaf] = _coerce(key, value, target[leaf])
     return config
