@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import socket
 
@@ -87,16 +88,13 @@ def check_same_everywhere(config: dict, rules_text: str) -> None:
     of the job was given otherwise: processes started with other values would train apart."""
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
-
     items = sorted(_flat(config).items()) + [("the rule file's text", rules_text)]
     digests = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:3], "little") for _, v in items]
     keys = int.from_bytes(hashlib.sha256(repr([k for k, _ in items]).encode()).digest()[:3], "little")
-    mine = np.array([keys, *digests], np.int32)  # 24-bit digests: jax gathers int32
-    sizes = multihost_utils.process_allgather(np.array([mine.size], np.int32))
+    sizes = read(share([len(digests)]))
     if len(set(sizes.ravel().tolist())) > 1:
         raise UserError("the processes of this job were given configs with different keys; start each alike")
-    everyone = multihost_utils.process_allgather(mine)  # (processes, 1 + keys)
+    everyone = read(share([keys, *digests]))  # (processes, 1 + keys); 24-bit digests fit int32
     for column, name in enumerate(["the config's keys"] + [k for k, _ in items]):
         values = everyone[:, column]
         if (values != values[0]).any():
@@ -105,6 +103,39 @@ def check_same_everywhere(config: dict, rules_text: str) -> None:
                 f"{name} differs between process 0 and process {other} of this job; "
                 "start every process with the same config, rule file and overrides"
             )
+
+
+def share(values) -> jax.Array:
+    """Starts giving every process of the job each process's `values` (int32, as many on every
+    process) and returns the (processes, len) result without waiting for it; `read` waits. It is
+    an all-reduce of rows that are zero but for each process's own, queued on the devices behind
+    the work already dispatched, in the same order on every process."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()), ("devices",))
+    values = np.asarray(values, np.int32).ravel()
+    rows = np.zeros((jax.local_device_count(), jax.process_count(), values.size), np.int32)
+    rows[0, jax.process_index()] = values  # once per process, on its first device's row
+    rows = jax.make_array_from_process_local_data(NamedSharding(mesh, PartitionSpec("devices")), rows)
+    with jax.set_mesh(mesh):  # whatever mesh the caller has in force
+        return _sum_over_devices(mesh)(rows)
+
+
+def read(shared: jax.Array) -> np.ndarray:
+    """The (processes, len) values of `share`, once they arrived."""
+    return np.asarray(shared.addressable_data(0))
+
+
+@functools.cache
+def _sum_over_devices(mesh):
+    from jax.sharding import PartitionSpec
+
+    def local(rows):  # (1, processes, len) on each device
+        return jax.lax.psum(rows[0], "devices")
+
+    return jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec("devices"), out_specs=PartitionSpec())
+    )
 
 
 def _flat(config: dict, prefix: str = "config.") -> dict:

@@ -1,8 +1,9 @@
 """What the loop does about faults: a stop signal (SIGTERM/SIGINT) and non-finite losses or gradients.
 
-Both are checked at step boundaries by the host. Neither adds a host sync per step on one process:
-the stop flag is a Python bool set by the signal handler, and the finiteness flags the jitted step
-returns are read in one batch when the loop syncs anyway (logged steps, checkpoints, the end).
+Both are checked at step boundaries by the host. Neither adds a host sync per step: the stop flag is
+a Python bool set by the signal handler (shared with a job's other processes by a tiny all-reduce
+that is read one check later), and the finiteness flags the jitted step returns are read in one
+batch when the loop syncs anyway (logged steps, checkpoints, the end).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import jax
 import numpy as np
 
+from gspmd_tp import distributed
 from gspmd_tp.errors import UserError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -30,6 +32,8 @@ class StopSignal:
         self.stopped_by: str | None = None  # what stopped the run: this process's signal, or a peer's
         self._previous: dict = {}
         self._wakeup: tuple[int, int] | None = None  # a pipe that counts deliveries
+        self._shared = None  # multi-process: every process's signal as of the last check, on device
+        self._agreed = False
 
     def __enter__(self) -> StopSignal:
         # signal.signal only works on the main thread; elsewhere (a library caller's worker thread)
@@ -87,19 +91,27 @@ class StopSignal:
         )
 
     def requested(self) -> bool:
-        """True once a stop signal arrived (on any process, when there are several)."""
+        """True once a stop signal arrived (on any process, when there are several).
+
+        A job's processes call this at the same points (step boundaries, evaluation batches) and
+        must all stop at the same one, or the collective save deadlocks. Each call starts a tiny
+        all-reduce of every process's signal and reads the previous call's: the host waits for the
+        work dispatched before that call, never for the step it just dispatched, and a signal
+        stops every process one call after the one that shared it."""
         if jax.process_count() == 1:
             return bool(self._signum)
-        # Every process must stop at the same step or the collective save deadlocks; this costs
-        # one tiny all-gather per step, only on multi-process runs.
-        from jax.experimental import multihost_utils
-
-        signums = multihost_utils.process_allgather(np.int32(self._signum))
-        senders = [i for i, signum in enumerate(signums) if signum]
-        if senders:
-            first = senders[0]
+        if self._agreed:
+            return True
+        previous, self._shared = self._shared, distributed.share([self._signum])
+        if previous is None:
+            return False
+        signums = distributed.read(previous)[:, 0]  # 0 where no signal arrived
+        senders = np.flatnonzero(signums)
+        if senders.size:
+            first = int(senders[0])
             self.stopped_by = f"{signal.Signals(int(signums[first])).name} on process {first}"
-        return bool(senders)
+            self._agreed = True
+        return self._agreed
 
 
 class NonFiniteWatch:

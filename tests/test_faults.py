@@ -15,7 +15,7 @@ import pytest
 from conftest import small_config
 from test_train_cli import ROOT, SMALL, train
 
-from gspmd_tp import checkpoint, checkpoint_files, optim, trainer
+from gspmd_tp import checkpoint, checkpoint_files, faults, optim, trainer
 from gspmd_tp.errors import UserError
 
 RUN_FOREVER = ["--config.steps=100000", "--config.log_every=1", "--config.eval_every=100000"]
@@ -95,6 +95,19 @@ with faults.StopSignal(print) as stop:
     np.linalg.svd(a)
     print("stop requested:", stop.requested(), flush=True)
 """
+
+
+def test_in_a_multi_process_job_every_process_reads_the_signals_one_check_later(monkeypatch):
+    """Each check starts the all-reduce of the processes' signals and reads the previous one's, so
+    the host never waits for the devices to tell it; here one process poses as process 0 of 2."""
+    monkeypatch.setattr(faults.jax, "process_count", lambda: 2)  # the one jax module everywhere
+    with faults.StopSignal(lambda msg: None) as stop:
+        assert not stop.requested()  # nothing shared before
+        signal.raise_signal(signal.SIGTERM)
+        assert not stop.requested()  # reads the check before the signal; shares it
+        assert stop.requested()
+        assert stop.stopped_by == "SIGTERM on process 0"
+        assert stop.requested()  # and stays stopped, sharing nothing more
 
 
 def test_a_second_signal_while_the_first_waits_to_be_handled_still_exits_at_once():
