@@ -84,6 +84,19 @@ def test_second_signal_exits_at_once(tmp_path):
     assert "checkpoint saved" not in out
 
 
+def test_in_a_multi_process_job_every_process_reads_the_signals_one_check_later(monkeypatch):
+    """Each check starts the all-reduce of the processes' signals and reads the previous one's, so
+    the host never waits for the step it just dispatched; here one process poses as process 0 of 2."""
+    monkeypatch.setattr(faults.jax, "process_count", lambda: 2)  # the one jax module everywhere
+    with faults.StopSignal(lambda msg: None) as stop:
+        assert not stop.requested()  # nothing shared before
+        signal.raise_signal(signal.SIGTERM)
+        assert not stop.requested()  # reads the check before the signal; shares it
+        assert stop.requested()
+        assert stop.stopped_by == "SIGTERM on process 0"
+        assert stop.requested()  # and stays stopped, sharing nothing more
+
+
 # The main thread inside one long call into C (as in a step or a save): Python runs the handler once,
 # after the call, however many signals came meanwhile.
 BUSY_IN_C = """
@@ -95,19 +108,6 @@ with faults.StopSignal(print) as stop:
     np.linalg.svd(a)
     print("stop requested:", stop.requested(), flush=True)
 """
-
-
-def test_in_a_multi_process_job_every_process_reads_the_signals_one_check_later(monkeypatch):
-    """Each check starts the all-reduce of the processes' signals and reads the previous one's, so
-    the host never waits for the devices to tell it; here one process poses as process 0 of 2."""
-    monkeypatch.setattr(faults.jax, "process_count", lambda: 2)  # the one jax module everywhere
-    with faults.StopSignal(lambda msg: None) as stop:
-        assert not stop.requested()  # nothing shared before
-        signal.raise_signal(signal.SIGTERM)
-        assert not stop.requested()  # reads the check before the signal; shares it
-        assert stop.requested()
-        assert stop.stopped_by == "SIGTERM on process 0"
-        assert stop.requested()  # and stays stopped, sharing nothing more
 
 
 def test_a_second_signal_while_the_first_waits_to_be_handled_still_exits_at_once():

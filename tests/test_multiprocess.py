@@ -138,29 +138,30 @@ def test_a_dead_peer_ends_the_job_with_a_clear_error(tmp_path):
     assert any(line.startswith(OURS) for line in err.splitlines()) or JAX_S in err, err[-2000:]
 
 
-def test_a_stop_signal_to_one_process_stops_both_at_one_step(tmp_path):
-    procs = start(tmp_path / "run", 100_000, "--config.checkpoint_every=100000")
+@pytest.mark.parametrize(
+    "extra, signals, by",
+    [
+        ((), [(1, signal.SIGTERM)], "SIGTERM on process 1"),
+        # Every step evaluates 4 batches, each preceded by a stop check, and the host runs ahead of
+        # the devices: the processes still stop at one check, each reading the same all-reduced signals.
+        (
+            ("--config.eval_every=1", "--config.eval_batches=4"),
+            [(0, signal.SIGTERM), (1, signal.SIGINT)],
+            "SIGTERM on process 0|SIGINT on process 1",
+        ),
+    ],
+    ids=["one-process-signalled", "both-signalled-during-evaluations"],
+)
+def test_a_stop_signal_stops_every_process_at_one_step(tmp_path, extra, signals, by):
+    procs = start(tmp_path / "run", 100_000, "--config.checkpoint_every=100000", *extra)
     wait_for_training(tmp_path / "run")
-    procs[1].send_signal(signal.SIGTERM)
+    for i, (process, sig) in enumerate(signals):
+        time.sleep(0.3 if i else 0)
+        procs[process].send_signal(sig)
     (out, _), _ = finish(procs)
-    stopped = re.search(r"stopped by SIGTERM on process 1 after step (\d+): checkpoint saved", out)
+    stopped = re.search(rf"stopped by (?:{by}) after step (\d+): checkpoint saved", out)
     assert stopped, out[-2000:]
     assert os.listdir(tmp_path / "run" / "checkpoints") == [stopped.group(1)]
-
-
-def test_signals_to_both_processes_during_evaluations_stop_them_at_one_step(tmp_path):
-    """Every step evaluates 4 batches, each preceded by a stop check, and the host runs ahead of the
-    devices: the processes still stop at one check, each reading the same all-reduced signals."""
-    extra = ("--config.checkpoint_every=100000", "--config.eval_every=1", "--config.eval_batches=4")
-    procs = start(tmp_path / "run", 100_000, *extra)
-    wait_for_training(tmp_path / "run")
-    procs[0].send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    procs[1].send_signal(signal.SIGINT)
-    (out, _), _ = finish(procs)
-    stopped = re.search(r"stopped by (SIGTERM on process 0|SIGINT on process 1) after step (\d+)", out)
-    assert stopped, out[-2000:]
-    assert os.listdir(tmp_path / "run" / "checkpoints") == [stopped.group(2)]
 
 
 def test_sigterm_while_compiling_is_one_line_on_every_process(tmp_path):
