@@ -39,23 +39,17 @@ def main(argv):
         distributed.initialize(
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DISTRIBUTED.value, _HEARTBEAT.value
         )
-        # Until the training loop's own handler takes over (and after it), SIGTERM stops the run
-        # the way Ctrl-C does: one line, no traceback. Set after jax.distributed.initialize, whose
+        # Until the training loop's own handler takes over (and after it), SIGTERM and Ctrl-C stop
+        # the run at once: one line, no traceback. Set after jax.distributed.initialize, whose
         # preemption notifier takes SIGTERM over (and only logs it) in a multi-process job.
-        signal.signal(signal.SIGTERM, _stop_outside_the_loop)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _stop_outside_the_loop)
         train(config, _WORKDIR.value)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt as e:
-        # Outside the training loop (whose Ctrl-C saves and stops): compiling or restoring. Leave
-        # at once: a normal exit while XLA's compiler threads still run can end in a segfault.
-        sig = e.args[0] if e.args and isinstance(e.args[0], signal.Signals) else signal.SIGINT
-        name = "Ctrl-C" if sig == signal.SIGINT else sig.name
-        print(
-            f"stopped by {name} before training began; no checkpoint was written", file=sys.stderr, flush=True
-        )
-        os._exit(128 + sig)
+    except KeyboardInterrupt:  # Ctrl-C before the handler above was set (joining the job)
+        _stopped(signal.SIGINT)
     except Exception as e:
         import jax
 
@@ -81,7 +75,18 @@ def main(argv):
 
 
 def _stop_outside_the_loop(signum, frame):
-    raise KeyboardInterrupt(signal.Signals(signum))
+    # Exits from the handler itself: an exception raised here is lost where the handler runs inside
+    # a garbage-collection callback, and the process would go on into a collective its peers,
+    # stopped, never join.
+    _stopped(signal.Signals(signum))
+
+
+def _stopped(sig: signal.Signals):
+    """Outside the training loop (whose signals save and stop): compiling or restoring. One line,
+    and out at once: a normal exit while XLA's compiler threads still run can end in a segfault."""
+    name = "Ctrl-C" if sig == signal.SIGINT else sig.name
+    print(f"stopped by {name} before training began; no checkpoint was written", file=sys.stderr, flush=True)
+    os._exit(128 + sig)
 
 
 if __name__ == "__main__":
