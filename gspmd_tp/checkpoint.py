@@ -27,13 +27,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from gspmd_tp import outputs
+from gspmd_tp import distributed, outputs
 from gspmd_tp.checkpoint_files import (
     CORRUPT_DIR,
     DATA,
     META,
     STATE,
+    DamagedElsewhere,
     checkpoint_dir,
+    damage,
     first_that_reads,
     move_aside,
     read_newest,
@@ -95,15 +97,23 @@ def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, abstract_state):
-    """(state, data-iterator state) at `step`, read straight into abstract_state's shardings."""
-    with _quiet_after_a_failed_read():
-        restored = mngr.restore(
-            step,
-            args=ocp.args.Composite(
-                **{STATE: ocp.args.StandardRestore(abstract_state), DATA: ocp.args.JsonRestore()}
-            ),
-        )
-    return restored[STATE], restored[DATA]
+    """(state, data-iterator state) at `step`, read straight into abstract_state's shardings.
+
+    Each process reads through the items' handlers, not mngr.restore: that ends in a barrier of
+    orbax's, which a process whose read failed never reaches, so in a multi-process job the next
+    collective it joined (another step's read) would pair with it. Agreeing on the outcome is
+    restore_newest's.
+    """
+    step_dir = mngr.directory / str(step)
+    state_reader, data_reader = ocp.StandardCheckpointHandler(), ocp.JsonCheckpointHandler()
+    try:
+        with _quiet_after_a_failed_read():
+            state = state_reader.restore(step_dir / STATE, args=ocp.args.StandardRestore(abstract_state))
+            data_state = data_reader.restore(step_dir / DATA, args=ocp.args.JsonRestore())
+    finally:
+        state_reader.close()
+        data_reader.close()
+    return state, data_state
 
 
 @contextlib.contextmanager
@@ -140,23 +150,78 @@ def _dropping(hook, orphan):
     return dropping
 
 
-def restore_newest(mngr: ocp.CheckpointManager, found: list[tuple[int, dict]], abstract_state, warn=print):
-    """(step, meta, state, data state) of the newest checkpoint in `found` (readable_checkpoints) that
-    restores.
+def agreed_checkpoints(workdir: str, found: list[tuple[int, dict]], warn=print) -> list[tuple[int, dict]]:
+    """`found` (readable_checkpoints) less the steps whose metadata some other process of the job
+    could not read, each named through `warn`: every process then tries the same steps.
 
-    One whose files are damaged (missing, cut short, undecodable) is named through `warn` and moved
-    to workdir/corrupt_checkpoints/. Any other failure (permissions, memory, storage) moves nothing
-    and raises UserError, as does having no step left that restores.
+    Raises UserError, on every process, where that leaves no step though some process found one:
+    starting afresh would throw the run away. A one-process job gets `found` back.
+    """
+    lists = distributed.every_process([step for step, _ in found])
+    everywhere = set(lists[0]).intersection(*lists[1:])
+    ckpt_dir = checkpoint_dir(workdir)
+    for step in sorted(set().union(*lists) - everywhere, reverse=True):
+        elsewhere = [i for i, steps in enumerate(lists) if step not in steps]
+        warn(
+            f"warning: skipping checkpoint {os.path.join(ckpt_dir, str(step))}: its metadata does not read "
+            f"on process {', '.join(map(str, elsewhere))} of this job"
+        )
+    if not everywhere and any(lists):
+        raise UserError(
+            f"{ckpt_dir}: no checkpoint's metadata reads on every process of this job (see the warnings "
+            "above); nothing was moved: repair the files or the hosts' view of them and run again"
+        )
+    return [(step, meta) for step, meta in found if step in everywhere]
+
+
+_READ, _DAMAGED, _FAILED = 0, 1, 2  # how a process's read of a step went, worst last
+
+
+def _agreed_read(read, path: str):
+    """read(path) on every process of the job, with one outcome for all: where some process found
+    the files damaged, every process raises as for damage; where some process failed otherwise,
+    every process raises UserError. So all go on to the same step, or all stop."""
+    try:
+        result, mine = read(path), None
+    except Exception as e:  # noqa: BLE001 - sorted below and raised again
+        result, mine = None, e
+    damaged = mine is not None and not isinstance(mine, UserError) and damage(mine)
+    code = _READ if mine is None else _DAMAGED if damaged else _FAILED
+    codes = np.array([outcome for [outcome] in distributed.every_process([code])])
+    worst = int(codes.max())
+    if mine is not None and code == worst:
+        if damaged and jax.process_index() != 0:  # process 0 warns for the job; this names the cause
+            warn(f"warning: process {jax.process_index()}: {path} is partial or corrupted ({damaged})")
+        raise mine
+    other = int(np.argmax(codes == worst))
+    if worst == _FAILED:
+        raise UserError(
+            f"{path} does not read on process {other} of this job (its error says why); nothing was "
+            "skipped or moved: fix the cause and run again"
+        )
+    if worst == _DAMAGED:
+        raise DamagedElsewhere(f"process {other} of this job could not read its part: see its warning")
+    return result
+
+
+def restore_newest(mngr: ocp.CheckpointManager, found: list[tuple[int, dict]], abstract_state, warn=print):
+    """(step, meta, state, data state) of the newest checkpoint in `found` (agreed_checkpoints) that
+    restores on every process of the job.
+
+    One whose files are damaged (missing, cut short, undecodable) on any process is named through
+    `warn` and moved to workdir/corrupt_checkpoints/. Any other failure (permissions, memory, storage)
+    moves nothing and raises UserError, as does having no step left that restores.
     """
     ckpt_dir, metas, moved = str(mngr.directory), dict(found), []
 
     def set_aside(step: int) -> None:
         move_aside(ckpt_dir, step, warn)
         moved.append(step)
+        distributed.barrier()  # moved (by process 0) before any process lists the steps again
         mngr.reload()
 
     def read(path: str):
-        return restore(mngr, int(os.path.basename(path)), abstract_state)
+        return _agreed_read(lambda p: restore(mngr, int(os.path.basename(p)), abstract_state), path)
 
     hit = first_that_reads(ckpt_dir, [step for step, _ in found], read, warn, on_damage=set_aside)
     if hit is None:

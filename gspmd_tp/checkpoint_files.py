@@ -54,10 +54,17 @@ def short_error(e: BaseException) -> str:
     return f"{type(root).__name__}: {line}" if line else type(root).__name__
 
 
+class DamagedElsewhere(Exception):
+    """Another process of a multi-process job found a checkpoint's files damaged (its own warning
+    names them): every process skips that checkpoint alike."""
+
+
 def damage(e: BaseException) -> str | None:
     """`short_error(e)` where `e` shows that a checkpoint's files are missing, cut short or garbled;
     None where it may have another cause (permissions, memory, a flaky file system, a bug)."""
     for cause in _causes(e):
+        if isinstance(cause, DamagedElsewhere):
+            return str(cause)
         if isinstance(cause, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError)):
             return short_error(cause)
         text = str(cause)
@@ -177,12 +184,14 @@ def move_aside(ckpt_dir: str, step: int, warn=print) -> None:
     warn(f"warning: moved {os.path.join(ckpt_dir, str(step))} to {aside}")
 
 
-def move_aside_unreadable(workdir: str, readable: list[int], warn=print) -> None:
-    """Moves step directories whose metadata did not read (not in `readable`) out of the way."""
+def move_aside_unreadable(workdir: str, readable: list[int], warn=print) -> list[int]:
+    """Moves step directories whose metadata did not read (not in `readable`) out of the way;
+    returns their steps (on every process: process 0 is the one that moves them)."""
     ckpt_dir = checkpoint_dir(workdir)
-    for step in steps_on_disk(ckpt_dir):
-        if step not in readable:
-            move_aside(ckpt_dir, step, warn)
+    unreadable = [step for step in steps_on_disk(ckpt_dir) if step not in readable]
+    for step in unreadable:
+        move_aside(ckpt_dir, step, warn)
+    return unreadable
 
 
 def read_newest(ckpt_dir: str, step: int | None, read, warn=print):

@@ -105,6 +105,25 @@ def check_same_everywhere(config: dict, rules_text: str) -> None:
             )
 
 
+def every_process(values: list[int]) -> list[list[int]]:
+    """Each process's `values` (int32, any number of them), in process order; [values] in a
+    one-process job. Every process of the job must call it at the same point."""
+    if jax.process_count() == 1:
+        return [list(values)]
+    counts = read(share([len(values)]))[:, 0]
+    width = int(counts.max())
+    if not width:
+        return [[] for _ in counts]
+    rows = read(share(list(values) + [0] * (width - len(values))))
+    return [row[:count].tolist() for row, count in zip(rows, counts, strict=True)]
+
+
+def barrier() -> None:
+    """Returns once every process of the job has called it (at once in a one-process job)."""
+    if jax.process_count() > 1:
+        read(share([0]))
+
+
 def share(values) -> jax.Array:
     """Starts giving every process of the job each process's `values` (int32, as many on every
     process) and returns the (processes, len) result without waiting for it; `read` waits. It is

@@ -251,6 +251,13 @@ def train(config, workdir: str) -> dict:
     # Saved absolute, so that evaluate, generate and a resume find the files from any directory.
     c.data.train_files = data.absolute_patterns(c.data.train_files)
     c.data.eval_files = data.absolute_patterns(c.data.eval_files)
+    # Read-only look at the workdir: a different model or another run is an error before any write.
+    found = checkpoint_files.readable_checkpoints(workdir, warn=log)
+    found = checkpoint.agreed_checkpoints(workdir, found, warn=log)  # the same steps on every process
+    for step, meta in found:
+        checkpoint.check_model_matches(meta["model"], s.model_cfg, workdir)
+        if step > 0:  # step 0 (convert from-hf) has read no data: any data and seeds may follow it
+            checkpoint.check_same_run(meta["config"], c, workdir)
     n_params = param_count(s.model_cfg)
     log(
         f"gspmd_tp: {n_params['total'] / 1e6:.2f}M parameters | mesh {mesh_string(s.mesh)} on "
@@ -268,12 +275,6 @@ def train(config, workdir: str) -> dict:
         )
     data_iter = iter(train_ds)
 
-    # Read-only look at the workdir: a different model or another run is an error before any write.
-    found = checkpoint_files.readable_checkpoints(workdir, warn=log)
-    for step, meta in found:
-        checkpoint.check_model_matches(meta["model"], s.model_cfg, workdir)
-        if step > 0:  # step 0 (convert from-hf) has read no data: any data and seeds may follow it
-            checkpoint.check_same_run(meta["config"], c, workdir)
     imported = None
     if not found and c.init_from:  # read only by a fresh run: a resumed one may have lost the file
         if not os.path.isfile(c.init_from):
@@ -293,7 +294,8 @@ def train(config, workdir: str) -> dict:
     check_memory(train_step.memory_analysis(), s.mesh)
 
     # The first write: unreadable newest steps move aside so that saving those steps again works.
-    checkpoint_files.move_aside_unreadable(workdir, [step for step, _ in found], warn=log)
+    if checkpoint_files.move_aside_unreadable(workdir, [step for step, _ in found], warn=log):
+        distributed.barrier()  # process 0 moved them before any process's manager lists the steps
     mngr = checkpoint.manager(workdir, c.keep_checkpoints)
     state, data_state, start = _initial_state(s, workdir, found, mngr, imported)
     if data_state is not None:

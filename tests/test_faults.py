@@ -326,6 +326,94 @@ def test_a_read_failure_that_is_not_damage_moves_nothing(trained, tmp_path, monk
     assert not (workdir / "corrupt_checkpoints").exists()
 
 
+# --- a multi-process job: every process goes on from the same step, here posed by one process ---
+
+
+def _peer_answers(monkeypatch, *answers):
+    """Poses as process 0 of 2: each call of every_process gets the next answer as process 1's
+    values (None: the same as this process's)."""
+    it = iter(answers)
+
+    def every_process(values):
+        peer = next(it)
+        return [list(values), list(values) if peer is None else peer]
+
+    monkeypatch.setattr(checkpoint.distributed, "every_process", every_process)
+
+
+def test_a_checkpoint_damaged_on_another_process_is_skipped_by_every_process(
+    trained, tmp_path, monkeypatch, capsys
+):
+    """Process 1 could not read its part of step 4 (a shard only it reads): process 0, which read
+    it, goes back to step 2 as well, and moves step 4 aside."""
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    _peer_answers(monkeypatch, None, [checkpoint._DAMAGED], None)  # the steps, then two reads
+    capsys.readouterr()
+    trainer.train(small_config(steps=5, log_every=1, eval_every=100), str(workdir))
+    out = capsys.readouterr().out
+    assert (
+        f"warning: skipping checkpoint {workdir / 'checkpoints' / '4'}: partial or corrupted "
+        "(process 1 of this job could not read its part: see its warning)\n"
+    ) in out
+    assert "resumed from step 2" in out
+    assert [p.name[:2] for p in (workdir / "corrupt_checkpoints").iterdir()] == ["4-"]
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4", "5"]
+
+
+def test_a_read_failure_on_another_process_stops_every_process(trained, tmp_path, monkeypatch):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    before = _tree(workdir)
+    _peer_answers(monkeypatch, None, [checkpoint._FAILED])
+    with pytest.raises(UserError) as e:
+        trainer.train(small_config(steps=6), str(workdir))
+    assert str(e.value) == (
+        f"{workdir / 'checkpoints' / '4'} does not read on process 1 of this job (its error says why); "
+        "nothing was skipped or moved: fix the cause and run again"
+    )
+    assert _tree(workdir) == before
+
+
+def test_damage_here_and_a_failure_elsewhere_stop_every_process(trained, tmp_path, monkeypatch):
+    """The worse outcome decides: this process found step 4 damaged, process 1 failed otherwise."""
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    flip_bytes(workdir / "checkpoints" / "4")
+    _peer_answers(monkeypatch, None, [checkpoint._FAILED])
+    with pytest.raises(UserError, match=r"/4 does not read on process 1 of this job"):
+        trainer.train(small_config(steps=6), str(workdir))
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+
+
+def test_only_the_steps_every_process_can_read_are_tried(trained, tmp_path, monkeypatch, capsys):
+    """Process 1 could not read step 4's metadata: both go on from step 2, and step 4 moves aside
+    before this run saves its own step 4 there."""
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    _peer_answers(monkeypatch, [2], None)
+    capsys.readouterr()
+    trainer.train(small_config(steps=5, log_every=1, eval_every=100), str(workdir))
+    out = capsys.readouterr().out
+    assert (
+        f"warning: skipping checkpoint {workdir / 'checkpoints' / '4'}: its metadata does not read on "
+        "process 1 of this job\n"
+    ) in out
+    assert "resumed from step 2" in out
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4", "5"]
+    assert [p.name[:2] for p in (workdir / "corrupt_checkpoints").iterdir()] == ["4-"]
+
+
+def test_no_step_every_process_can_read_is_an_error_that_moves_nothing(trained, tmp_path, monkeypatch):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    before = _tree(workdir)
+    _peer_answers(monkeypatch, [])
+    with pytest.raises(UserError, match=r"no checkpoint's metadata reads on every process of this job"):
+        trainer.train(small_config(steps=6), str(workdir))
+    assert _tree(workdir) == before
+
+
 def test_no_checkpoint_that_restores_never_starts_the_run_afresh(trained, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(trained, workdir)

@@ -100,6 +100,27 @@ def test_two_processes_match_one_and_checkpoints_move_both_ways(tmp_path):
         assert abs(got[step] - loss) <= 1e-5 * abs(loss), (step, got[step], loss)
 
 
+def test_a_checkpoint_one_process_cannot_read_is_skipped_by_every_process(tmp_path):
+    """Under fsdp each process writes and reads only its own shards. With process 1's shards of
+    step 4 garbled, process 0 alone would resume from step 4; both resume from step 2."""
+    run, fsdp = tmp_path / "run", ("--config.rules=fsdp", "--config.mesh=dp=8,mp=1")
+    finish(start(run, 4, *fsdp))
+    first = losses(run)
+    for f in (run / "checkpoints" / "4" / "state" / "ocdbt.process_1" / "d").iterdir():
+        f.write_bytes(b"\0garbage" * 16)
+    (out, _), (_, err) = finish(start(run, 5, *fsdp))
+    step_4 = run / "checkpoints" / "4"
+    assert (
+        f"warning: skipping checkpoint {step_4}: partial or corrupted "
+        "(process 1 of this job could not read its part: see its warning)\nwarning: moved "
+    ) in out
+    assert "resumed from step 2" in out
+    assert f"warning: process 1: {step_4} is partial or corrupted (" in err
+    assert sorted(os.listdir(run / "checkpoints")) == ["2", "4", "5"]
+    # Step 3 trained again from step 2's state on both processes: the loss it saw then.
+    assert sorted(losses(run)) == [1, 2, 3, 4, 5] and losses(run)[3] == first[3]
+
+
 def test_processes_given_other_values_are_refused_before_training(tmp_path):
     procs = start(tmp_path / "run", 4, only=((), ("--config.optim.lr=0.001",)))
     outs = [p.communicate(timeout=240) for p in procs]
