@@ -327,7 +327,7 @@ def train(config, workdir: str) -> dict:
     watch.skipped = skipped
     last_saved = start if start else None
     last_row: dict = {}
-    eval_cut: list[int] = []  # the step whose evaluation a stop signal cut short
+    eval_cut = None  # the step whose evaluation a stop signal cut short
     # `data_wait_ms` is what the loop waits for its next batch, read ahead or not.
     depth = c.data.prefetch if c.data.prefetch >= 0 else (0 if jax.devices()[0].platform == "cpu" else 2)
     batches = None
@@ -336,7 +336,7 @@ def train(config, workdir: str) -> dict:
     def report(step: int, stats, steps: int, eval_params=None) -> None:
         """Reads a logged step's stats (the host's only wait) and writes its row. `steps` of the
         window had been dispatched when it was logged; later ones start the next window."""
-        nonlocal last_row
+        nonlocal last_row, eval_cut
         stats = jax.device_get(stats)
         watch.check(last_saved, upto=step)
         now = time.perf_counter()
@@ -356,7 +356,7 @@ def train(config, workdir: str) -> dict:
             if eval_loss is not None:
                 row["eval_loss"] = eval_loss
             else:  # the checkpoint this stop saves says so, and the resumed run evaluates it
-                eval_cut.append(step)
+                eval_cut = step
         writer.write(step, row)
         log(metrics.progress_line(step, c.steps, row))
         last_row = {"step": step, **row}
@@ -390,7 +390,7 @@ def train(config, workdir: str) -> dict:
                 stopping = stop.requested()
                 if step % c.checkpoint_every == 0 or done or stopping:
                     watch.check(last_saved)  # never save a state that went through a non-finite step
-                    meta = {**s.meta(), "skipped_steps": watch.skipped, "eval_pending": step in eval_cut}
+                    meta = {**s.meta(), "skipped_steps": watch.skipped, "eval_pending": step == eval_cut}
                     checkpoint.save(mngr, step, state, batches.get_state(), meta)
                     last_saved = step
                 if stopping:
