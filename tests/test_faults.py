@@ -341,21 +341,29 @@ def _peer_answers(monkeypatch, *answers):
     monkeypatch.setattr(checkpoint.distributed, "every_process", every_process)
 
 
-def test_a_checkpoint_damaged_on_another_process_is_skipped_by_every_process(
-    trained, tmp_path, monkeypatch, capsys
+@pytest.mark.parametrize(
+    "answers, why",
+    [
+        # A shard only process 1 reads: process 0, which read step 4, goes back to step 2 as well.
+        (
+            (None, [checkpoint._DAMAGED], None),
+            "partial or corrupted (process 1 of this job could not read its part: see its warning)",
+        ),
+        # Step 4's metadata: tried by no process, and moved aside before this run saves its own step 4.
+        (([2], None), "its metadata does not read on process 1 of this job"),
+    ],
+    ids=["arrays", "metadata"],
+)
+def test_a_checkpoint_another_process_cannot_read_is_skipped_by_every_process(
+    trained, tmp_path, monkeypatch, capsys, answers, why
 ):
-    """Process 1 could not read its part of step 4 (a shard only it reads): process 0, which read
-    it, goes back to step 2 as well, and moves step 4 aside."""
     workdir = tmp_path / "run"
     shutil.copytree(trained, workdir)
-    _peer_answers(monkeypatch, None, [checkpoint._DAMAGED], None)  # the steps, then two reads
+    _peer_answers(monkeypatch, *answers)  # the steps listed, then each read's outcome
     capsys.readouterr()
     trainer.train(small_config(steps=5, log_every=1, eval_every=100), str(workdir))
     out = capsys.readouterr().out
-    assert (
-        f"warning: skipping checkpoint {workdir / 'checkpoints' / '4'}: partial or corrupted "
-        "(process 1 of this job could not read its part: see its warning)\n"
-    ) in out
+    assert f"warning: skipping checkpoint {workdir / 'checkpoints' / '4'}: {why}\n" in out
     assert "resumed from step 2" in out
     assert [p.name[:2] for p in (workdir / "corrupt_checkpoints").iterdir()] == ["4-"]
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4", "5"]
@@ -384,24 +392,6 @@ def test_damage_here_and_a_failure_elsewhere_stop_every_process(trained, tmp_pat
     with pytest.raises(UserError, match=r"/4 does not read on process 1 of this job"):
         trainer.train(small_config(steps=6), str(workdir))
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
-
-
-def test_only_the_steps_every_process_can_read_are_tried(trained, tmp_path, monkeypatch, capsys):
-    """Process 1 could not read step 4's metadata: both go on from step 2, and step 4 moves aside
-    before this run saves its own step 4 there."""
-    workdir = tmp_path / "run"
-    shutil.copytree(trained, workdir)
-    _peer_answers(monkeypatch, [2], None)
-    capsys.readouterr()
-    trainer.train(small_config(steps=5, log_every=1, eval_every=100), str(workdir))
-    out = capsys.readouterr().out
-    assert (
-        f"warning: skipping checkpoint {workdir / 'checkpoints' / '4'}: its metadata does not read on "
-        "process 1 of this job\n"
-    ) in out
-    assert "resumed from step 2" in out
-    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4", "5"]
-    assert [p.name[:2] for p in (workdir / "corrupt_checkpoints").iterdir()] == ["4-"]
 
 
 def test_no_step_every_process_can_read_is_an_error_that_moves_nothing(trained, tmp_path, monkeypatch):
