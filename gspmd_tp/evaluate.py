@@ -128,10 +128,7 @@ def _report(r: dict, workdir: str) -> str:
 def main(argv=None) -> int:
     """python -m gspmd_tp.evaluate --workdir=DIR [--eval_batches=N] [--json] [--plot=PNG]."""
     parser = ArgumentParser(prog="python -m gspmd_tp.evaluate", description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", required=True, help="a run directory (train.py --workdir)")
-    parser.add_argument(
-        "--step", type=int, default=None, help="checkpoint step (default: the newest that reads)"
-    )
+    restore.add_run_arguments(parser)
     parser.add_argument("--eval_batches", type=int, default=None, help="default: the run's config")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default=None, help="write the loss curves of metrics.jsonl to this PNG")

@@ -264,10 +264,7 @@ def sample_tokens(
 def main(argv=None) -> int:
     """python -m gspmd_tp.generate --workdir=DIR --prompt=TEXT [...]; prints each prompt continued."""
     parser = ArgumentParser(prog="python -m gspmd_tp.generate", description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", required=True, help="a run directory (train.py --workdir)")
-    parser.add_argument(
-        "--step", type=int, default=None, help="checkpoint step (default: the newest that reads)"
-    )
+    restore.add_run_arguments(parser)
     parser.add_argument("--prompt", default=None, help="text to continue")
     parser.add_argument("--prompts_file", default=None, help="one prompt per line, sampled as one batch")
     parser.add_argument(

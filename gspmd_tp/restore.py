@@ -113,6 +113,14 @@ def saved_config(
     return step, meta, apply_overrides(config, overrides)
 
 
+def add_run_arguments(parser) -> None:
+    """--workdir and --step, as every reader of a trained run takes them."""
+    parser.add_argument("--workdir", required=True, help="a run directory (train.py --workdir)")
+    parser.add_argument(
+        "--step", type=int, default=None, help="checkpoint step (default: the newest that reads)"
+    )
+
+
 def _rule_file_found(name_or_path: str) -> bool:
     from gspmd_tp.rules import resolve_path
 
