@@ -63,6 +63,19 @@ def default_config() -> dict:
     return module.get_config().to_dict()
 
 
+def laid_over(defaults: dict, saved: dict) -> dict:
+    """`saved`, with the keys it lacks (at any depth) taken from `defaults` and the keys `defaults`
+    lacks (ones a newer version no longer reads) left out."""
+    merged = dict(defaults)
+    for key, value in saved.items():
+        if key not in defaults:
+            continue
+        if isinstance(value, dict) and isinstance(defaults.get(key), dict):
+            value = laid_over(defaults[key], value)
+        merged[key] = value
+    return merged
+
+
 def check_keys(config, skip: tuple[str, ...] = ("model",)) -> None:
     """Raises UserError naming the first key `config` has and the default config lacks, or the
     reverse; the sections in `skip` are checked elsewhere (config.model by trainer.model_config)."""

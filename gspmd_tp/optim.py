@@ -6,6 +6,7 @@ import jax
 import ml_collections
 import optax
 
+from gspmd_tp.config_keys import laid_over
 from gspmd_tp.errors import UserError
 
 
@@ -71,8 +72,7 @@ def note_schedule_change(saved_config: dict, config, step: int, count: int, log)
     was trained on (a new config.steps stretches the cosine decay): what changed and the learning
     rate of the next step (the optimizer's update `count`), before and now."""
     now = config.to_dict()
-    saved_optim = {**now["optim"], **saved_config.get("optim", {})}  # keys added later: today's defaults
-    saved = {**now, **saved_config, "optim": saved_optim}
+    saved = laid_over(now, saved_config)  # keys added since: as now
     changed = []
     for key in SCHEDULE_KEYS:
         before, after = (_get(d, key) for d in (saved, now))
@@ -80,7 +80,7 @@ def note_schedule_change(saved_config: dict, config, step: int, count: int, log)
             changed.append(f"config.{key} {before} -> {after}")
     if not changed:
         return
-    old = make_schedule(ml_collections.ConfigDict(saved_optim), saved["steps"])
+    old = make_schedule(ml_collections.ConfigDict(saved["optim"]), saved["steps"])
     new = make_schedule(config.optim, config.steps)
     log(
         f"note: the learning-rate schedule differs from the one step {step} was trained on "

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ml_collections import ConfigDict
 
-from gspmd_tp.config_keys import default_config, ours
+from gspmd_tp.config_keys import default_config, laid_over, ours
 from gspmd_tp.errors import UserError, warn
 
 if TYPE_CHECKING:
@@ -25,19 +25,6 @@ if TYPE_CHECKING:
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 DEFAULT_DEVICES = 8  # what train.py simulates by default (configs/tiny.py host_device_count)
-
-
-def _laid_over(defaults: dict, saved: dict) -> dict:
-    """`saved`, with the keys it lacks (at any depth) taken from `defaults` and the keys `defaults`
-    lacks (ones a newer version no longer reads) left out."""
-    merged = dict(defaults)
-    for key, value in saved.items():
-        if key not in defaults:
-            continue
-        if isinstance(value, dict) and isinstance(defaults.get(key), dict):
-            value = _laid_over(defaults[key], value)
-        merged[key] = value
-    return merged
 
 
 def split_overrides(args: list[str]) -> dict[str, str]:
@@ -107,7 +94,7 @@ def saved_config(
         step, meta = found[0]
     else:
         step, meta = files.read_newest(files.checkpoint_dir(workdir), step, files.read_step_meta)
-    config = ConfigDict(_laid_over(default_config(), meta["config"]))
+    config = ConfigDict(laid_over(default_config(), meta["config"]))
     config.model = ConfigDict(checkpoint.saved_model(meta["model"]))  # what its parameters are
     config.init_from = ""
     return step, meta, apply_overrides(config, overrides)
