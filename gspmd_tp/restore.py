@@ -201,16 +201,14 @@ def restore_newest_params(workdir: str, step: int, s: trainer.Setup):
     from gspmd_tp import checkpoint
     from gspmd_tp import checkpoint_files as files
 
-    metas = dict(files.readable_checkpoints(workdir, warn=lambda _: None))  # saved_config warned
-
     def read(path: str):
         candidate = int(os.path.basename(path))
         if candidate != step:  # `step` was checked by load_setup
-            checkpoint.check_model_matches(metas[candidate]["model"], s.model_cfg, workdir)
+            checkpoint.check_model_matches(files.read_step_meta(path)["model"], s.model_cfg, workdir)
         return _read_params(workdir, candidate, s)
 
     ckpt_dir = files.checkpoint_dir(workdir)
-    older = [n for n in metas if n < step]
+    older = [n for n in files.steps_on_disk(ckpt_dir) if n < step]
     hit = files.first_that_reads(ckpt_dir, [step, *older], read, warn=warn)
     if hit is None:
         raise UserError(f"{ckpt_dir}: no checkpoint restores (see the warnings above)")
