@@ -217,7 +217,6 @@ def restore_newest(mngr: ocp.CheckpointManager, found: list[tuple[int, dict]], a
     def set_aside(step: int) -> None:
         move_aside(ckpt_dir, step, warn)
         moved.append(step)
-        distributed.barrier()  # moved (by process 0) before any process lists the steps again
         mngr.reload()
 
     def read(path: str):

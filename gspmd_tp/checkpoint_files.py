@@ -173,25 +173,26 @@ def readable_checkpoints(workdir: str, warn=print) -> list[tuple[int, dict]]:
 
 def move_aside(ckpt_dir: str, step: int, warn=print) -> None:
     """Moves a damaged step out of the way (to workdir/corrupt_checkpoints/) rather than deleting it:
-    a later save of that step does not collide with it, and it stays for inspection. Process 0 moves."""
+    a later save of that step does not collide with it, and it stays for inspection. Process 0 moves;
+    every process returns once it has, so none lists the steps before the move."""
     import jax  # here only: listing and reading steps must not start jax
 
-    if jax.process_index() != 0:
-        return
-    aside = os.path.join(os.path.dirname(ckpt_dir), CORRUPT_DIR, f"{step}-{int(time.time())}")
-    os.makedirs(os.path.dirname(aside), exist_ok=True)
-    shutil.move(os.path.join(ckpt_dir, str(step)), aside)
-    warn(f"warning: moved {os.path.join(ckpt_dir, str(step))} to {aside}")
+    from gspmd_tp import distributed
+
+    if jax.process_index() == 0:
+        aside = os.path.join(os.path.dirname(ckpt_dir), CORRUPT_DIR, f"{step}-{int(time.time())}")
+        os.makedirs(os.path.dirname(aside), exist_ok=True)
+        shutil.move(os.path.join(ckpt_dir, str(step)), aside)
+        warn(f"warning: moved {os.path.join(ckpt_dir, str(step))} to {aside}")
+    distributed.barrier()
 
 
-def move_aside_unreadable(workdir: str, readable: list[int], warn=print) -> list[int]:
-    """Moves step directories whose metadata did not read (not in `readable`) out of the way;
-    returns their steps (on every process: process 0 is the one that moves them)."""
+def move_aside_unreadable(workdir: str, readable: list[int], warn=print) -> None:
+    """Moves step directories whose metadata did not read (not in `readable`) out of the way."""
     ckpt_dir = checkpoint_dir(workdir)
-    unreadable = [step for step in steps_on_disk(ckpt_dir) if step not in readable]
-    for step in unreadable:
-        move_aside(ckpt_dir, step, warn)
-    return unreadable
+    for step in steps_on_disk(ckpt_dir):
+        if step not in readable:
+            move_aside(ckpt_dir, step, warn)
 
 
 def read_newest(ckpt_dir: str, step: int | None, read, warn=print):

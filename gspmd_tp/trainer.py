@@ -294,8 +294,7 @@ def train(config, workdir: str) -> dict:
     check_memory(train_step.memory_analysis(), s.mesh)
 
     # The first write: unreadable newest steps move aside so that saving those steps again works.
-    if checkpoint_files.move_aside_unreadable(workdir, [step for step, _ in found], warn=log):
-        distributed.barrier()  # process 0 moved them before any process's manager lists the steps
+    checkpoint_files.move_aside_unreadable(workdir, [step for step, _ in found], warn=log)
     mngr = checkpoint.manager(workdir, c.keep_checkpoints)
     state, data_state, start = _initial_state(s, workdir, found, mngr, imported)
     if data_state is not None:
