@@ -45,6 +45,10 @@ def main(argv):
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _stop_outside_the_loop)
         train(config, _WORKDIR.value)
+        # What is left is the exit, which in a multi-process job waits at jax.distributed's
+        # shutdown barrier for the slowest peer.
+        global _OUTSIDE_THE_LOOP
+        _OUTSIDE_THE_LOOP = "after the run ended; its checkpoints are written"
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
@@ -74,6 +78,10 @@ def main(argv):
         os._exit(1)
 
 
+# What a stop outside the training loop means, said in the one line it prints.
+_OUTSIDE_THE_LOOP = "before training began; no checkpoint was written"
+
+
 def _stop_outside_the_loop(signum, frame):
     # Exits from the handler itself: an exception raised here is lost where the handler runs inside
     # a garbage-collection callback, and the process would go on into a collective its peers,
@@ -82,10 +90,10 @@ def _stop_outside_the_loop(signum, frame):
 
 
 def _stopped(sig: signal.Signals):
-    """Outside the training loop (whose signals save and stop): compiling or restoring. One line,
+    """Outside the training run (whose signals save and stop): compiling, restoring, exiting. One line,
     and out at once: a normal exit while XLA's compiler threads still run can end in a segfault."""
     name = "Ctrl-C" if sig == signal.SIGINT else sig.name
-    print(f"stopped by {name} before training began; no checkpoint was written", file=sys.stderr, flush=True)
+    print(f"stopped by {name} {_OUTSIDE_THE_LOOP}", file=sys.stderr, flush=True)
     os._exit(128 + sig)
 
 

@@ -40,6 +40,7 @@ from gspmd_tp.checkpoint_files import (
     move_aside,
     read_newest,
     read_step_meta,
+    readable_checkpoints,
     short_error,
     steps_on_disk,
 )
@@ -150,16 +151,30 @@ def _dropping(hook, orphan):
     return dropping
 
 
-def agreed_checkpoints(workdir: str, found: list[tuple[int, dict]], warn=print) -> list[tuple[int, dict]]:
-    """`found` (readable_checkpoints) less the steps whose metadata some other process of the job
-    could not read, each named through `warn`: every process then tries the same steps.
+def agreed_checkpoints(workdir: str, warn=print) -> list[tuple[int, dict]]:
+    """checkpoint_files.readable_checkpoints on every process of the job, less the steps whose
+    metadata some other process could not read, each named through `warn`: every process then
+    tries the same steps.
 
-    Raises UserError, on every process, where that leaves no step though some process found one:
-    starting afresh would throw the run away. A one-process job gets `found` back.
+    Raises UserError on every process where that leaves no step though some process found one
+    (starting afresh would throw the run away), and where some process cannot use the checkpoint
+    directory at all: that one says why, the others name it. A one-process job lists its own.
     """
-    lists = distributed.every_process([step for step, _ in found])
-    everywhere = set(lists[0]).intersection(*lists[1:])
+    try:
+        found, mine = readable_checkpoints(workdir, warn=warn), None
+    except UserError as e:
+        found, mine = [], e
+    lists = distributed.every_process([_UNUSABLE] if mine else [step for step, _ in found])
+    if mine:
+        raise mine
     ckpt_dir = checkpoint_dir(workdir)
+    unusable = [i for i, steps in enumerate(lists) if steps == [_UNUSABLE]]
+    if unusable:
+        raise UserError(
+            f"{ckpt_dir} cannot be resumed from on process {unusable[0]} of this job (its error says "
+            "why); nothing was moved"
+        )
+    everywhere = set(lists[0]).intersection(*lists[1:])
     for step in sorted(set().union(*lists) - everywhere, reverse=True):
         elsewhere = [i for i, steps in enumerate(lists) if step not in steps]
         warn(
@@ -172,6 +187,9 @@ def agreed_checkpoints(workdir: str, found: list[tuple[int, dict]], warn=print) 
             "above); nothing was moved: repair the files or the hosts' view of them and run again"
         )
     return [(step, meta) for step, meta in found if step in everywhere]
+
+
+_UNUSABLE = -1  # shared in place of a process's steps where it cannot use the checkpoint directory
 
 
 _READ, _DAMAGED, _FAILED = 0, 1, 2  # how a process's read of a step went, worst last

@@ -34,6 +34,7 @@ class StopSignal:
         self._wakeup: tuple[int, int] | None = None  # a pipe that counts deliveries
         self._shared = None  # multi-process: every process's signal as of the last check, on device
         self._agreed = False
+        self._finishing = False  # the loop is over; the run waits for its last save
 
     def __enter__(self) -> StopSignal:
         # signal.signal only works on the main thread; elsewhere (a library caller's worker thread)
@@ -85,10 +86,21 @@ class StopSignal:
             print(f"received {name} again: exiting at once without saving", file=sys.stderr, flush=True)
             os._exit(128 + signum)
         self._signum, self.stopped_by = signum, name
+        if self._finishing:
+            self._log(
+                f"received {name} while the run finishes: it exits once its last checkpoint is written "
+                "(send again to exit at once)"
+            )
+            return
         self._log(
             f"received {name}: saving a checkpoint at the next step boundary, then stopping "
             "(send again to exit at once)"
         )
+
+    def finishing(self) -> None:
+        """The loop is over: from now on a first signal only says that the run ends once its last
+        checkpoint is written, which it is waiting for anyway; a second still exits at once."""
+        self._finishing = True
 
     def requested(self) -> bool:
         """True once a stop signal arrived (on any process, when there are several).

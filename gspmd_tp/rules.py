@@ -56,6 +56,13 @@ def axes_of(spec_entry) -> tuple[str, ...]:
     return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
 
 
+def mesh_ways(mesh_shape: Mapping[str, int], spec_entry) -> tuple[int, str]:
+    """How many ways one PartitionSpec entry splits a dimension on a mesh, and its axes as
+    "dp=4, mp=2" for messages."""
+    names = axes_of(spec_entry)
+    return math.prod(mesh_shape[a] for a in names), ", ".join(f"{a}={mesh_shape[a]}" for a in names)
+
+
 def short_names(names_or_paths: Iterable[str]) -> dict[str, str]:
     """A short label for each rule file as given (a name or a path): its file name without
     .yaml, with _2, _3, ... where two rule files share one (for file and directory names)."""
@@ -222,12 +229,8 @@ def check_divisible(
     for path, (shape, logical) in tensors.items():
         spec = rules.spec(logical)
         for dim, (size, axes) in enumerate(zip(shape, spec, strict=False)):
-            if axes is None:
-                continue
-            axes = (axes,) if isinstance(axes, str) else tuple(axes)
-            ways = math.prod(mesh_shape[a] for a in axes)
+            ways, sizes = mesh_ways(mesh_shape, axes)
             if size % ways:
-                sizes = ", ".join(f"{a}={mesh_shape[a]}" for a in axes)
                 raise IndivisibleError(
                     f"{rules.source}: {path} shape {tuple(shape)} dimension {dim} "
                     f"({logical[dim]}={size}) is not divisible by mesh axes {sizes}"

@@ -5,7 +5,6 @@ AdamW with the state donated.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import flax.linen as nn
@@ -18,7 +17,7 @@ from gspmd_tp import axes
 from gspmd_tp import loss as loss_lib
 from gspmd_tp import state as state_lib
 from gspmd_tp.model import Transformer
-from gspmd_tp.rules import axes_of
+from gspmd_tp.rules import axes_of, mesh_ways
 
 if TYPE_CHECKING:  # trainer builds the Setup and calls this module
     from gspmd_tp.trainer import Setup
@@ -79,7 +78,7 @@ def sums_per_batch_shard(batch_axes: tuple, param_shardings, micro_batch: int) -
     over `batch_axes` once per step: no parameter is sharded over those axes, and a microbatch of
     `micro_batch` rows splits evenly over them."""
     mesh = jax.tree.leaves(param_shardings)[0].mesh
-    shards = math.prod(mesh.shape[a] for a in batch_axes)
+    shards, _ = mesh_ways(mesh.shape, batch_axes)
     sharded = {a for sh in jax.tree.leaves(param_shardings) for e in sh.spec for a in axes_of(e)}
     return shards > 1 and micro_batch % shards == 0 and not sharded & set(batch_axes)
 

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 
@@ -21,7 +20,7 @@ from gspmd_tp.errors import UserError, warn
 from gspmd_tp.mesh import make_mesh, mesh_string
 from gspmd_tp.model import ModelConfig, flops_per_token, param_count
 from gspmd_tp.projection import explicit_projection_grad
-from gspmd_tp.rules import Rules, axes_of, load_rules
+from gspmd_tp.rules import Rules, load_rules, mesh_ways
 
 
 def log(message: str) -> None:
@@ -136,10 +135,8 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     explicit = explicit_projection_grad(model_cfg.projection_grad, platform)
     model_cfg = dataclasses.replace(model_cfg, projection_grad="explicit" if explicit else "xla")
     micro_batch = config.batch_size // config.grad_accum
-    batch_axes = axes_of(rules.spec((axes.BATCH,))[0])
-    ways = math.prod(mesh.shape[a] for a in batch_axes)
+    ways, sizes = mesh_ways(mesh.shape, rules.spec((axes.BATCH,))[0])
     if config.grad_accum > 1 and micro_batch % ways:
-        sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in batch_axes)
         raise UserError(
             f"config.batch_size={config.batch_size} / config.grad_accum={config.grad_accum} = {micro_batch} "
             f"rows per microbatch is not divisible by the batch's mesh axes {sizes} ({rules.source})"
@@ -252,8 +249,7 @@ def train(config, workdir: str) -> dict:
     c.data.train_files = data.absolute_patterns(c.data.train_files)
     c.data.eval_files = data.absolute_patterns(c.data.eval_files)
     # Read-only look at the workdir: a different model or another run is an error before any write.
-    found = checkpoint_files.readable_checkpoints(workdir, warn=log)
-    found = checkpoint.agreed_checkpoints(workdir, found, warn=log)  # the same steps on every process
+    found = checkpoint.agreed_checkpoints(workdir, warn=log)  # the same steps on every process
     for step, meta in found:
         checkpoint.check_model_matches(meta["model"], s.model_cfg, workdir)
         if step > 0:  # step 0 (convert from-hf) has read no data: any data and seeds may follow it
@@ -364,63 +360,66 @@ def train(config, workdir: str) -> dict:
 
     pending = None  # a logged step whose stats are read once the next step is dispatched
     finish_saves = True
-    try:
-        with state_lib.sharding_context(s.mesh, s.rules), faults.StopSignal(log) as stop:
-            # Read ahead only once a stop signal is handled: one that comes while a batch is being
-            # read must save and stop, not kill the run.
-            place = lambda b: data.global_batch(b, s.batch_sharding, c.batch_size)  # noqa: E731
-            batches = data.Prefetcher(data_iter, place, depth)
-            for step in range(start + 1, c.steps + 1):
-                t = time.perf_counter()
-                batch = next(batches)
-                window["data_wait"].append(time.perf_counter() - t)
-                state, stats = train_step(state, batch)
-                watch.add(step, stats)
-                if pending is not None:  # the device is busy with this step meanwhile
-                    report(*pending)
-                    pending = None
-                done = step == c.steps
-                evaluating = step % c.eval_every == 0 or done
-                if step % c.log_every == 0 or evaluating or step == start + 1:
-                    if evaluating:  # evaluates this step's parameters: now
-                        report(step, stats, len(window["data_wait"]), eval_params=state.params)
-                    else:
-                        pending = (step, stats, len(window["data_wait"]))
-                stopping = stop.requested()
-                if step % c.checkpoint_every == 0 or done or stopping:
-                    watch.check(last_saved)  # never save a state that went through a non-finite step
-                    meta = {**s.meta(), "skipped_steps": watch.skipped, "eval_pending": step == eval_cut}
-                    checkpoint.save(mngr, step, state, batches.get_state(), meta)
-                    last_saved = step
-                if stopping:
-                    if pending is not None:
+    # Entered until the run returns: a signal while the last save finishes waits for it too.
+    with faults.StopSignal(log) as stop:
+        try:
+            with state_lib.sharding_context(s.mesh, s.rules):
+                # Read ahead only once a stop signal is handled: one that comes while a batch is being
+                # read must save and stop, not kill the run.
+                place = lambda b: data.global_batch(b, s.batch_sharding, c.batch_size)  # noqa: E731
+                batches = data.Prefetcher(data_iter, place, depth)
+                for step in range(start + 1, c.steps + 1):
+                    t = time.perf_counter()
+                    batch = next(batches)
+                    window["data_wait"].append(time.perf_counter() - t)
+                    state, stats = train_step(state, batch)
+                    watch.add(step, stats)
+                    if pending is not None:  # the device is busy with this step meanwhile
                         report(*pending)
                         pending = None
-                    mngr.wait_until_finished()  # synchronous: the process may be killed soon after
-                    log(
-                        f"stopped by {stop.stopped_by} after step {step}: checkpoint saved; "
-                        "run again to resume"
-                    )
-                    last_row = {**last_row, "step": step, "stopped": True}
-                    break
-            if pending is not None:
-                report(*pending)
-    except Exception as e:
-        # A failed step of a multi-process job: a peer is almost surely gone, and a save in flight
-        # would wait for it in its own collectives until the coordination service aborts. The
-        # caller exits instead; the next start removes the unfinished save.
-        finish_saves = jax.process_count() == 1 or isinstance(e, UserError)
-        raise
-    finally:
-        if batches is not None:
-            batches.close()
-        # Also on an error: let a save in flight finish, so the newest checkpoint on disk is complete.
-        if finish_saves:
-            mngr.wait_until_finished()
-            mngr.close()
-        writer.close()
-    log(
-        f"done: metrics in {os.path.join(workdir, metrics.JSONL)}, TensorBoard events in "
-        f"{os.path.join(workdir, metrics.TENSORBOARD)}, checkpoints in {checkpoint_dir}"
-    )
+                    done = step == c.steps
+                    evaluating = step % c.eval_every == 0 or done
+                    if step % c.log_every == 0 or evaluating or step == start + 1:
+                        if evaluating:  # evaluates this step's parameters: now
+                            report(step, stats, len(window["data_wait"]), eval_params=state.params)
+                        else:
+                            pending = (step, stats, len(window["data_wait"]))
+                    stopping = stop.requested()
+                    if step % c.checkpoint_every == 0 or done or stopping:
+                        watch.check(last_saved)  # never save a state that went through a non-finite step
+                        meta = {**s.meta(), "skipped_steps": watch.skipped, "eval_pending": step == eval_cut}
+                        checkpoint.save(mngr, step, state, batches.get_state(), meta)
+                        last_saved = step
+                    if stopping:
+                        if pending is not None:
+                            report(*pending)
+                            pending = None
+                        mngr.wait_until_finished()  # synchronous: the process may be killed soon after
+                        log(
+                            f"stopped by {stop.stopped_by} after step {step}: checkpoint saved; "
+                            "run again to resume"
+                        )
+                        last_row = {**last_row, "step": step, "stopped": True}
+                        break
+                if pending is not None:
+                    report(*pending)
+        except Exception as e:
+            # A failed step of a multi-process job: a peer is almost surely gone, and a save in flight
+            # would wait for it in its own collectives until the coordination service aborts. The
+            # caller exits instead; the next start removes the unfinished save.
+            finish_saves = jax.process_count() == 1 or isinstance(e, UserError)
+            raise
+        finally:
+            stop.finishing()  # a first signal from here on waits for the save in flight
+            if batches is not None:
+                batches.close()
+            # Also on an error: let a save in flight finish, so the newest checkpoint on disk is complete.
+            if finish_saves:
+                mngr.wait_until_finished()
+                mngr.close()
+            writer.close()
+        log(
+            f"done: metrics in {os.path.join(workdir, metrics.JSONL)}, TensorBoard events in "
+            f"{os.path.join(workdir, metrics.TENSORBOARD)}, checkpoints in {checkpoint_dir}"
+        )
     return last_row

@@ -72,6 +72,22 @@ def test_stop_signal_saves_at_the_step_boundary_and_exits_0(tmp_path):
     assert (tmp_path / "checkpoints" / step / "state" / "_METADATA").is_file()
 
 
+def test_a_signal_while_the_last_checkpoint_is_written_waits_for_it(tmp_path, monkeypatch, capsys):
+    original = faults.StopSignal.finishing
+
+    def signalled(stop):  # SIGTERM once the loop is over, the last step's save in flight
+        original(stop)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(faults.StopSignal, "finishing", signalled)
+    last = trainer.train(small_config(steps=4, checkpoint_every=100), str(tmp_path))
+    out = capsys.readouterr().out
+    assert "received SIGTERM while the run finishes: it exits once its last checkpoint is written" in out
+    assert last["step"] == 4 and "stopped" not in last and "done: metrics in" in out
+    assert os.listdir(tmp_path / "checkpoints") == ["4"]
+    assert (tmp_path / "checkpoints" / "4" / "state" / "_METADATA").is_file()
+
+
 def test_second_signal_exits_at_once(tmp_path):
     proc = start(tmp_path, *RUN_FOREVER, "--config.checkpoint_every=100000")
     wait_for(proc, r"step +2/")
@@ -402,6 +418,45 @@ def test_no_step_every_process_can_read_is_an_error_that_moves_nothing(trained, 
     with pytest.raises(UserError, match=r"no checkpoint's metadata reads on every process of this job"):
         trainer.train(small_config(steps=6), str(workdir))
     assert _tree(workdir) == before
+
+
+def test_a_checkpoint_directory_another_process_cannot_use_stops_every_process(
+    trained, tmp_path, monkeypatch
+):
+    """Process 1 stops with its own one line (here: no complete checkpoint in its view of the files);
+    process 0, whose steps read, names process 1 instead of waiting for it in the next collective."""
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    before = _tree(workdir)
+    _peer_answers(monkeypatch, [checkpoint._UNUSABLE])
+    with pytest.raises(UserError) as e:
+        trainer.train(small_config(steps=6), str(workdir))
+    assert str(e.value) == (
+        f"{workdir / 'checkpoints'} cannot be resumed from on process 1 of this job (its error says why); "
+        "nothing was moved"
+    )
+    assert _tree(workdir) == before
+
+
+def test_a_process_that_cannot_use_the_checkpoint_directory_shares_that_before_it_stops(
+    trained, tmp_path, monkeypatch
+):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    for step in ("2", "4"):
+        _remove_metadata(workdir / "checkpoints" / step)
+    shared = []
+
+    def every_process(values):  # process 0 of 2, whose peer reads steps 2 and 4
+        shared.append(list(values))
+        return [list(values), [4, 2]]
+
+    monkeypatch.setattr(checkpoint.distributed, "every_process", every_process)
+    with pytest.raises(
+        UserError, match=r"holds no complete checkpoint \(steps 4, 2 are partial or corrupted"
+    ):
+        trainer.train(small_config(steps=6), str(workdir))
+    assert shared == [[checkpoint._UNUSABLE]]
 
 
 def test_no_checkpoint_that_restores_never_starts_the_run_afresh(trained, tmp_path):
