@@ -151,6 +151,9 @@ def _dropping(hook, orphan):
     return dropping
 
 
+_UNUSABLE = -1  # shared in place of a process's steps where it cannot use the checkpoint directory
+
+
 def agreed_checkpoints(workdir: str, warn=print) -> list[tuple[int, dict]]:
     """checkpoint_files.readable_checkpoints on every process of the job, less the steps whose
     metadata some other process could not read, each named through `warn`: every process then
@@ -187,9 +190,6 @@ def agreed_checkpoints(workdir: str, warn=print) -> list[tuple[int, dict]]:
             "above); nothing was moved: repair the files or the hosts' view of them and run again"
         )
     return [(step, meta) for step, meta in found if step in everywhere]
-
-
-_UNUSABLE = -1  # shared in place of a process's steps where it cannot use the checkpoint directory
 
 
 _READ, _DAMAGED, _FAILED = 0, 1, 2  # how a process's read of a step went, worst last

@@ -34,6 +34,7 @@ if __name__ == "__main__":  # simulated devices must be requested before jax is 
         # Compile for a TPU that is not attached: libtpu must not try to open one.
         _os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import contextlib
 import copy
 import json
 import os
@@ -65,7 +66,8 @@ def plan(
     if s is None:
         s = trainer.setup(config, tpu.target_devices(target, slices) if target else None)
     rows = analysis.leaf_table(s)
-    compiled = step_lib.compile_train_step(s)
+    with tpu.no_cache_writes() if target else contextlib.nullcontext():
+        compiled = step_lib.compile_train_step(s)
     text = compiled.as_text()
     mesh = mesh_string(s.mesh)  # resolved: dp=-1 shows as the size it stands for
     label = label or short_names([s.rules.source])[s.rules.source]

@@ -3,6 +3,7 @@ HBM, peak FLOP/s and interconnect bandwidth, and the fit and step-time estimate 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -31,6 +32,11 @@ def target_devices(target: str, slices: int = 1) -> list:
     # Nor workers to find: unset, libtpu asks a metadata server that is not there and prints an
     # INVALID_ARGUMENT error with a source trace that reads like a failure.
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # Nor a host to ask what it is: unset, libtpu prints a "could not determine TPU accelerator
+    # type" warning. The type named changes nothing in the compiled step.
+    accelerator = _accelerator_type(topology)
+    if accelerator:
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator)
     from jax.experimental import topologies
 
     try:
@@ -42,6 +48,32 @@ def target_devices(target: str, slices: int = 1) -> list:
             f"--target {target!r}: cannot describe this TPU topology ({first}); "
             f"is libtpu installed (pip install 'jax[tpu]==0.10.2')?"
         ) from None
+
+
+@contextlib.contextmanager
+def no_cache_writes():
+    """While entered, nothing goes to JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR):
+    it stores compile-only TPU executables but cannot load them, and warns on every later read."""
+    import jax
+
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
+def _accelerator_type(topology: str) -> str | None:
+    """Cloud TPU's name for a slice ("v5e:2x4" -> "v5litepod-8"; v4 and v5p count TensorCores,
+    two per chip); None for a generation or topology not known here."""
+    generation, _, shape = topology.partition(":")
+    try:
+        chips = math.prod(int(d) for d in shape.split("x"))
+    except ValueError:
+        return None
+    name = {"v4": ("v4", 2), "v5e": ("v5litepod", 1), "v5p": ("v5p", 2), "v6e": ("v6e", 1)}.get(generation)
+    return f"{name[0]}-{chips * name[1]}" if name else None
 
 
 def _chip(device_kind: str) -> dict | None:

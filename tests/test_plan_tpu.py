@@ -1,7 +1,15 @@
 """plan --target: the real TPU compiler, for a v5e (and a v4) slice that is not attached (needs libtpu)."""
 
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
 import pytest
 from conftest import small_config
+from test_train_cli import ROOT
 
 from gspmd_tp import plan, tpu
 from gspmd_tp.errors import UserError
@@ -71,3 +79,38 @@ def test_v4_devices_are_tensorcores_two_to_a_chip():
     p = plan.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"), target="tpu:v4:2x2x1")
     assert p["devices"] == 8 and p["tpu"]["device_kind"] == "TPU v4"
     assert p["tpu"]["devices_per_chip"] == 2 and p["tpu"]["hbm_per_device"] == 16 * 2**30
+
+
+def test_planning_for_a_slice_writes_nothing_to_the_compilation_cache():
+    """JAX would store the compile-only executable and warn on every later plan that it cannot load it."""
+    cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])  # tests/conftest.py sets one
+    before = set(cache.iterdir()) if cache.exists() else set()
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every compile would be stored
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan.plan(small_config(rules="fsdp", mesh="dp=4,mp=2"), target=TARGET)
+            plan.plan(small_config(rules="fsdp", mesh="dp=4,mp=2"), target=TARGET)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    assert (set(cache.iterdir()) if cache.exists() else set()) == before
+    assert not [w for w in caught if "compilation cache" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    "topology, name",
+    [("v5e:2x4", "v5litepod-8"), ("v4:2x2x2", "v4-16"), ("v5p:4x4x4", "v5p-128"), ("v6e:4x4", "v6e-16"),
+     ("v9:2x2", None)],
+)  # fmt: skip
+def test_the_slice_is_named_to_libtpu_as_cloud_tpu_names_it(topology, name):
+    assert tpu._accelerator_type(topology) == name
+
+
+def test_planning_for_a_slice_prints_no_libtpu_warning():
+    env = {k: v for k, v in os.environ.items() if k not in ("TPU_ACCELERATOR_TYPE", "XLA_FLAGS")}
+    out = subprocess.run(
+        [sys.executable, "-m", "gspmd_tp.plan", "--config=configs/tiny.py", f"--target={TARGET}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "WARNING" not in out.stderr and "could not determine" not in out.stdout + out.stderr
