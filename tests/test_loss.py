@@ -2,11 +2,12 @@
 
 import jax
 import numpy as np
+import optax
 import pytest
 from conftest import loss_and_grads, small_config
 
+from gspmd_tp import loss, trainer
 from gspmd_tp import step as step_lib
-from gspmd_tp import trainer
 from gspmd_tp.errors import UserError
 from gspmd_tp.rules import RULES_DIR
 
@@ -38,3 +39,18 @@ def test_chunking_cuts_step_memory_for_a_large_vocabulary():
 def test_loss_chunk_must_divide_the_sequence():
     with pytest.raises(UserError, match=r"config.loss_chunk=5 must be 0 or divide config.seq_len=32"):
         trainer.setup(small_config(loss_chunk=5))
+
+
+def test_the_loss_equals_optax_and_its_gradient_scatters_once():
+    """One scatter (into the target logits) in the gradient: optax's take(0) of the target logit
+    adds a second, of constants, which XLA folds into a literal of every token at compile time."""
+    logits = jax.random.normal(jax.random.key(0), (4, 16, 50)) * 3
+    targets = jax.random.randint(jax.random.key(1), (4, 16), 0, 50)
+    total, count = loss.cross_entropy_sums(logits, targets)
+    want = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    assert count == 64 and float(total) == pytest.approx(float(want.sum()), rel=1e-6)
+    grad = jax.jit(jax.grad(lambda x: loss.cross_entropy_sums(x, targets)[0]))
+    want_grad = jax.grad(lambda x: optax.softmax_cross_entropy_with_integer_labels(x, targets).sum())
+    np.testing.assert_allclose(grad(logits), want_grad(logits), rtol=1e-5, atol=1e-7)
+    lowered = grad.lower(logits).as_text()
+    assert sum('"stablehlo.scatter"' in line for line in lowered.splitlines()) == 1
