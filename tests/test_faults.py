@@ -385,17 +385,40 @@ def test_a_checkpoint_another_process_cannot_read_is_skipped_by_every_process(
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4", "5"]
 
 
-def test_a_read_failure_on_another_process_stops_every_process(trained, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "answers, message",
+    [
+        # Step 4's arrays fail to read on process 1 for a reason other than damage (permissions, say).
+        (
+            (None, [checkpoint._FAILED]),
+            "{ckpt}/4 does not read on process 1 of this job (its error says why); nothing was skipped or "
+            "moved: fix the cause and run again",
+        ),
+        # Process 1 reads no step's metadata.
+        (
+            ([],),
+            "{ckpt}: no checkpoint's metadata reads on every process of this job (see the warnings above); "
+            "nothing was moved: repair the files or the hosts' view of them and run again",
+        ),
+        # Process 1 stops with its own one line (no complete checkpoint in its view of the files); this
+        # process names it instead of waiting for it in the next collective.
+        (
+            ([checkpoint._UNUSABLE],),
+            "{ckpt} cannot be resumed from on process 1 of this job (its error says why); nothing was moved",
+        ),
+    ],
+    ids=["read-failure", "no-step-everywhere", "directory-unusable"],
+)
+def test_what_another_process_cannot_read_stops_every_process_and_moves_nothing(
+    trained, tmp_path, monkeypatch, answers, message
+):
     workdir = tmp_path / "run"
     shutil.copytree(trained, workdir)
     before = _tree(workdir)
-    _peer_answers(monkeypatch, None, [checkpoint._FAILED])
+    _peer_answers(monkeypatch, *answers)  # the steps listed, then each read's outcome
     with pytest.raises(UserError) as e:
         trainer.train(small_config(steps=6), str(workdir))
-    assert str(e.value) == (
-        f"{workdir / 'checkpoints' / '4'} does not read on process 1 of this job (its error says why); "
-        "nothing was skipped or moved: fix the cause and run again"
-    )
+    assert str(e.value) == message.format(ckpt=workdir / "checkpoints")
     assert _tree(workdir) == before
 
 
@@ -408,34 +431,6 @@ def test_damage_here_and_a_failure_elsewhere_stop_every_process(trained, tmp_pat
     with pytest.raises(UserError, match=r"/4 does not read on process 1 of this job"):
         trainer.train(small_config(steps=6), str(workdir))
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
-
-
-def test_no_step_every_process_can_read_is_an_error_that_moves_nothing(trained, tmp_path, monkeypatch):
-    workdir = tmp_path / "run"
-    shutil.copytree(trained, workdir)
-    before = _tree(workdir)
-    _peer_answers(monkeypatch, [])
-    with pytest.raises(UserError, match=r"no checkpoint's metadata reads on every process of this job"):
-        trainer.train(small_config(steps=6), str(workdir))
-    assert _tree(workdir) == before
-
-
-def test_a_checkpoint_directory_another_process_cannot_use_stops_every_process(
-    trained, tmp_path, monkeypatch
-):
-    """Process 1 stops with its own one line (here: no complete checkpoint in its view of the files);
-    process 0, whose steps read, names process 1 instead of waiting for it in the next collective."""
-    workdir = tmp_path / "run"
-    shutil.copytree(trained, workdir)
-    before = _tree(workdir)
-    _peer_answers(monkeypatch, [checkpoint._UNUSABLE])
-    with pytest.raises(UserError) as e:
-        trainer.train(small_config(steps=6), str(workdir))
-    assert str(e.value) == (
-        f"{workdir / 'checkpoints'} cannot be resumed from on process 1 of this job (its error says why); "
-        "nothing was moved"
-    )
-    assert _tree(workdir) == before
 
 
 def test_a_process_that_cannot_use_the_checkpoint_directory_shares_that_before_it_stops(
