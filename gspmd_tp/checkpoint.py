@@ -108,7 +108,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state):
     step_dir = mngr.directory / str(step)
     state_reader, data_reader = ocp.StandardCheckpointHandler(), ocp.JsonCheckpointHandler()
     try:
-        with _quiet_after_a_failed_read():
+        with quiet_after_a_failed_read():
             state = state_reader.restore(step_dir / STATE, args=ocp.args.StandardRestore(abstract_state))
             data_state = data_reader.restore(step_dir / DATA, args=ocp.args.JsonRestore())
     finally:
@@ -117,20 +117,40 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state):
     return state, data_state
 
 
+_read_failed = False  # a read failed in this process: what it left in flight may end at any later time
+
+
 @contextlib.contextmanager
-def _quiet_after_a_failed_read():
+def quiet_after_a_failed_read():
     """Where a read fails, the array reads still in flight end later, each printing a traceback:
     asyncio's "exception was never retrieved", their own error when the coroutine is collected, or
     "Event loop is closed" from orbax's finished loop. Those, and only those, go unprinted from the
-    read on where it fails, so that the one-line warning about the checkpoint is what the user sees."""
+    read on where it fails, so that the one-line warning about the checkpoint is what the user sees.
+    Once a read failed they stay unprinted for good: a later read's success says nothing about the
+    leftovers of the earlier one."""
+    global _read_failed
+    if _read_failed:
+        yield
+        return
     asyncio_log, hooks = std_logging.getLogger("asyncio"), (sys.unraisablehook, sys.excepthook)
     asyncio_log.addFilter(_not_never_retrieved)
-    orphan = "_read_array_index_and_device_put"
-    sys.unraisablehook = _dropping(hooks[0], lambda i: _closed_loop(i.exc_value) or orphan in repr(i.object))
+    sys.unraisablehook = _dropping(
+        hooks[0], lambda i: _closed_loop(i.exc_value) or _orbax_coroutine(i.object)
+    )
     sys.excepthook = _dropping(hooks[1], lambda *info: _closed_loop(info[1]))
-    yield  # an exception leaves the filters in place for the reads still in flight
+    try:
+        yield
+    except BaseException:
+        _read_failed = True  # the filters stay for the reads still in flight
+        raise
     asyncio_log.removeFilter(_not_never_retrieved)
     sys.unraisablehook, sys.excepthook = hooks
+
+
+def _orbax_coroutine(obj) -> bool:
+    """An orbax coroutine (a read of one array's part) collected unfinished."""
+    code = getattr(obj, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
 
 
 def _not_never_retrieved(record) -> bool:
@@ -368,12 +388,13 @@ def export_params(path: str, out: str, step: int | None = None) -> dict[str, tup
         read_step_meta(step_dir)  # a partial step is not exported
         params_md = _state_tree_metadata(step_dir)["params"]
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), params_md)
-        return ocp.PyTreeCheckpointer().restore(
-            os.path.join(step_dir, STATE),
-            args=ocp.args.PyTreeRestore(
-                item={"params": params_md}, restore_args={"params": restore_args}, partial_restore=True
-            ),
-        )["params"]
+        with quiet_after_a_failed_read():
+            return ocp.PyTreeCheckpointer().restore(
+                os.path.join(step_dir, STATE),
+                args=ocp.args.PyTreeRestore(
+                    item={"params": params_md}, restore_args={"params": restore_args}, partial_restore=True
+                ),
+            )["params"]
 
     _, params = read_newest(*_locate(path, step), read, warn=warn)
     flat = _flat(params)

@@ -162,17 +162,19 @@ def load_setup(
 def _read_params(workdir: str, step: int, s: trainer.Setup):
     import orbax.checkpoint as ocp
 
+    from gspmd_tp import checkpoint
     from gspmd_tp import checkpoint_files as files
 
     target = s.abstract_state.params
     path = os.path.join(files.checkpoint_dir(workdir), str(step), files.STATE)
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    restored = ocp.PyTreeCheckpointer().restore(
-        path,
-        args=ocp.args.PyTreeRestore(
-            item={"params": target}, restore_args={"params": restore_args}, partial_restore=True
-        ),
-    )
+    with checkpoint.quiet_after_a_failed_read():
+        restored = ocp.PyTreeCheckpointer().restore(
+            path,
+            args=ocp.args.PyTreeRestore(
+                item={"params": target}, restore_args={"params": restore_args}, partial_restore=True
+            ),
+        )
     return restored["params"]
 
 
