@@ -70,12 +70,12 @@ def loaded_config():
 
     with _config_mistakes_exit():
         config = flags.FLAGS.config
-        config.keys()  # a file that failed to load raises on first use
         if not isinstance(config, ConfigDict):
+            getattr(config, "keys", lambda: None)()  # stands in for a file that did not load: raises why
             path = _config_path(sys.argv, None)
             print(
-                f"error: --config={path}: get_config() returned a {type(config).__name__}, "
-                "not an ml_collections ConfigDict",
+                f"error: --config={path}: get_config() returned a value of type {type(config).__name__} "
+                f"({config!r:.40}), not an ml_collections ConfigDict",
                 file=sys.stderr,
             )
             sys.exit(1)
@@ -89,6 +89,25 @@ def _config_mistakes_exit(argv: list[str] | None = None, default: str | None = N
     except (OSError, KeyError, AttributeError, TypeError, SyntaxError) as e:
         print(f"error: {_config_mistake(sys.argv if argv is None else argv, e, default)}", file=sys.stderr)
         sys.exit(1)
+    except Exception as e:  # noqa: BLE001 - whatever else the config file's own code raised
+        path = _config_path(sys.argv if argv is None else argv, default)
+        print(
+            f"error: --config={path}: {type(e).__name__}: {_first_line(e)}{_where(e, path)}", file=sys.stderr
+        )
+        sys.exit(1)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def _where(e: BaseException, path: str) -> str:
+    """ " (line N)" of the config file's own line the exception came through, where it did."""
+    import traceback
+
+    target = os.path.abspath(path.split(":", 1)[0].split(" ", 1)[0])
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == target]
+    return f" (line {lines[-1]})" if lines else ""
 
 
 def _config_path(argv: list[str], default: str | None) -> str:

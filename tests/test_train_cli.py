@@ -142,7 +142,22 @@ def test_flag_mistakes_are_one_line(args, message):
     [
         ("def get_config(:\n    pass\n", "--config=CFG: invalid syntax (line 1) in CFG"),
         ("X = 1\n", "--config=CFG: the file defines no get_config()"),
-        ("def get_config():\n    return {'steps': 1}\n", "--config=CFG: get_config() returned a dict, not"),
+        (
+            "def get_config():\n    return {'steps': 1}\n",
+            "--config=CFG: get_config() returned a value of type dict ({'steps",
+        ),
+        (
+            "def get_config():\n    return 5\n",
+            "--config=CFG: get_config() returned a value of type int (5), not",
+        ),
+        (
+            "import no_such_module\n",
+            "--config=CFG: ModuleNotFoundError: No module named 'no_such_module' (line 1)",
+        ),
+        (
+            "def get_config():\n    raise RuntimeError('no data')\n",
+            "--config=CFG: RuntimeError: no data (line 2)",
+        ),
         (
             "from configs import tiny\ndef get_config():\n    c = tiny.get_config()\n"
             "    c.optim.learning_rate = 1e-4\n    return c\n",
@@ -159,7 +174,17 @@ def test_flag_mistakes_are_one_line(args, message):
             "config.loss_chunk is missing (configs/tiny.py sets 0)",
         ),
     ],
-    ids=["syntax", "no-get_config", "dict", "misspelt-key", "unknown-key", "missing-key"],
+    ids=[
+        "syntax",
+        "no-get_config",
+        "dict",
+        "int",
+        "import",
+        "raises",
+        "misspelt-key",
+        "unknown-key",
+        "missing-key",
+    ],
 )
 def test_a_config_file_that_is_wrong_is_one_line(tmp_path, body, message):
     cfg = tmp_path / "mine.py"
