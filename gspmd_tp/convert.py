@@ -65,7 +65,10 @@ def from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
     if checkpoint_files.steps_on_disk(ckpt_dir):
         raise UserError(f"{ckpt_dir} already holds checkpoints; use a new --workdir")
     config = ConfigDict(config.to_dict())
-    cfg = hf_layout.model_config_from_hf(hf, trainer.model_config(config))
+    try:
+        cfg = hf_layout.model_config_from_hf(hf, trainer.model_config(config))
+    except UserError as e:
+        raise UserError(f"--hf_dir={hf_dir}: {e}") from None
     config.model.update({k: getattr(cfg, k) for k in hf_layout.HF_MODEL_KEYS})
     try:
         s = trainer.setup(config)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from gspmd_tp import state as state_lib
+from gspmd_tp.checkpoint_files import short_error
 from gspmd_tp.errors import UserError
 from gspmd_tp.model import SIZES, ModelConfig
 
@@ -49,6 +50,16 @@ def read_hf_config(hf_dir: str, flag: str) -> dict:
     return hf
 
 
+# The sizes model_config_from_hf cannot do without.
+_REQUIRED_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+)
+
+
 def model_config_from_hf(hf: dict, base: ModelConfig) -> ModelConfig:
     """Our ModelConfig for a Hugging Face Llama config.json; UserError names an unsupported option."""
     if hf.get("model_type") != "llama":
@@ -65,6 +76,16 @@ def model_config_from_hf(hf: dict, base: ModelConfig) -> ModelConfig:
         kind = (options or {}).get("rope_type", (options or {}).get("type", "default"))
         if kind != "default":
             raise UserError(f"{name} with rope_type {kind!r} is not supported (only the default rotary)")
+    for key in _REQUIRED_SIZES:
+        value = hf.get(key)
+        if value is None:
+            raise UserError(f"config.json has no {key} (a Llama config.json sets it)")
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise UserError(f"config.json: {key} is {value!r}, not a positive integer")
+    for key in ("head_dim", "num_key_value_heads"):  # optional
+        value = hf.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise UserError(f"config.json: {key} is {value!r}, not a positive integer")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     if not hf.get("head_dim") and hf["hidden_size"] % heads:
@@ -258,7 +279,12 @@ def hf_reader(hf_dir: Path):
 
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"weight_map is a {type(weight_map).__name__}, not an object")
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{index} does not read as a safetensors index ({short_error(e)})") from None
     elif (hf_dir / "model.safetensors").is_file():
         weight_map = None
     else:
@@ -270,15 +296,20 @@ def hf_reader(hf_dir: Path):
             file = weight_map.get(name) if weight_map is not None else "model.safetensors"
             if file is None:
                 raise UserError(f"{hf_dir}: tensor {name} is missing")
-            if file not in files:
-                # framework="flax": numpy cannot slice bfloat16 tensors; jax can.
-                files[file] = stack.enter_context(safe_open(str(hf_dir / file), framework="flax"))
-            if block is None and weight_map is None and name not in files[file].keys():
-                raise UserError(f"{hf_dir}: tensor {name} is missing")
-            tensor = files[file].get_slice(name)
-            if block is None:
-                return tuple(tensor.get_shape())
-            return np.asarray(tensor[block], dtype=np.float32)
+            try:
+                if file not in files:
+                    # framework="flax": numpy cannot slice bfloat16 tensors; jax can.
+                    files[file] = stack.enter_context(safe_open(str(hf_dir / file), framework="flax"))
+                if block is None and name not in files[file].keys():
+                    raise UserError(f"{hf_dir / file}: tensor {name} is missing")
+                tensor = files[file].get_slice(name)
+                if block is None:
+                    return tuple(tensor.get_shape())
+                return np.asarray(tensor[block], dtype=np.float32)
+            except UserError:
+                raise
+            except Exception as e:  # noqa: BLE001 - safetensors' own errors have no common base
+                raise UserError(f"{hf_dir / file}: {name} does not read ({short_error(e)})") from None
 
         yield read
 

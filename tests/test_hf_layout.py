@@ -26,6 +26,10 @@ from gspmd_tp.errors import UserError
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ({"model_type": "mixtral"}, "model_type 'mixtral' is not supported"),
         ({"head_dim": 7}, "head_dim must be even"),
+        ({"hidden_size": None}, r"config.json has no hidden_size \(a Llama config.json sets it\)"),
+        ({"hidden_size": "128"}, r"config.json: hidden_size is '128', not a positive integer"),
+        ({"num_hidden_layers": 0}, r"config.json: num_hidden_layers is 0, not a positive integer"),
+        ({"num_key_value_heads": 2.5}, r"config.json: num_key_value_heads is 2.5, not a positive integer"),
     ],
 )
 def test_unsupported_option_is_named(option, message):
@@ -70,3 +74,37 @@ def test_every_block_of_every_parameter_reads_back_from_sharded_files(tmp_path, 
             for block in _halves(x.shape):
                 got = hf_layout.read_param(read, cfg, path, x.shape, block)
                 np.testing.assert_array_equal(got, x[block], err_msg=f"{path} {block}")
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 1000),
+            r"model.safetensors: embed does not read",
+        ),
+        (lambda d: (d / "model.safetensors").write_bytes(b""), r"model.safetensors: embed does not read"),
+        (
+            lambda d: (d / "model.safetensors.index.json").write_text(
+                '{"weight_map": {"embed": "part-2.safetensors"}}'
+            ),
+            r"part-2.safetensors: embed does not read \(FileNotFoundError",
+        ),
+        (
+            lambda d: (d / "model.safetensors.index.json").write_text("[1]"),
+            r"does not read as a safetensors index",
+        ),
+        (
+            lambda d: (d / "model.safetensors.index.json").write_text("{"),
+            r"does not read as a safetensors index",
+        ),
+    ],
+    ids=["garbage", "empty", "shard-missing", "index-not-an-object", "index-not-json"],
+)
+def test_safetensors_that_do_not_read_are_one_line_naming_the_file(tmp_path, damage, message):
+    from safetensors.numpy import save_file
+
+    save_file({"embed": np.ones((4, 2), np.float32)}, str(tmp_path / "model.safetensors"))
+    damage(tmp_path)
+    with pytest.raises(UserError, match=message), hf_layout.hf_reader(tmp_path) as read:
+        read("embed")
