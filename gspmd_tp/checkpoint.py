@@ -410,15 +410,23 @@ def import_params(path: str, abstract_params):
     """
     if not os.path.isfile(path):
         raise UserError(f"config.init_from: no file {path}")
+    not_npz = (
+        f"config.init_from={path} is not a readable .npz of parameters "
+        "(python -m gspmd_tp.checkpoint export writes one)"
+    )
+    if not zipfile.is_zipfile(path):  # np.load would take it for a pickle, and suggest loading it unsafely
+        raise UserError(f"{not_npz}: not a zip archive")
     try:
+        have, non_finite = {}, []
         with np.load(path) as npz:
-            have = {k: npz[k].shape for k in npz.files}  # reads each member once; the file stays small
+            for k in npz.files:  # each member read once, one at a time
+                value = npz[k]
+                have[k] = value.shape
+                if value.dtype.kind in "fc" and not np.isfinite(value).all():
+                    non_finite.append(k)
     except (OSError, ValueError, EOFError, AttributeError, zipfile.BadZipFile) as e:
         # np.load takes any other file for a pickle or .npy (AttributeError: no `with` on an array).
-        raise UserError(
-            f"config.init_from={path} is not a readable .npz of parameters (python -m gspmd_tp.checkpoint "
-            f"export writes one): {short_error(e)}"
-        ) from None
+        raise UserError(f"{not_npz}: {short_error(e)}") from None
     want = {k: tuple(v.shape) for k, v in _flat(abstract_params).items()}
     problems = [
         f"{k}: file {have.get(k, 'absent')}, model {want.get(k, 'absent')}"
@@ -427,6 +435,8 @@ def import_params(path: str, abstract_params):
     ]
     if problems:
         raise UserError(f"config.init_from={path} does not fit the model: {'; '.join(problems)}")
+    if non_finite:
+        raise UserError(f"config.init_from={path}: NaN or Inf values in {', '.join(non_finite)}")
 
     def place(key_path, target):
         from gspmd_tp.state import path_str

@@ -264,7 +264,19 @@ def test_init_from_that_is_not_an_npz_is_one_line(tmp_path, content):
     s = trainer.setup(small_config())
     with pytest.raises(UserError, match=rf"config.init_from={path} is not a readable .npz") as e:
         checkpoint.import_params(str(path), s.abstract_state.params)
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and "pickle" not in str(e.value)
+
+
+def test_init_from_with_nan_or_inf_is_named_before_anything_is_placed(tmp_path):
+    s = trainer.setup(small_config())
+    params = {k: np.zeros(v.shape, np.float32) for k, v in checkpoint._flat(s.abstract_state.params).items()}
+    params["lm_head"][0, 0] = np.nan
+    params["embedding"][1, 1] = np.inf
+    path = tmp_path / "params.npz"
+    np.savez(path, **params)
+    with pytest.raises(UserError) as e:
+        checkpoint.import_params(str(path), s.abstract_state.params)
+    assert str(e.value) == f"config.init_from={path}: NaN or Inf values in embedding, lm_head"
 
 
 def test_keys_that_do_not_change_the_parameters_may_differ_on_resume():
