@@ -242,9 +242,14 @@ def compare(
     devices = tpu.target_devices(target, slices) if target else None
     count = len(devices) if devices is not None else jax.device_count()
     labels = short_names(rules_list)
-    prepared = []
+    prepared, seen = [], set()
     for rules in rules_list:
         for mesh in meshes:
+            # The same rule file and mesh, however spelt, compile once (minutes on a real model).
+            same = (str(resolve_path(rules).resolve()), tuple(parse_mesh(mesh, count).items()))
+            if same in seen:
+                continue
+            seen.add(same)
             c = copy.deepcopy(config)
             c.rules, c.mesh = rules, mesh
             try:
@@ -348,6 +353,8 @@ def main(argv) -> None:
             raise UserError(f"--chart={_CHART.value} is for --compare")
         if _SLICES.value != 1 and not _TARGET.value:
             raise UserError(f"--slices={_SLICES.value} needs --target (slices of a TPU target)")
+        if _SLICES.value < 1:
+            raise UserError(f"--slices={_SLICES.value}: a target has at least 1 slice")
         if _CHART.value:
             outputs.check_image(_CHART.value, "--chart")
         if _DUMP_HLO.value:

@@ -11,6 +11,7 @@ from conftest import small_config
 from gspmd_tp import analysis, hlo, plan, trainer
 from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError
+from gspmd_tp.rules import RULES_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -173,6 +174,8 @@ def test_cli_compare_input_mistakes_are_one_line_errors_before_compiling(tmp_pat
         (["--compare=megatron_1d,"], "--compare=megatron_1d,: an empty rule file name"),
         (["--compare=megatron_1d", "--meshes=dp=2, mp=4"], "mesh 'dp=2,': expected NAME=SIZE items"),
         (["--meshes=dp=2,mp=4"], "--meshes=dp=2,mp=4 is for --compare"),
+        (["--slices=2"], "--slices=2 needs --target"),
+        (["--target=tpu:v5e:2x4", "--slices=0"], "--slices=0: a target has at least 1 slice"),
         (["--compare=megatron_1d", f"--chart={chart}x"], "the extension .pngx is not an image format"),
     ]:
         assert message in _plan_cli_error(flags), flags
@@ -284,6 +287,12 @@ def test_compare_labels_two_rule_files_of_one_name_apart(tmp_path, monkeypatch):
     assert [r["label"] for r in rows] == ["megatron_1d", "megatron_1d_2"]
     table = plan.format_compare(rows)
     assert "megatron_1d    dp=2,mp=4" in table and "megatron_1d_2  dp=2,mp=4" in table
+
+
+def test_compare_plans_a_rule_file_and_mesh_given_twice_once(monkeypatch):
+    monkeypatch.setattr(step_lib, "compile_train_step", lambda s: _FakeCompiled())
+    rows = plan.compare(small_config(), ["dp", str(RULES_DIR / "dp.yaml"), "dp"], ["dp=8,mp=1", "dp=-1,mp=1"])
+    assert [(r["label"], r["mesh"]) for r in rows] == [("dp", "dp=8,mp=1")]
 
 
 class _FakeCompiled:
