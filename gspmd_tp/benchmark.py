@@ -199,6 +199,12 @@ def parse_variants(text: str) -> list[dict[str, str]]:
         overrides = {}
         for item in part.split(","):
             key, eq, value = item.strip().partition("=")
+            if key in ("mesh", "rules"):  # its "," would split a mesh; and every row has its own
+                flag = "--meshes" if key == "mesh" else "--rules"
+                raise UserError(
+                    f"--variants: {key} is chosen by {flag}, not by a variant "
+                    "(each mesh and rule file is timed with every variant)"
+                )
             if not eq or not key:
                 raise UserError(f"--variants: {item.strip()!r} in {part.strip()!r} is not KEY=VALUE")
             overrides[key] = value

@@ -47,11 +47,16 @@ def initialize(
             f"--coordinator_address={coordinator_address!r}: expected HOST:PORT, e.g. 10.0.0.1:1234"
         )
     explicit = coordinator_address or num_processes > 1
-    if explicit and not (coordinator_address and num_processes > 1 and 0 <= process_id < num_processes):
+    given = (
+        f"--coordinator_address={coordinator_address!r} --num_processes={num_processes} "
+        f"--process_id={process_id}"
+    )
+    if explicit and num_processes <= 1:
         raise UserError(
-            f"--coordinator_address={coordinator_address!r} --num_processes={num_processes} "
-            f"--process_id={process_id}: all three are needed, with 0 <= process_id < num_processes"
+            f"{given}: a multi-process job has --num_processes of 2 or more (one process needs none)"
         )
+    if explicit and not (coordinator_address and 0 <= process_id < num_processes):
+        raise UserError(f"{given}: all three are needed, with 0 <= process_id < num_processes")
     if not explicit and not auto:
         return
     if explicit and process_id == 0 and _port_taken(int(port)):

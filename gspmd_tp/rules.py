@@ -78,6 +78,8 @@ def short_names(names_or_paths: Iterable[str]) -> dict[str, str]:
 
 def resolve_path(name_or_path: str) -> Path:
     """A path as given if it exists, else rules/NAME.yaml from the shipped rule files."""
+    if not name_or_path.strip():
+        raise UserError("config.rules is empty: name a rule file (dp, fsdp, megatron_1d, ...) or its path")
     path = Path(name_or_path)
     if path.is_file():
         return path

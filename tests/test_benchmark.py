@@ -133,6 +133,10 @@ def test_parse_variants():
     ]
     with pytest.raises(UserError, match="'model.remat' in 'model.remat' is not KEY=VALUE"):
         benchmark.parse_variants("model.remat")
+    with pytest.raises(UserError, match=r"--variants: mesh is chosen by --meshes, not by a variant"):
+        benchmark.parse_variants("model.remat=none;mesh=dp=8,mp=1")
+    with pytest.raises(UserError, match=r"--variants: rules is chosen by --rules"):
+        benchmark.parse_variants("rules=fsdp")
 
 
 def test_variants_are_timed_against_the_configured_step():

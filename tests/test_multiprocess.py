@@ -230,6 +230,7 @@ def test_a_silent_peer_ends_the_job_after_the_heartbeat_timeout(tmp_path):
         (("nohost", 2, 0, False, 100), "--coordinator_address='nohost': expected HOST:PORT"),
         (("127.0.0.1:99999", 2, 0, False, 100), "--coordinator_address='127.0.0.1:99999'"),
         (("127.0.0.1:1234", 2, 2, False, 100), "all three are needed, with 0 <= process_id < num_processes"),
+        (("127.0.0.1:1234", 1, 0, False, 100), "a multi-process job has --num_processes of 2 or more"),
     ],
 )
 def test_bad_job_flags_are_named_before_joining(args, message):

@@ -177,6 +177,12 @@ def test_a_directory_given_as_a_rule_file_says_so(tmp_path):
         load_rules(str(tmp_path))
 
 
+@pytest.mark.parametrize("given", ["", " "])
+def test_an_empty_rule_file_name_says_so(given):
+    with pytest.raises(UserError, match=r"^config.rules is empty: name a rule file \(dp, fsdp"):
+        load_rules(given)
+
+
 def test_unknown_rule_file_lists_the_shipped_ones():
     with pytest.raises(UserError, match=r"rule file 'megatron_3d' not found .*megatron_1d"):
         load_rules("megatron_3d")
