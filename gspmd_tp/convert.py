@@ -201,6 +201,7 @@ def main(argv) -> None:
     try:
         if not flags_.workdir or not flags_.hf_dir:
             raise UserError("--workdir and --hf_dir are required")
+        _check_flags_apply(command, flags_)
         if command == "from-hf":
             outputs.check_dir(flags_.workdir, "--workdir")
             config = loaded_config()
@@ -212,22 +213,51 @@ def main(argv) -> None:
             outputs.check_dir(flags_.hf_dir, "--hf_dir")
             check_empty(flags_.hf_dir)
             count = flags_.host_device_count
+            if count is not None and count < 1:
+                raise UserError(f"--host_device_count={count}: must be 1 or more")
             if count is None:  # as many as the mesh it restores onto spans
                 count = restore.reader_device_count(flags_.workdir, flags_.mesh, flags_.step)
             _set_cpu_devices(count)
-            files = to_hf(
-                flags_.workdir,
-                flags_.hf_dir,
-                step=flags_.step,
-                rules=flags_.rules,
-                mesh=flags_.mesh,
-                dtype=flags_.dtype,
-                hf_base=flags_.hf_base,
-            )
+            try:
+                files = to_hf(
+                    flags_.workdir,
+                    flags_.hf_dir,
+                    step=flags_.step,
+                    rules=flags_.rules,
+                    mesh=flags_.mesh,
+                    dtype=flags_.dtype,
+                    hf_base=flags_.hf_base,
+                )
+            except UserError as e:  # the mesh's hint names train.py's flag; to-hf has its own
+                raise UserError(
+                    str(e).replace("--config.host_device_count=N", "--host_device_count=N")
+                ) from None
             print(f"wrote {len(files)} files to {flags_.hf_dir}")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+# The flags only one of the two commands reads.
+_TO_HF_ONLY = ("step", "rules", "mesh", "dtype", "hf_base", "host_device_count")
+
+
+def _check_flags_apply(command: str, flags_) -> None:
+    """UserError for a flag the command would silently ignore."""
+    if command == "from-hf":
+        given = [f"--{name}" for name in _TO_HF_ONLY if flags_[name].present]
+        if given:
+            raise UserError(
+                f"{', '.join(given)}: to-hf flags; from-hf takes the rules, mesh and device count "
+                "from --config (--config.rules, --config.mesh, --config.host_device_count)"
+            )
+    else:
+        given = [a.split("=", 1)[0] for a in sys.argv[1:] if a.startswith("--config")]
+        if given:
+            raise UserError(
+                f"{', '.join(given)}: from-hf flags; to-hf reads the run's saved config (--rules, --mesh, "
+                "--step and --host_device_count choose how it is read)"
+            )
 
 
 def _set_cpu_devices(count: int) -> None:

@@ -200,6 +200,30 @@ def test_commands_refuse_unwritable_outputs_in_one_line():
         assert last == f"error: {message}: /dev/null is a file, not a directory"
 
 
+@pytest.mark.parametrize(
+    "command, flags, message",
+    [
+        (
+            "from-hf",
+            ["--dtype=bfloat16", "--step=3"],
+            "--step, --dtype: to-hf flags; from-hf takes the rules",
+        ),
+        ("to-hf", ["--config.steps=3"], "--config.steps: from-hf flags; to-hf reads the run's saved config"),
+        ("to-hf", ["--host_device_count=0"], "--host_device_count=0: must be 1 or more"),
+    ],
+)
+def test_a_flag_the_command_would_ignore_is_refused(tmp_path, command, flags, message):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, "-m", "gspmd_tp.convert", command, f"--workdir={tmp_path / 'run'}",
+         f"--hf_dir={tmp_path / 'hf'}", *flags],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1 and result.stdout == "", result.stderr[-2000:]
+    assert result.stderr.startswith(f"error: {message}") and result.stderr.count("\n") == 1
+    assert os.listdir(tmp_path) == []
+
+
 def test_an_unknown_command_is_named():
     result = subprocess.run(
         [sys.executable, "-m", "gspmd_tp.convert", "to_hf", "--workdir=/nonexistent"],
