@@ -38,15 +38,23 @@ from gspmd_tp.mesh import mesh_string
 BYTES_PER_TOKEN = 1
 
 
-def evaluate_params(s: trainer.Setup, params) -> dict:
+def compiled_eval_step(s: trainer.Setup):
+    """The eval step compiled for `s`; UserError where it cannot fit in memory (before any read)."""
+    eval_step = step_lib.compile_eval_step(s)
+    fix = "shrink --config.batch_size or --config.seq_len, or read on another --config.mesh"
+    trainer.check_memory(eval_step.memory_analysis(), s.mesh, "evaluation step", fix)
+    return eval_step
+
+
+def evaluate_params(s: trainer.Setup, params, eval_step=None) -> dict:
     """Loss and perplexities of `params` over config.eval_batches held-out batches (at most one
-    pass over them)."""
+    pass over them), with `eval_step` (compiled_eval_step) or one compiled on first use."""
     c = s.config
     eval_tokens = data.held_out_tokens(c.data)
     rows = data.process_rows(s.batch_sharding, c.batch_size)
     eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
     with state_lib.sharding_context(s.mesh, s.rules):
-        loss = trainer.evaluate(s, step_lib.make_eval_step(s), params, eval_ds)
+        loss = trainer.evaluate(s, eval_step or step_lib.make_eval_step(s), params, eval_ds)
     batches = trainer.eval_batch_count(s, eval_ds)
     tokens = batches * c.batch_size * c.seq_len  # every target of every batch counts
     nats = loss * tokens
@@ -151,9 +159,10 @@ def main(argv=None) -> int:
         result = None
         if not args.plot_only:
             step, _, s = restore.load_setup(args.workdir, overrides, args.step)
+            eval_step = compiled_eval_step(s)
             step, params = restore.params_for(args.workdir, step, s, exact=args.step is not None)
             result = {"step": step, "mesh": mesh_string(s.mesh), "rules": s.rules.source}
-            result.update(evaluate_params(s, params))
+            result.update(evaluate_params(s, params, eval_step))
         if args.plot and jax.process_index() == 0:
             plot_losses(rows, args.plot, f"{os.path.abspath(args.workdir)}", result)
     except UserError as e:

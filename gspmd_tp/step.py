@@ -168,6 +168,13 @@ def make_eval_step(s: Setup):
     return jax.jit(step, in_shardings=(s.shardings.params, s.batch_sharding))
 
 
+def compile_eval_step(s: Setup):
+    """Ahead-of-time compiles the eval step for the setup's abstract parameters and batch."""
+    with state_lib.sharding_context(s.mesh, s.rules):
+        params = s.abstract_state.params
+        return make_eval_step(s).lower(params, abstract_batch(s, s.config.batch_size)).compile()
+
+
 def abstract_batch(s: Setup, batch_size: int) -> jax.ShapeDtypeStruct:
     """The (batch, seq_len + 1) int32 token array the steps take, with its sharding."""
     return jax.ShapeDtypeStruct((batch_size, s.config.seq_len + 1), jnp.int32, sharding=s.batch_sharding)

@@ -162,9 +162,16 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     )
 
 
-def check_memory(stats, mesh) -> None:
-    """UserError where the compiled step cannot fit: per device against an accelerator's memory,
-    or all of this host's simulated CPU devices together against its RAM. Before anything is written."""
+_TRAIN_STEP_FIX = (
+    "shrink config.batch_size or config.seq_len, add config.grad_accum or another rule file "
+    "(python -m gspmd_tp.plan shows each)"
+)
+
+
+def check_memory(stats, mesh, step: str = "train step", fix: str = _TRAIN_STEP_FIX) -> None:
+    """UserError where the compiled `step` cannot fit: per device against an accelerator's memory,
+    or all of this host's simulated CPU devices together against its RAM; `fix` says what helps.
+    Before anything is written (or, for a reader, read)."""
     need = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
     need -= stats.alias_size_in_bytes  # the donated state is written in place
     device = mesh.devices.flat[0]
@@ -178,10 +185,7 @@ def check_memory(stats, mesh) -> None:
         have = (device.memory_stats() or {}).get("bytes_limit", 0)
         what, where = f"a {device.device_kind}'s {_gib(have)}", f"{_gib(need)} per device"
     if have and need > have:
-        raise UserError(
-            f"the compiled train step needs {where}, more than {what}; shrink config.batch_size or "
-            "config.seq_len, add config.grad_accum or another rule file (python -m gspmd_tp.plan shows each)"
-        )
+        raise UserError(f"the compiled {step} needs {where}, more than {what}; {fix}")
 
 
 def _host_memory() -> int:

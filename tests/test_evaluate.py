@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from gspmd_tp import checkpoint, evaluate, generate, restore
+from gspmd_tp import checkpoint, evaluate, generate, restore, trainer
 
 
 def test_loss_equals_the_trainers_eval_loss(trained_workdir, capsys):
@@ -138,3 +138,16 @@ def test_steps_logged_again_after_a_resume_are_drawn_once(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(lines))
     rows = evaluate.read_metrics(str(tmp_path))
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 5.0), (2, 4.0), (3, 3.7), (4, 3.6), (5, 3.5)]
+
+
+def test_an_evaluation_step_too_large_for_memory_is_one_line_before_any_read(
+    trained_workdir, monkeypatch, capsys
+):
+    monkeypatch.setattr(trainer, "_host_memory", lambda: 2**20)  # a host of 1 MiB
+    monkeypatch.setattr(restore, "params_for", lambda *a, **k: pytest.fail("read before checking memory"))
+    assert evaluate.main(["--workdir", str(trained_workdir)]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: the compiled evaluation step needs 8 CPU devices x ") and err.count("\n") == 1
+    )
+    assert "more than this host's 0.0 GiB of RAM; shrink --config.batch_size or --config.seq_len" in err
