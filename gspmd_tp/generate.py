@@ -227,10 +227,24 @@ def make_sampler(
         sample, in_shardings=(s.shardings.params, batch_sh, batch_sh, replicated), out_shardings=replicated
     )
 
-    def run(params, tokens_bl, positions_bl, seed):
-        with state_lib.sharding_context(s.mesh, s.rules):
-            return jitted(params, tokens_bl, positions_bl, seed)
+    executable = None
 
+    def compiled():
+        """The function compiled ahead of time for these shapes (once): its memory is known before
+        any parameter is read."""
+        nonlocal executable
+        if executable is None:
+            prompts = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=batch_sh)
+            seed = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+            with state_lib.sharding_context(s.mesh, s.rules):
+                lowered = jitted.lower(s.abstract_state.params, prompts, prompts, seed)
+            executable = lowered.compile()
+        return executable
+
+    def run(params, tokens_bl, positions_bl, seed):
+        return compiled()(params, tokens_bl, positions_bl, seed)
+
+    run.compiled = compiled
     return run
 
 
@@ -248,17 +262,28 @@ def sample_tokens(
     top_k: int = 0,
     seed: int = 0,
     return_logits: bool = False,
+    run=None,
 ):
-    """New tokens (prompts, max_new_tokens) as numpy for each prompt's tokens [, their logits]."""
+    """New tokens (prompts, max_new_tokens) as numpy for each prompt's tokens [, their logits];
+    `run` is sampler_for's for the same arguments, where it was made (and compiled) already."""
     rows = batch_rows(s, len(token_lists))
     tokens, positions = left_pad(token_lists, rows)
-    run = make_sampler(s, rows, tokens.shape[1], max_new_tokens, temperature, top_k, return_logits)
+    run = run or make_sampler(s, rows, tokens.shape[1], max_new_tokens, temperature, top_k, return_logits)
     batch_sh = state_lib.batch_sharding(s.mesh, s.rules)
     seed_arr = _put(np.asarray(seed, np.int32), state_lib.replicated(s.mesh))
     out = run(params, _put(tokens, batch_sh), _put(positions, batch_sh), seed_arr)
     if return_logits:
         return np.asarray(out[0])[: len(token_lists)], np.asarray(out[1])[: len(token_lists)]
     return np.asarray(out)[: len(token_lists)]
+
+
+def sampler_for(s: trainer.Setup, token_lists: list[list[int]], max_new_tokens: int, temperature, top_k):
+    """make_sampler for these prompts, compiled; UserError where it cannot fit in memory."""
+    rows = batch_rows(s, len(token_lists))
+    run = make_sampler(s, rows, left_pad(token_lists, rows)[0].shape[1], max_new_tokens, temperature, top_k)
+    fix = "fewer --max_new_tokens or prompts, or read on another --config.mesh"
+    trainer.check_memory(run.compiled().memory_analysis(), s.mesh, "sampling step", fix)
+    return run
 
 
 def main(argv=None) -> int:
@@ -288,6 +313,7 @@ def main(argv=None) -> int:
         token_lists = [encode(p) for p in prompts]
         max_new = fit_length(token_lists, args.max_new_tokens, s.config.seq_len)
         # Every check above runs before the parameters are read and before anything compiles.
+        run = sampler_for(s, token_lists, max_new, args.temperature, args.top_k)
         step, params = restore.params_for(args.workdir, step, s, exact=args.step is not None)
         if jax.process_index() == 0:
             print(
@@ -297,7 +323,7 @@ def main(argv=None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        new = sample_tokens(s, params, token_lists, max_new, args.temperature, args.top_k, args.seed)
+        new = sample_tokens(s, params, token_lists, max_new, args.temperature, args.top_k, args.seed, run=run)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -262,3 +262,14 @@ def test_readers_simulate_the_devices_the_run_was_saved_on(trained_workdir, tmp_
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "| mesh dp=4,mp=1 |" in result.stderr
+
+
+def test_a_sampling_step_too_large_for_memory_is_one_line_before_any_read(
+    trained_workdir, monkeypatch, capsys
+):
+    monkeypatch.setattr(trainer, "_host_memory", lambda: 2**20)  # a host of 1 MiB
+    monkeypatch.setattr(restore, "params_for", lambda *a, **k: pytest.fail("read before checking memory"))
+    assert generate.main(["--workdir", str(trained_workdir), "--prompt=ab", "--max_new_tokens=4"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the compiled sampling step needs 8 CPU devices x ") and err.count("\n") == 1
+    assert "more than this host's 0.0 GiB of RAM; fewer --max_new_tokens or prompts" in err
