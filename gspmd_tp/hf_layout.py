@@ -314,6 +314,15 @@ def hf_reader(hf_dir: Path):
         yield read
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask would, for a moment, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0o022
+
+
 def write_safetensors(out: Path, tensors, dtype, max_shard_bytes: int) -> list[str]:
     """Writes (name, array) pairs into shards of at most ~max_shard_bytes, as save_pretrained does."""
     from safetensors.numpy import save_file
@@ -326,6 +335,7 @@ def write_safetensors(out: Path, tensors, dtype, max_shard_bytes: int) -> list[s
         # Host memory holds one shard at a time.
         path = out / f"shard-{len(paths):05d}.tmp"
         save_file(shards[-1], str(path), metadata={"format": "pt"})  # transformers checks "format"
+        os.chmod(path, 0o666 & ~_umask())  # safetensors writes 0600; others on shared storage read it too
         paths.append((path, list(shards[-1])))
         shards[-1] = {}
 

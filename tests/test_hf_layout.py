@@ -6,6 +6,7 @@ and read each parameter the way a sharded import does, one block per device.
 
 import itertools
 import json
+import os
 
 import numpy as np
 import pytest
@@ -63,7 +64,12 @@ def test_every_block_of_every_parameter_reads_back_from_sharded_files(tmp_path, 
         for path, (shape, _) in state_lib.param_axes(cfg).items()
     }
     tensors = hf_layout.hf_tensors(cfg, params)
-    files = hf_layout.write_safetensors(tmp_path, tensors, np.float32, max_shard_bytes=100_000)
+    umask = os.umask(0o022)
+    try:
+        files = hf_layout.write_safetensors(tmp_path, tensors, np.float32, max_shard_bytes=100_000)
+    finally:
+        os.umask(umask)
+    assert all(os.stat(f).st_mode & 0o777 == 0o644 for f in files)  # others may read an export
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(files) > 2 and index["weight_map"].keys() == hf_layout.hf_shapes(cfg).keys()
 
