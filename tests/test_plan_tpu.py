@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import jax
 import pytest
@@ -81,10 +80,9 @@ def test_v4_devices_are_tensorcores_two_to_a_chip():
     assert p["tpu"]["devices_per_chip"] == 2 and p["tpu"]["hbm_per_device"] == 16 * 2**30
 
 
-def test_planning_for_a_slice_writes_nothing_to_the_compilation_cache():
-    """JAX would store the compile-only executable and warn on every later plan that it cannot load it."""
-    cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])  # tests/conftest.py sets one
-    before = set(cache.iterdir()) if cache.exists() else set()
+def test_planning_for_a_slice_twice_reads_nothing_stale_from_the_compilation_cache():
+    """JAX would store the compile-only executable, then warn on every later plan that it cannot load
+    it. (tests/conftest.py sets a cache directory, shared by the test workers.)"""
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every compile would be stored
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -93,8 +91,7 @@ def test_planning_for_a_slice_writes_nothing_to_the_compilation_cache():
             plan.plan(small_config(rules="fsdp", mesh="dp=4,mp=2"), target=TARGET)
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    assert (set(cache.iterdir()) if cache.exists() else set()) == before
-    assert not [w for w in caught if "compilation cache" in str(w.message)]
+    assert not [str(w.message)[:200] for w in caught if "compilation cache" in str(w.message)]
 
 
 @pytest.mark.parametrize(
