@@ -372,7 +372,12 @@ def _locate(path: str, step: int | None) -> tuple[str, int | None]:
 
 
 def _state_tree_metadata(step_dir: str) -> dict:
-    return ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, STATE)).item_metadata.tree
+    metadata = ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, STATE)).item_metadata
+    if metadata is None:  # orbax's answer where the array metadata's own files are gone or garbled
+        raise FileNotFoundError(
+            "state: the arrays' metadata does not read (its files are missing or cut short)"
+        )
+    return metadata.tree
 
 
 def export_params(path: str, out: str, step: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -478,6 +483,14 @@ def info(path: str, step: int | None = None) -> str:
     param_bytes, param_leaves = nbytes(tree["params"])
     opt_bytes, _ = nbytes(tree["opt_state"])
     n_params = sum(int(np.prod(m.shape)) for m in param_leaves)
+    # info reads metadata only. Parameters compress little (zstd), so array files far smaller than
+    # them mean files are missing: export, evaluate and a resume would find the damage.
+    on_disk = _size(os.path.join(step_dir, STATE))
+    if on_disk < param_bytes / 10:
+        warn(
+            f"warning: {step_dir}: its array files take {_mb(on_disk)} for {_mb(param_bytes)} of parameters; "
+            "files may be missing (info reads the metadata only; export reads every array)"
+        )
     model = " ".join(f"{k}={v}" for k, v in meta["model"].items())
     lines = [
         f"checkpoints in {ckpt_dir}",

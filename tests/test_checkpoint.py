@@ -244,6 +244,31 @@ def test_tool_skips_a_damaged_newest_step_and_refuses_it_when_asked(trained_work
     assert "is partial or corrupted (FileNotFoundError: item 'meta' is missing)" in err and "\n" not in err
 
 
+def test_info_warns_when_a_steps_array_files_are_gone(trained_workdir, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained_workdir, run)
+    assert checkpoint.main(["info", str(run)]) == 0
+    assert capsys.readouterr().err == ""  # a whole step: no warning
+    for f in (run / "checkpoints" / "4" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d" and f.stat().st_size > 10_000:  # the arrays' data, not
+            f.unlink()  # the small files of their metadata
+    assert checkpoint.main(["info", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert "step 4:" in captured.out
+    assert captured.err.startswith(f"warning: {run / 'checkpoints' / '4'}: its array files take ")
+    assert "files may be missing" in captured.err and captured.err.count("\n") == 1
+    # With the metadata's own files gone too, the step is damaged: skipped, not an unexplained failure.
+    for f in (run / "checkpoints" / "4" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.unlink()
+    assert checkpoint.main(["info", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert "step 2:" in captured.out
+    assert captured.err.startswith(
+        f"warning: skipping checkpoint {run / 'checkpoints' / '4'}: partial or corrupted"
+    )
+
+
 def test_a_step_directory_and_another_step_conflict(trained_workdir, capsys):
     step_dir = trained_workdir / "checkpoints" / "2"
     for command in (["info", str(step_dir)], ["export", str(step_dir), "/tmp/unused.npz"]):
