@@ -21,6 +21,7 @@ import logging as std_logging
 import os
 import sys
 import zipfile
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -105,7 +106,10 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state):
     collective it joined (another step's read) would pair with it. Agreeing on the outcome is
     restore_newest's.
     """
-    step_dir = mngr.directory / str(step)
+    return _restore_step(mngr.directory / str(step), abstract_state)
+
+
+def _restore_step(step_dir, abstract_state):
     state_reader, data_reader = ocp.StandardCheckpointHandler(), ocp.JsonCheckpointHandler()
     try:
         with quiet_after_a_failed_read():
@@ -269,6 +273,18 @@ def restore_newest(mngr: ocp.CheckpointManager, found: list[tuple[int, dict]], a
         )
     step, (state, data_state) = hit
     return step, metas[step], state, data_state
+
+
+def restores(workdir: str, step: int, abstract_state) -> bool:
+    """Whether checkpoint `step` restores on every process of the job (its arrays are read, then
+    dropped): False where its files are damaged on some process, without a word (restore_newest
+    names and moves it). Any other failure raises UserError, as in restore_newest."""
+    ckpt_dir = checkpoint_dir(workdir)
+
+    def read(path: str):
+        return _agreed_read(lambda p: _restore_step(Path(p), abstract_state), path)
+
+    return first_that_reads(ckpt_dir, [step], read, warn=lambda _: None) is not None
 
 
 # --- mismatches, named before anything is written ---

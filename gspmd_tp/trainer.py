@@ -281,10 +281,13 @@ def train(config, workdir: str) -> dict:
             raise UserError(f"config.init_from: no file {c.init_from}")
         imported = checkpoint.import_params(c.init_from, s.abstract_state.params)
 
-    # Before compiling (minutes on a large model); an evaluation a stop cut short still runs.
-    if found and found[0][0] >= c.steps and not found[0][1].get("eval_pending"):
-        log(f"nothing to do: the newest checkpoint is at step {found[0][0]} >= config.steps={c.steps}")
-        return {"step": found[0][0]}
+    # Before compiling (minutes on a large model); an evaluation a stop cut short still runs. The
+    # step is read first: a damaged one is left to the resume below, which skips and moves it.
+    newest = found[0][0] if found else None
+    if newest is not None and newest >= c.steps and not found[0][1].get("eval_pending"):
+        if checkpoint.restores(workdir, newest, s.abstract_state):
+            log(f"nothing to do: the newest checkpoint is at step {newest} >= config.steps={c.steps}")
+            return {"step": newest}
 
     t0 = time.perf_counter()
     train_step = step_lib.compile_train_step(s)
