@@ -252,6 +252,8 @@ def train(config, workdir: str) -> dict:
     # Saved absolute, so that evaluate, generate and a resume find the files from any directory.
     c.data.train_files = data.absolute_patterns(c.data.train_files)
     c.data.eval_files = data.absolute_patterns(c.data.eval_files)
+    if os.path.isfile(c.rules):  # a rule file of the user's, not a shipped name: found from anywhere
+        c.rules = os.path.abspath(c.rules)
     # Read-only look at the workdir: a different model or another run is an error before any write.
     found = checkpoint.agreed_checkpoints(workdir, warn=log)  # the same steps on every process
     for step, meta in found:

@@ -213,3 +213,20 @@ def test_a_vocabulary_below_the_byte_tokens_is_named_for_any_data():
     c.data.train_files = __file__  # own files hold bytes >= 128 as well
     with pytest.raises(UserError, match="config.model.vocab_size=128 is below the 256 byte tokens"):
         trainer.setup(c)
+
+
+def test_a_rule_file_given_by_relative_path_is_saved_absolute(tmp_path, monkeypatch):
+    """Readers started in another directory then find this file, not one of the same name there."""
+    from gspmd_tp import checkpoint_files
+    from gspmd_tp.rules import RULES_DIR
+
+    (tmp_path / "here").mkdir()
+    shutil.copy(RULES_DIR / "megatron_1d.yaml", tmp_path / "here" / "mine.yaml")
+    monkeypatch.chdir(tmp_path / "here")
+    trainer.train(small_config(steps=2, rules="mine.yaml", eval_every=100), str(tmp_path / "run"))
+    [(_, meta)] = checkpoint_files.readable_checkpoints(str(tmp_path / "run"))
+    assert meta["config"]["rules"] == str(tmp_path / "here" / "mine.yaml")
+    # A shipped rule file stays a name: any checkout's copy.
+    trainer.train(small_config(steps=2, eval_every=100), str(tmp_path / "run2"))
+    [(_, meta)] = checkpoint_files.readable_checkpoints(str(tmp_path / "run2"))
+    assert meta["config"]["rules"] == small_config().rules
