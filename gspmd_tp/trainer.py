@@ -314,10 +314,8 @@ def train(config, workdir: str) -> dict:
         replaced = metrics.set_aside_after(workdir, start)
         if replaced:
             rows = f"{replaced} row{'s' if replaced > 1 else ''}"
-            log(
-                f"{metrics.JSONL}: {rows} of steps after {start} moved to {metrics.REPLACED}; "
-                "they train again"
-            )
+            again = f"; steps {start + 1}..{c.steps} train again" if start < c.steps else ""
+            log(f"{metrics.JSONL}: {rows} of steps after {start} moved to {metrics.REPLACED}{again}")
     writer = metrics.MetricsWriter(workdir, enabled=jax.process_index() == 0, start=start)
     if resumed and resumed.get("eval_pending"):  # a stop cut the evaluation of this step short
         with state_lib.sharding_context(s.mesh, s.rules):

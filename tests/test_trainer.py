@@ -165,7 +165,9 @@ def test_a_resumed_run_replaces_the_rows_of_the_steps_it_trains_again(trained_wo
     assert [r["step"] for r in before] == [1, 2, 4]
     trainer.train(small_config(steps=6), str(workdir))
     out = capsys.readouterr().out
-    assert "metrics.jsonl: 1 row of steps after 2 moved to metrics_replaced.jsonl; they train again" in out
+    assert (
+        "metrics.jsonl: 1 row of steps after 2 moved to metrics_replaced.jsonl; steps 3..6 train again" in out
+    )
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 6]  # once each; 3 is the resumed run's first
     assert rows[:2] == before[:2]
