@@ -309,7 +309,7 @@ def main(argv=None) -> int:
         overrides = restore.split_overrides(rest)
         prompts = read_prompts(args.prompt, args.prompts_file)
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)
-        step, _, s = restore.load_setup(args.workdir, overrides, args.step)
+        step, _, s = restore.load_setup(args.workdir, overrides, args.step, sampling=True)
         token_lists = [encode(p) for p in prompts]
         max_new = fit_length(token_lists, args.max_new_tokens, s.config.seq_len)
         # Every check above runs before the parameters are read and before anything compiles.

@@ -132,19 +132,23 @@ def _setup_with_saved_rules(config: ConfigDict, meta: dict, step: int) -> traine
 
 
 def load_setup(
-    workdir: str, overrides: dict[str, str], step: int | None = None
+    workdir: str, overrides: dict[str, str], step: int | None = None, sampling: bool = False
 ) -> tuple[int, dict, trainer.Setup]:
     """(step, meta, Setup) for the run in workdir: config, rule file and mesh checked, nothing compiled.
 
     A rule file that is no longer where the run found it (another cwd, a moved file) is replaced by
     the copy saved in the checkpoint, with a note on stderr, unless --config.rules names one. So is
-    cuDNN attention away from a GPU, by the einsum path that computes the same.
+    cuDNN attention away from a GPU, by the einsum path that computes the same. With `sampling` the
+    training batch is not checked against the mesh (sampling pads its own batch of prompts).
     """
     import jax
 
     from gspmd_tp import checkpoint, trainer
 
     step, meta, config = saved_config(workdir, overrides, step)
+    if sampling and "batch_size" not in overrides and "grad_accum" not in overrides:
+        # A batch every mesh of these devices divides: the batch axes' product divides the count.
+        config.batch_size, config.grad_accum = jax.device_count(), 1
     if config.model.attention == "cudnn" and "model.attention" not in overrides:
         platform = jax.devices()[0].platform
         if platform != "gpu":

@@ -273,3 +273,18 @@ def test_a_sampling_step_too_large_for_memory_is_one_line_before_any_read(
     err = capsys.readouterr().err
     assert err.startswith("error: the compiled sampling step needs 8 CPU devices x ") and err.count("\n") == 1
     assert "more than this host's 0.0 GiB of RAM; fewer --max_new_tokens or prompts" in err
+
+
+def test_the_training_batch_size_does_not_limit_the_meshes_generate_reads_on(
+    trained_workdir, tmp_path, capsys
+):
+    """Sampling pads its own batch of prompts: a saved batch_size the mesh does not divide is no error."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_workdir, run)
+    meta_file = run / "checkpoints" / "4" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["batch_size"] = 12  # not divisible by dp=8
+    meta_file.write_text(json.dumps(meta))
+    argv = ["--workdir", str(run), "--prompt=def ", "--max_new_tokens=3", "--config.mesh=dp=8,mp=1"]
+    assert generate.main(argv) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith("def ")
