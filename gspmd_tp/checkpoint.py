@@ -261,9 +261,7 @@ def restore_newest(mngr: ocp.CheckpointManager, found: list[tuple[int, dict]], a
         moved.append(step)
         mngr.reload()
 
-    def read(path: str):
-        return _agreed_read(lambda p: restore(mngr, int(os.path.basename(p)), abstract_state), path)
-
+    read = _agreed_restore(abstract_state)
     hit = first_that_reads(ckpt_dir, [step for step, _ in found], read, warn, on_damage=set_aside)
     if hit is None:
         where = os.path.join(os.path.dirname(ckpt_dir), CORRUPT_DIR)
@@ -279,12 +277,13 @@ def restores(workdir: str, step: int, abstract_state) -> bool:
     """Whether checkpoint `step` restores on every process of the job (its arrays are read, then
     dropped): False where its files are damaged on some process, without a word (restore_newest
     names and moves it). Any other failure raises UserError, as in restore_newest."""
-    ckpt_dir = checkpoint_dir(workdir)
+    read = _agreed_restore(abstract_state)
+    return first_that_reads(checkpoint_dir(workdir), [step], read, warn=lambda _: None) is not None
 
-    def read(path: str):
-        return _agreed_read(lambda p: _restore_step(Path(p), abstract_state), path)
 
-    return first_that_reads(ckpt_dir, [step], read, warn=lambda _: None) is not None
+def _agreed_restore(abstract_state):
+    """read(step directory) -> (state, data state), with one outcome on every process (_agreed_read)."""
+    return lambda path: _agreed_read(lambda p: _restore_step(Path(p), abstract_state), path)
 
 
 # --- mismatches, named before anything is written ---
@@ -490,7 +489,7 @@ def info(path: str, step: int | None = None) -> str:
 
     step, (meta, tree, data_state) = read_newest(ckpt_dir, step, read, warn=warn)
     step_dir = os.path.join(ckpt_dir, str(step))
-    steps = sorted(steps_on_disk(ckpt_dir))
+    sizes = {s: _size(os.path.join(ckpt_dir, str(s))) for s in sorted(steps_on_disk(ckpt_dir))}
 
     def nbytes(t):
         leaves = [m for m in jax.tree.leaves(t) if hasattr(m, "shape")]
@@ -510,13 +509,13 @@ def info(path: str, step: int | None = None) -> str:
     model = " ".join(f"{k}={v}" for k, v in meta["model"].items())
     lines = [
         f"checkpoints in {ckpt_dir}",
-        "  steps: " + ", ".join(f"{s} ({_mb(_size(os.path.join(ckpt_dir, str(s))))})" for s in steps),
+        "  steps: " + ", ".join(f"{s} ({_mb(size)})" for s, size in sizes.items()),
         f"step {step}:",
         f"  saved on mesh {meta['mesh']} by {meta['process_count']} process(es) "
         f"with rules {meta['rules']['source']}",
         f"  model: {model}",
         f"  parameters: {n_params:,} ({_mb(param_bytes)}); optimizer state {_mb(opt_bytes)}; "
-        f"on disk {_mb(_size(step_dir))}",
+        f"on disk {_mb(sizes[step])}",
         f"  data position: next example {data_state.get('next_example')} "
         f"(batch_size {meta['config']['batch_size']}, seed {meta['config']['data']['seed']})",
     ]

@@ -76,14 +76,10 @@ def model_config_from_hf(hf: dict, base: ModelConfig) -> ModelConfig:
         kind = (options or {}).get("rope_type", (options or {}).get("type", "default"))
         if kind != "default":
             raise UserError(f"{name} with rope_type {kind!r} is not supported (only the default rotary)")
-    for key in _REQUIRED_SIZES:
+    for key in (*_REQUIRED_SIZES, "head_dim", "num_key_value_heads"):  # the last two are optional
         value = hf.get(key)
-        if value is None:
+        if value is None and key in _REQUIRED_SIZES:
             raise UserError(f"config.json has no {key} (a Llama config.json sets it)")
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise UserError(f"config.json: {key} is {value!r}, not a positive integer")
-    for key in ("head_dim", "num_key_value_heads"):  # optional
-        value = hf.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise UserError(f"config.json: {key} is {value!r}, not a positive integer")
     heads = hf["num_attention_heads"]

@@ -246,7 +246,8 @@ def compare(
     for rules in rules_list:
         for mesh in meshes:
             # The same rule file and mesh, however spelt, compile once (minutes on a real model).
-            same = (str(resolve_path(rules).resolve()), tuple(parse_mesh(mesh, count).items()))
+            sizes = parse_mesh(mesh, count)
+            same = (str(resolve_path(rules).resolve()), tuple(sizes.items()))
             if same in seen:
                 continue
             seen.add(same)
@@ -255,7 +256,7 @@ def compare(
             try:
                 prepared.append((rules, c, trainer.setup(c, devices)))
             except IndivisibleError as e:
-                resolved = ",".join(f"{k}={v}" for k, v in parse_mesh(mesh, count).items())
+                resolved = ",".join(f"{k}={v}" for k, v in sizes.items())
                 row = {"rules": str(resolve_path(rules)), "label": labels[rules], "mesh": resolved}
                 prepared.append((rules, {**row, "error": str(e)}, None))
     if all(s is None for _, _, s in prepared):

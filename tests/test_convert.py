@@ -151,7 +151,9 @@ def test_to_hf_reads_only_the_parameters_and_writes_nothing_in_the_workdir(tmp_p
     in_flight.mkdir()
     (in_flight / "half_written").write_bytes(b"\0" * 100)
     before = _tree(run)
-    monkeypatch.setattr(checkpoint, "restore", lambda *_: pytest.fail("restored the optimizer state too"))
+    monkeypatch.setattr(
+        checkpoint, "_restore_step", lambda *_: pytest.fail("restored the optimizer state too")
+    )
     monkeypatch.setattr(checkpoint, "manager", lambda *_, **__: pytest.fail("opened a CheckpointManager"))
     convert.to_hf(str(run), str(tmp_path / "hf"))
     assert _tree(run) == before

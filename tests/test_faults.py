@@ -388,7 +388,7 @@ def test_a_read_failure_that_is_not_damage_moves_nothing(trained, tmp_path, monk
     def unreadable(*_):
         raise PermissionError(13, "Permission denied", str(workdir / "checkpoints" / "4" / "state"))
 
-    monkeypatch.setattr(checkpoint, "restore", unreadable)
+    monkeypatch.setattr(checkpoint, "_restore_step", unreadable)
     with pytest.raises(UserError) as e:
         trainer.train(small_config(steps=6), str(workdir))
     message = str(e.value)
