@@ -24,6 +24,8 @@ from gspmd_tp.errors import UserError
 
 SEPARATOR = 0
 BYTE_VOCAB = 256
+# The token of an evaluation batch's padding rows: no vocabulary id, so no target counts it.
+PAD = -1
 
 
 def padded_vocab(size: int = BYTE_VOCAB, multiple: int = 128) -> int:
@@ -212,6 +214,21 @@ class PackedWindows:
         return {"tokens": window, "id": np.int64(i)}
 
 
+class PaddedWindows:
+    """`windows` followed by rows of PAD tokens up to `length` (a pass that fills its last batch)."""
+
+    def __init__(self, windows: PackedWindows, length: int):
+        self.windows, self.length = windows, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if i < len(self.windows):
+            return self.windows[i]
+        return {"tokens": np.full((self.windows.seq_len + 1,), PAD, np.int32), "id": np.int64(-1)}
+
+
 class BatchStream:
     """An endless MapDataset read as global batches; iterate it for this process's rows of each.
 
@@ -345,8 +362,9 @@ def eval_dataset(
     global_batch: int,
     rows: tuple[int, int] | None = None,
 ) -> BatchStream:
-    """The held-out windows in a fixed order (repeated if there are fewer than one batch), read as
-    train_dataset reads; `batches_per_pass` counts the whole batches in one pass (at least 1)."""
+    """The held-out windows in a fixed order, read as train_dataset reads. One pass is
+    `batches_per_pass` batches holding every window once; the last batch's rows past the windows are
+    padding (PAD tokens), which the eval step does not count."""
     windows = PackedWindows(tokens, seq_len)
     if len(windows) == 0:
         raise UserError(
@@ -354,11 +372,12 @@ def eval_dataset(
             f"config.data.eval_files to more text (without it, config.data.eval_fraction holds out whole "
             f"documents by a hash of their names) or lower config.seq_len"
         )
+    padded = PaddedWindows(windows, -(-len(windows) // global_batch) * global_batch)
     return BatchStream(
-        grain.MapDataset.source(windows).repeat(None),
+        grain.MapDataset.source(padded).repeat(None),
         global_batch,
         rows,
-        batches_per_pass=max(len(windows) // global_batch, 1),
+        batches_per_pass=len(padded) // global_batch,
     )
 
 

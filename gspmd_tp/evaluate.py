@@ -1,6 +1,6 @@
 """Held-out loss of a trained run, and a chart of its loss curves.
 
-    python -m gspmd_tp.evaluate --workdir=DIR [--step=N] [--eval_batches=N] [--json] [--plot=loss.png]
+    python -m gspmd_tp.evaluate --workdir=DIR [--step=N] [--eval_batches=N|all] [--json] [--plot=loss.png]
         [--config.rules=NAME --config.mesh=dp=4,mp=2 ...]
     python -m gspmd_tp.evaluate --workdir=DIR --plot=loss.png --plot_only   # no checkpoint read
 
@@ -54,10 +54,9 @@ def evaluate_params(s: trainer.Setup, params, eval_step=None) -> dict:
     rows = data.process_rows(s.batch_sharding, c.batch_size)
     eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
     with state_lib.sharding_context(s.mesh, s.rules):
-        loss = trainer.evaluate(s, eval_step or step_lib.make_eval_step(s), params, eval_ds)
+        nats, tokens = trainer.held_out_sums(s, eval_step or step_lib.make_eval_step(s), params, eval_ds)
     batches = trainer.eval_batch_count(s, eval_ds)
-    tokens = batches * c.batch_size * c.seq_len  # every target of every batch counts
-    nats = loss * tokens
+    loss = nats / tokens
     n_bytes = tokens * BYTES_PER_TOKEN
     return {
         "loss": loss,
@@ -133,11 +132,28 @@ def _report(r: dict, workdir: str) -> str:
     )
 
 
+def _batch_count(text: str) -> int:
+    """--eval_batches as a count; `all` is more than any held-out split holds (capped to one pass)."""
+    if text == "all":
+        return 2**31 - 1
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count <= 0:
+        raise UserError(f"--eval_batches must be a positive integer or all, got {text!r}")
+    return count
+
+
 def main(argv=None) -> int:
-    """python -m gspmd_tp.evaluate --workdir=DIR [--eval_batches=N] [--json] [--plot=PNG]."""
+    """python -m gspmd_tp.evaluate --workdir=DIR [--eval_batches=N|all] [--json] [--plot=PNG]."""
     parser = ArgumentParser(prog="python -m gspmd_tp.evaluate", description=__doc__.splitlines()[0])
     restore.add_run_arguments(parser)
-    parser.add_argument("--eval_batches", type=int, default=None, help="default: the run's config")
+    parser.add_argument(
+        "--eval_batches",
+        default=None,
+        help="N, or all: one pass over the held-out split (default: the run's)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default=None, help="write the loss curves of metrics.jsonl to this PNG")
     parser.add_argument("--plot_only", action="store_true", help="with --plot: skip the evaluation")
@@ -148,9 +164,7 @@ def main(argv=None) -> int:
     try:
         overrides = restore.split_overrides(rest)
         if args.eval_batches is not None:
-            if args.eval_batches <= 0:
-                raise UserError(f"--eval_batches must be positive, got {args.eval_batches}")
-            overrides["eval_batches"] = str(args.eval_batches)
+            overrides["eval_batches"] = str(_batch_count(args.eval_batches))
         if args.plot_only and not args.plot:
             raise UserError("--plot_only needs --plot=PNG")
         if args.plot:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from gspmd_tp import axes
+from gspmd_tp import axes, data
 from gspmd_tp import loss as loss_lib
 from gspmd_tp import state as state_lib
 from gspmd_tp.model import Transformer
@@ -23,15 +23,20 @@ if TYPE_CHECKING:  # trainer builds the Setup and calls this module
     from gspmd_tp.trainer import Setup
 
 
-def _loss_sums(model: Transformer, params, tokens, loss_chunk: int = 0):
+def _loss_sums(model: Transformer, params, tokens, loss_chunk: int = 0, padded: bool = False):
     """(sum of token losses, number of tokens) for (batch, seq_len + 1) tokens.
 
     loss_chunk > 0 computes the logits that many positions at a time (see gspmd_tp/loss.py).
+    padded: the tokens may hold data.PAD (an evaluation pass's last batch), whose targets do not count.
     """
+    inputs, targets, valid = tokens[:, :-1], tokens[:, 1:], None
+    if padded:
+        valid = targets != data.PAD
+        inputs, targets = (jnp.where(t == data.PAD, 0, t) for t in (inputs, targets))
     if loss_chunk:
-        hidden, head = model.apply({"params": params}, tokens[:, :-1], return_hidden=True)
-        return loss_lib.chunked_cross_entropy_sums(hidden, head, tokens[:, 1:], loss_chunk)
-    return loss_lib.cross_entropy_sums(model.apply({"params": params}, tokens[:, :-1]), tokens[:, 1:])
+        hidden, head = model.apply({"params": params}, inputs, return_hidden=True)
+        return loss_lib.chunked_cross_entropy_sums(hidden, head, targets, loss_chunk, valid)
+    return loss_lib.cross_entropy_sums(model.apply({"params": params}, inputs), targets, valid)
 
 
 def accumulated_grads(model: Transformer, accum: int, param_shardings, params, tokens, loss_chunk: int = 0):
@@ -158,11 +163,12 @@ def make_train_step(s: Setup):
 
 
 def make_eval_step(s: Setup):
-    """jit-compiled (sum of token losses, token count) on one held-out batch."""
+    """jit-compiled (sum of token losses, token count) on one held-out batch; padding rows
+    (data.PAD) count no token."""
     model = Transformer(s.model_cfg)
 
     def step(params, tokens):
-        loss_sum, count = _loss_sums(model, params, tokens, s.config.loss_chunk)
+        loss_sum, count = _loss_sums(model, params, tokens, s.config.loss_chunk, padded=True)
         return loss_sum, jnp.asarray(count, jnp.float32)
 
     return jax.jit(step, in_shardings=(s.shardings.params, s.batch_sharding))

@@ -200,21 +200,28 @@ def _gib(n: float) -> str:
 
 
 def eval_batch_count(s: Setup, dataset) -> int:
-    """config.eval_batches, at most one pass over the held-out batches (no window counted twice)."""
+    """config.eval_batches, at most one pass over the held-out batches (every window counted once)."""
     per_pass = getattr(dataset, "batches_per_pass", None)
     return min(s.config.eval_batches, per_pass) if per_pass else s.config.eval_batches
 
 
-def evaluate(s: Setup, eval_step, params, dataset, stop=lambda: False) -> float | None:
-    """Mean token loss over eval_batch_count() held-out batches; None if `stop()` cut it short."""
-    total, count = 0.0, 0.0
+def held_out_sums(s: Setup, eval_step, params, dataset, stop=lambda: False) -> tuple[float, int] | None:
+    """(sum of token losses, tokens counted) over eval_batch_count() held-out batches from the
+    first; None if `stop()` cut it short."""
+    total, count = 0.0, 0
     it = iter(dataset)
     for _ in range(eval_batch_count(s, dataset)):
         if stop():
             return None
         loss_sum, n = eval_step(params, data.global_batch(next(it), s.batch_sharding, s.config.batch_size))
-        total, count = total + float(loss_sum), count + float(n)
-    return total / count
+        total, count = total + float(loss_sum), count + int(n)
+    return total, count
+
+
+def evaluate(s: Setup, eval_step, params, dataset, stop=lambda: False) -> float | None:
+    """Mean token loss over eval_batch_count() held-out batches; None if `stop()` cut it short."""
+    sums = held_out_sums(s, eval_step, params, dataset, stop)
+    return None if sums is None else sums[0] / sums[1]
 
 
 def _initial_state(s: Setup, workdir: str, found: list, mngr, imported_params):

@@ -48,7 +48,8 @@ def test_report_and_plot(trained_workdir, tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--eval_batches=0"], "--eval_batches must be positive, got 0"),
+        (["--eval_batches=0"], "--eval_batches must be a positive integer or all, got '0'"),
+        (["--eval_batches=al"], "--eval_batches must be a positive integer or all, got 'al'"),
         (["--step=3"], "checkpoints: no step 3 (have 2, 4)"),
         (["--plot_only"], "--plot_only needs --plot=PNG"),
         (["--config.rules=nonexistent"], "rule file 'nonexistent' not found"),
@@ -109,13 +110,22 @@ def test_flag_mistakes_are_one_line(capsys, main, args, message):
     assert e.value.code == 1 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
 
 
-def test_more_batches_than_the_held_out_split_are_one_pass(trained_workdir, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "chars, batches, windows",
+    [(800, 4, 25), (100, 1, 3)],  # chars + 1 tokens with the separator, in windows of 32 + 1
+    ids=["last-batch-partial", "less-than-a-batch"],
+)
+def test_more_batches_than_the_held_out_split_are_one_pass(
+    trained_workdir, tmp_path, capsys, chars, batches, windows
+):
+    """Every held-out window counts once: the pass's last batch is filled with padding, not with
+    windows read again, and the padding counts no token."""
     held_out = tmp_path / "held_out.txt"
-    held_out.write_text("x" * 800)  # 801 tokens with the separator: 25 windows of 32, 3 batches of 8
-    argv = ["--workdir", str(trained_workdir), "--eval_batches=50", f"--config.data.eval_files={held_out}"]
+    held_out.write_text("x" * chars)
+    argv = ["--workdir", str(trained_workdir), "--eval_batches=all", f"--config.data.eval_files={held_out}"]
     assert evaluate.main([*argv, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["eval_batches"] == 3 and result["tokens"] == 3 * 8 * 32
+    assert result["eval_batches"] == batches and result["tokens"] == windows * 32
 
 
 def test_a_partial_newest_checkpoint_falls_back_to_the_one_before(trained_workdir, tmp_path, capsys):

@@ -1,12 +1,13 @@
 """The train step: it really shards, and gradient accumulation equals the full batch and reduces
-over data parallelism once per step where parameters are replicated over it."""
+over data parallelism once per step where parameters are replicated over it. The eval step counts
+no padding row."""
 
 import jax
 import numpy as np
 import pytest
-from conftest import loss_and_grads, small_config
+from conftest import loss_and_grads, small_config, token_batches
 
-from gspmd_tp import hlo, trainer
+from gspmd_tp import data, hlo, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
 
@@ -46,3 +47,25 @@ def test_gradient_accumulation_reduces_over_data_parallel_once_per_step(rules, m
         moved[accum] = sum(x.ring_bytes * x.executions for x in found)
     assert moved[1] > 0
     assert moved[4] == pytest.approx(moved[1], rel=0.01)
+
+
+@pytest.mark.parametrize("loss_chunk", [0, 8])
+def test_the_eval_step_counts_no_padding_row(loss_chunk):
+    """A batch whose rows past the real ones are data.PAD sums those real rows' losses only: rows
+    are independent, so [0-4, PAD x3] equals [0-4, 0-2] less [0-2, PAD x5]."""
+    s = trainer.setup(small_config(rules="megatron_1d", mesh="dp=2,mp=4", loss_chunk=loss_chunk))
+    params = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, 32, 0).params
+    rows = token_batches(s.config, 1)[0]
+    pad = np.full_like(rows[:1], data.PAD)
+    with state_lib.sharding_context(s.mesh, s.rules):
+        eval_step = step_lib.make_eval_step(s)
+
+    def sums(*parts):
+        loss, count = eval_step(params, jax.device_put(np.concatenate(parts), s.batch_sharding))
+        return float(loss), int(count)
+
+    five = sums(rows[:5], pad, pad, pad)
+    three = sums(rows[:3], *[pad] * 5)
+    both = sums(rows[:5], rows[:3])
+    assert five[1] == 5 * 32 and three[1] == 3 * 32 and both[1] == 8 * 32
+    assert five[0] == pytest.approx(both[0] - three[0], rel=1e-5)
