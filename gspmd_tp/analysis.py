@@ -117,7 +117,18 @@ def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[s
         for name, e in zip(row["logical"], row["spec"], strict=True)
         if name in (axes.HEAD_DIM, axes.LAYERS) and e
     }
-    unmodelled |= {(n, tuple(sorted(hidden_axes(n)))) for n in (axes.LENGTH, axes.HEAD_DIM) if hidden_axes(n)}
+    # head_dim lives in the queries and keys, after their heads (which may take its mesh axes first).
+    head_dim = set().union(
+        *(
+            axes_of(s.rules.spec((axes.BATCH, axes.LENGTH, h, axes.HEAD_DIM))[-1])
+            for h in (axes.HEADS, axes.KV_HEADS)
+        )
+    )
+    unmodelled |= {
+        (n, tuple(sorted(a)))
+        for n, a in ((axes.LENGTH, hidden_axes(axes.LENGTH)), (axes.HEAD_DIM, head_dim))
+        if a
+    }
     # A weight split over an axis that neither the batch nor its own activations use is gathered
     # whole for every use ([mlp, [dp, mp]] after [batch, dp]: the activation cannot take dp).
     for row in rows:

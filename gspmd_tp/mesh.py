@@ -45,7 +45,9 @@ def parse_mesh(spec: str, num_devices: int, hint: str = "") -> dict[str, int]:
     return sizes
 
 
-def make_mesh(spec: str, mesh_axes: list[str] | tuple[str, ...], devices=None) -> Mesh:
+def make_mesh(
+    spec: str, mesh_axes: list[str] | tuple[str, ...], devices=None, rules_source: str = "the rule file"
+) -> Mesh:
     """Builds a topology-aware Mesh whose axes are exactly `mesh_axes`, sized by `spec`.
 
     Axes are Auto (not Explicit) so that with_sharding_constraint steers GSPMD.
@@ -57,7 +59,8 @@ def make_mesh(spec: str, mesh_axes: list[str] | tuple[str, ...], devices=None) -
     )
     if set(sizes) != set(mesh_axes):
         raise UserError(
-            f"mesh {spec!r} names axes {sorted(sizes)} but the rule file's mesh_axes are {list(mesh_axes)}"
+            f"mesh {spec!r} names axes {sorted(sizes)} but {rules_source}'s mesh_axes are {list(mesh_axes)}; "
+            f"give --config.mesh in those axes ({','.join(f'{a}=N' for a in mesh_axes)})"
         )
     shape = tuple(sizes[a] for a in mesh_axes)
     slices = len({getattr(d, "slice_index", 0) for d in devices})

@@ -46,7 +46,7 @@ from gspmd_tp import analysis, hlo, outputs, tpu, trainer
 from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError, no_positional_arguments
 from gspmd_tp.mesh import mesh_file_name, mesh_string, parse_mesh
-from gspmd_tp.rules import IndivisibleError, resolve_path, short_names
+from gspmd_tp.rules import IndivisibleError, load_rules, resolve_path, short_names
 
 
 def plan(
@@ -236,17 +236,35 @@ def compare(
     slices: int = 1,
     dump_hlo: str | None = None,
 ) -> list[dict]:
-    """plan() for every rule file x mesh. Every combination is set up before anything compiles:
-    a rule file, mesh or config the user can fix raises UserError; a model size the mesh cannot
-    divide is reported as that combination's row (`error`)."""
+    """plan() for every rule file x mesh whose axes are the rule file's mesh_axes (rule files with
+    other axis names compare with meshes in theirs). Every combination is set up before anything
+    compiles: a rule file, mesh or config the user can fix, or a rule file or mesh paired with
+    nothing, raises UserError; a model size the mesh cannot divide is reported as that
+    combination's row (`error`)."""
     devices = tpu.target_devices(target, slices) if target else None
     count = len(devices) if devices is not None else jax.device_count()
     labels = short_names(rules_list)
+    axes = {rules: load_rules(rules).mesh_axes for rules in rules_list}
+    sizes_of = {mesh: parse_mesh(mesh, count) for mesh in meshes}
+    for mesh, sizes in sizes_of.items():
+        if not any(set(sizes) == set(a) for a in axes.values()):
+            raise UserError(
+                f"mesh {mesh!r} names axes {sorted(sizes)}, which no rule file of --compare has as its "
+                f"mesh_axes ({'; '.join(f'{labels[r]}: {list(a)}' for r, a in axes.items())})"
+            )
+    for rules, a in axes.items():
+        if not any(set(sizes) == set(a) for sizes in sizes_of.values()):
+            raise UserError(
+                f"{labels[rules]}: no mesh given names its mesh_axes {list(a)} "
+                f"(add one, e.g. {','.join(f'{x}=N' for x in a)})"
+            )
     prepared, seen = [], set()
     for rules in rules_list:
         for mesh in meshes:
+            sizes = sizes_of[mesh]
+            if set(sizes) != set(axes[rules]):
+                continue
             # The same rule file and mesh, however spelt, compile once (minutes on a real model).
-            sizes = parse_mesh(mesh, count)
             same = (str(resolve_path(rules).resolve()), tuple(sizes.items()))
             if same in seen:
                 continue

@@ -127,7 +127,7 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     check_config(config)
     model_cfg = model_config(config)
     rules = rules or load_rules(config.rules)
-    mesh = make_mesh(config.mesh, rules.mesh_axes, devices)
+    mesh = make_mesh(config.mesh, rules.mesh_axes, devices, rules.source)
     platform = mesh.devices.flat[0].platform
     if model_cfg.attention == "cudnn" and platform != "gpu":
         raise UserError(f"config.model.attention='cudnn' needs GPU devices; this run's are {platform}")
@@ -142,6 +142,11 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
             f"rows per microbatch is not divisible by the batch's mesh axes {sizes} ({rules.source})"
         )
     state_lib.validate(model_cfg, rules, mesh, micro_batch, config.seq_len)
+    if micro_batch % ways:  # every activation validate checks had a length rule take the batch's axes
+        raise UserError(
+            f"{rules.source}: the token batch (config.batch_size={config.batch_size}) is not divisible by "
+            f"its mesh axes {sizes}"
+        )
     for axis in state_lib.idle_mesh_axes(model_cfg, rules, mesh):
         warn(
             f"warning: mesh axis {axis} ({mesh.shape[axis]} devices) shards no parameter and no activation "

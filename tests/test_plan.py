@@ -265,6 +265,14 @@ def test_sharding_the_analysis_does_not_model_gets_no_ratio(tmp_path):
     assert "n/a: the analysis does not model this rule file's head_dim->mp sharding" in plan.format_plan(p)
 
 
+def test_a_rule_no_tensor_takes_is_not_called_unmodelled(tmp_path):
+    """head_dim -> mp after heads -> mp: the heads hold mp in every tensor with a head_dim, so the
+    step is megatron_1d's and so is the analysis."""
+    p = plan.plan(small_config(rules=_rule_file(tmp_path, "head_dim_late", head_dim="mp"), mesh="dp=2,mp=4"))
+    one_d = plan.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"))
+    assert p["analytical"]["unmodelled"] == [] and p["ratio"] == pytest.approx(one_d["ratio"], abs=0.01)
+
+
 @pytest.mark.parametrize(
     "changes, unmodelled",
     [
@@ -293,6 +301,20 @@ def test_compare_plans_a_rule_file_and_mesh_given_twice_once(monkeypatch):
     monkeypatch.setattr(step_lib, "compile_train_step", lambda s: _FakeCompiled())
     rows = plan.compare(small_config(), ["dp", str(RULES_DIR / "dp.yaml"), "dp"], ["dp=8,mp=1", "dp=-1,mp=1"])
     assert [(r["label"], r["mesh"]) for r in rows] == [("dp", "dp=8,mp=1")]
+
+
+def test_compare_pairs_each_rule_file_with_the_meshes_in_its_axes(tmp_path, monkeypatch):
+    monkeypatch.setattr(step_lib, "compile_train_step", lambda s: _FakeCompiled())
+    renamed = tmp_path / "renamed.yaml"
+    text = (RULES_DIR / "megatron_1d.yaml").read_text()
+    renamed.write_text(text.replace("dp", "data").replace("mp", "model"))
+    rows = plan.compare(small_config(), ["megatron_1d", str(renamed)], ["dp=2,mp=4", "data=4,model=2"])
+    assert [(r["label"], r["mesh"]) for r in rows] == [
+        ("megatron_1d", "dp=2,mp=4"),
+        ("renamed", "data=4,model=2"),
+    ]
+    with pytest.raises(UserError, match=r"^renamed: no mesh given names its mesh_axes \['data', 'model'\]"):
+        plan.compare(small_config(), ["megatron_1d", str(renamed)], ["dp=2,mp=4"])
 
 
 class _FakeCompiled:
@@ -324,7 +346,12 @@ def no_compiling(monkeypatch):
         (["megatron_1d", "megatron_1x"], ["dp=2,mp=4"], "rule file 'megatron_1x' not found"),
         (["megatron_1d"], ["dp=2,mp=4", "dp=3,mp=4"], "mesh 'dp=3,mp=4' has 12 devices but 8 are available"),
         (["megatron_1d"], ["dp=2,", "mp=4"], "mesh 'dp=2,': expected NAME=SIZE"),
-        (["megatron_1d"], ["data=2,mp=4"], "names axes \\['data', 'mp'\\] but the rule file's mesh_axes"),
+        (
+            ["megatron_1d", "dp"],
+            ["data=2,mp=4"],
+            r"mesh 'data=2,mp=4' names axes \['data', 'mp'\], which no rule file of --compare has as its "
+            r"mesh_axes \(megatron_1d: \['dp', 'mp'\]; dp: \['dp', 'mp'\]\)$",
+        ),
     ],
 )
 def test_compare_stops_on_input_the_user_can_fix_before_compiling(no_compiling, rules, meshes, message):

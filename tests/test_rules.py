@@ -170,6 +170,12 @@ def test_mesh_of_wrong_size_is_an_error():
 def test_mesh_axes_must_match_the_rule_file():
     with pytest.raises(UserError, match=r"names axes \['data', 'mp'\] but the rule file's mesh_axes"):
         make_mesh("data=2,mp=4", load_rules("dp").mesh_axes)
+    with pytest.raises(
+        UserError,
+        match=r"but .*rules/dp.yaml's mesh_axes are \['dp', 'mp'\]; give --config.mesh in those axes "
+        r"\(dp=N,mp=N\)$",
+    ):
+        trainer.setup(small_config(rules="dp", mesh="data=2,mp=4"))
 
 
 def test_a_directory_given_as_a_rule_file_says_so(tmp_path):
@@ -186,3 +192,14 @@ def test_an_empty_rule_file_name_says_so(given):
 def test_unknown_rule_file_lists_the_shipped_ones():
     with pytest.raises(UserError, match=r"rule file 'megatron_3d' not found .*megatron_1d"):
         load_rules("megatron_3d")
+
+
+def test_a_batch_whose_axis_a_length_rule_took_is_still_checked(tmp_path):
+    """Where length rules come first on the batch's mesh axis, the activations validate checks
+    leave the batch unsharded, but the token batch is placed by its batch rule alone."""
+    path = tmp_path / "length_first.yaml"
+    path.write_text(GOOD.replace("rules:\n", "rules:\n  - [length, dp]\n  - [norm_length, dp]\n", 1))
+    with pytest.raises(
+        UserError, match=r"length_first.yaml: the token batch \(config.batch_size=6\) .* dp=4$"
+    ):
+        trainer.setup(small_config(rules=str(path), batch_size=6, mesh="dp=4,mp=2"))
