@@ -11,6 +11,7 @@ points can ask `device_count_from_argv` how many devices to simulate before jax 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import TYPE_CHECKING
@@ -139,7 +140,9 @@ def load_setup(
     A rule file that is no longer where the run found it (another cwd, a moved file) is replaced by
     the copy saved in the checkpoint, with a note on stderr, unless --config.rules names one. So is
     cuDNN attention away from a GPU, by the einsum path that computes the same. With `sampling` the
-    training batch is not checked against the mesh (sampling pads its own batch of prompts).
+    training batch is not checked against the mesh (sampling pads its own batch of prompts), and
+    sequence positions are sharded over no mesh axis: a prompt has any length, and decoding makes
+    one position at a time (the parameters' shardings do not change).
     """
     import jax
 
@@ -160,6 +163,11 @@ def load_setup(
     else:
         s = trainer.setup(config)
     checkpoint.check_model_matches(meta["model"], s.model_cfg, workdir)
+    if sampling:
+        from gspmd_tp import axes
+        from gspmd_tp.rules import unsharded
+
+        s = dataclasses.replace(s, rules=unsharded(s.rules, (axes.LENGTH, axes.NORM_LENGTH)))
     return step, meta, s
 
 

@@ -49,6 +49,13 @@ class Rules:
         return {name for name, _ in self.rules}
 
 
+def unsharded(rules: Rules, names: Iterable[str]) -> Rules:
+    """`rules` with the logical axes `names` on no mesh axis (their own rules dropped)."""
+    names = tuple(names)
+    kept = tuple(r for r in rules.rules if r[0] not in names)
+    return dataclasses.replace(rules, rules=tuple((n, None) for n in names) + kept)
+
+
 def axes_of(spec_entry) -> tuple[str, ...]:
     """The mesh axes of one PartitionSpec entry: None, an axis name, or a tuple of them."""
     if spec_entry is None:

@@ -95,6 +95,26 @@ def test_other_rules_and_mesh_generate_the_same_tokens(trained_workdir):
     assert ((a >= 0) & (a < 256)).all()
 
 
+def test_a_rule_file_that_shards_the_sequence_samples_as_any_other(trained_workdir, tmp_path):
+    """Sampling shards no sequence position: a prompt of any length and the one position decoded at
+    a time would not divide a length rule's mesh axes."""
+    text = (Path(__file__).parent.parent / "rules" / "megatron_1d.yaml").read_text()
+    length_mp = tmp_path / "length_mp.yaml"
+    length_mp.write_text(
+        text.replace("[length, null]", "[length, mp]").replace("[norm_length, null]", "[norm_length, mp]")
+    )
+    token_lists = [generate.encode(p) for p in PROMPTS[:2]]  # 9 and 10 positions, on mp=4
+    got = []
+    for rules in (str(length_mp), "megatron_1d"):
+        step, _, s = restore.load_setup(
+            str(trained_workdir), {"rules": rules, "mesh": "dp=2,mp=4"}, sampling=True
+        )
+        got.append(
+            generate.sample_tokens(s, restore.restore_params(str(trained_workdir), step, s), token_lists, 4)
+        )
+    np.testing.assert_array_equal(*got)
+
+
 def test_cli_prints_the_continued_prompts(trained_workdir, tmp_path, capsys):
     argv = ["--workdir", str(trained_workdir), "--max_new_tokens=5", "--temperature=0"]
     assert generate.main([*argv, "--prompt=def ", "--config.mesh=dp=4,mp=2"]) == 0
