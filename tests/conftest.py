@@ -12,6 +12,15 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
+# Compiling is most of the suite's CPU time, and about half of that is LLVM optimizing the machine code
+# of XLA:CPU, which runs a few small steps at most here. At -O0 the optimized HLO (the collectives,
+# fusions and memory analysis the tests read) is the same; results differ from -O2 by float rounding
+# alone (a train step's loss by about 2e-7, relative), far inside every tolerance here. Subprocesses
+# that keep XLA_FLAGS get it too. A level already in XLA_FLAGS wins.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += f" {FAST_COMPILE}"
+
 # Many tests compile the same small programs (and train.py subprocesses recompile on resume): a
 # compilation cache shared by the session and its subprocesses cuts the suite's CPU time by a third.
 # The process that makes the directory (pytest, before its xdist workers start) removes it at exit.
