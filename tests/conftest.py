@@ -16,7 +16,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # of XLA:CPU, which runs a few small steps at most here. At -O0 the optimized HLO (the collectives,
 # fusions and memory analysis the tests read) is the same; results differ from -O2 by float rounding
 # alone (a train step's loss by about 2e-7, relative), far inside every tolerance here. Subprocesses
-# that keep XLA_FLAGS get it too. A level already in XLA_FLAGS wins.
+# get it too: those that set their own device count through child_env(). A level already in XLA_FLAGS
+# wins.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += f" {FAST_COMPILE}"
@@ -39,6 +40,18 @@ sys.path.insert(0, str(ROOT))
 import pytest  # noqa: E402
 
 from configs import tiny  # noqa: E402
+
+
+def child_env(**extra) -> dict:
+    """os.environ for a command that sets its own device count as a user's run does (train.py asks
+    for 8): XLA_FLAGS without this session's count, the rest of it (FAST_COMPILE) kept."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    flags = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
+    ]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    return {**env, **extra}
 
 
 def small_config(**overrides):

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import LLAMA, small_config
+from conftest import LLAMA, child_env, small_config
 
 from gspmd_tp import checkpoint, convert
 from gspmd_tp import state as state_lib
@@ -179,7 +179,7 @@ def test_to_hf_checks_hf_base_before_reading_the_checkpoint(tmp_path, monkeypatc
 
 
 def _cli(*args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the commands ask for 8 devices
+    env = child_env()  # the commands ask for 8 devices
     result = subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
@@ -188,7 +188,7 @@ def _cli(*args):
 
 
 def test_commands_refuse_unwritable_outputs_in_one_line():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     for command, flags, message in [
         ("from-hf", ["--hf_dir=/nonexistent", "--workdir=/dev/null/run"], "--workdir=/dev/null/run"),
         ("to-hf", ["--workdir=/nonexistent", "--hf_dir=/dev/null/hf"], "--hf_dir=/dev/null/hf"),
@@ -215,7 +215,7 @@ def test_commands_refuse_unwritable_outputs_in_one_line():
     ],
 )
 def test_a_flag_the_command_would_ignore_is_refused(tmp_path, command, flags, message):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     result = subprocess.run(
         [sys.executable, "-m", "gspmd_tp.convert", command, f"--workdir={tmp_path / 'run'}",
          f"--hf_dir={tmp_path / 'hf'}", *flags],

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import small_config
+from conftest import child_env, small_config
 from test_train_cli import ROOT, SMALL, train
 
 from gspmd_tp import checkpoint, checkpoint_files, faults, optim, trainer
@@ -23,7 +23,7 @@ RUN_FOREVER = ["--config.steps=100000", "--config.log_every=1", "--config.eval_e
 
 def start(workdir, *flags):
     """train.py as a child process, its output line by line on .stdout."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     cmd = [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}", *SMALL, *flags]
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1

@@ -2,7 +2,6 @@
 tokens, the command line end to end, and one-line errors raised before anything compiles."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_config
+from conftest import child_env, small_config
 from jax.sharding import PartitionSpec as P
 
 from gspmd_tp import generate, restore, trainer
@@ -275,7 +274,7 @@ def test_readers_simulate_the_devices_the_run_was_saved_on(trained_workdir, tmp_
     assert restore.device_count_from_argv(["generate", "--workdir", str(run), "--config.mesh=dp=2,mp=1"]) == 2
     assert restore.device_count_from_argv(["generate", f"--workdir={tmp_path / 'none'}"]) == 8
     assert restore.reader_device_count(str(trained_workdir)) == 8
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as a user runs it
+    env = child_env()  # as a user runs it
     result = subprocess.run(
         [sys.executable, "-m", "gspmd_tp.generate", f"--workdir={run}", "--prompt=x", "--max_new_tokens=2"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,

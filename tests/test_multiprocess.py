@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import child_env
 
 # Alone, after the parallel part of the suite: a busy neighbour delays how fast a dead peer is seen.
 pytestmark = pytest.mark.serial
@@ -38,8 +39,9 @@ def free_port() -> int:
 
 
 def env(devices: int) -> dict:
-    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**e, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    e = child_env(JAX_PLATFORMS="cpu")
+    e["XLA_FLAGS"] = f"{e.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return e
 
 
 def start(workdir, steps, *extra, processes=2, only=((), ())):

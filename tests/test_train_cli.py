@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = [
@@ -23,7 +24,7 @@ SMALL = [
 
 
 def train(workdir, *flags):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py asks for 8 devices
+    env = child_env()  # train.py asks for 8 devices
     return subprocess.run(
         [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}", *SMALL, *flags],
         cwd=ROOT,
@@ -189,7 +190,7 @@ def test_flag_mistakes_are_one_line(args, message):
 def test_a_config_file_that_is_wrong_is_one_line(tmp_path, body, message):
     cfg = tmp_path / "mine.py"
     cfg.write_text(body)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     result = subprocess.run(
         [sys.executable, "train.py", f"--config={cfg}", f"--workdir={tmp_path / 'run'}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
