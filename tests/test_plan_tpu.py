@@ -1,5 +1,7 @@
 """plan --target: the real TPU compiler, for a v5e (and a v4) slice that is not attached (needs libtpu)."""
 
+import copy
+import functools
 import os
 import subprocess
 import sys
@@ -19,9 +21,20 @@ SHIPPED = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
 TARGET = "tpu:v5e:2x4"
 
 
+@functools.cache
+def _planned(rules, **overrides):
+    """plan.plan of small_config(rules) on dp=2,mp=4 for TARGET, compiled once per test process (the
+    TPU compiler's executables are not cached); tpu_plan gives each caller its own copy."""
+    return plan.plan(small_config(rules=rules, mesh="dp=2,mp=4", **overrides), target=TARGET)
+
+
+def tpu_plan(rules, **overrides):
+    return copy.deepcopy(_planned(rules, **overrides))
+
+
 @pytest.mark.parametrize("rules", SHIPPED)
 def test_every_rule_file_compiles_for_a_tpu_slice(rules):
-    p = plan.plan(small_config(rules=rules, mesh="dp=2,mp=4"), target=TARGET)
+    p = tpu_plan(rules)
     assert p["backend"] == "tpu" and p["device_kind"] == "TPU v5 lite" and p["devices"] == 8
     assert p["tpu"]["fits"] and p["tpu"]["hbm_per_device"] == 16 * 2**30
     assert p["tpu"]["step_s_estimate"] == pytest.approx(p["tpu"]["compute_s"] + p["tpu"]["comm_s"])
@@ -29,17 +42,15 @@ def test_every_rule_file_compiles_for_a_tpu_slice(rules):
 
 
 def test_megatron_1d_on_tpu_only_all_reduces_as_analysed():
-    p = plan.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"), target=TARGET)
+    p = tpu_plan("megatron_1d")
     kinds = {k for k, v in p["collectives"].items() if v["count"]}
     assert kinds == {"all-reduce"}
     assert p["ratio"] == pytest.approx(1.0, abs=0.05)
 
 
 def test_scan_and_unrolled_layers_give_the_same_totals_on_tpu():
-    c = small_config(rules="megatron_1d", mesh="dp=2,mp=4")
-    scanned = plan.plan(c, target=TARGET)
-    unrolled = plan.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4", **{"model.scan_layers": False}),
-                         target=TARGET)  # fmt: skip
+    scanned = tpu_plan("megatron_1d")
+    unrolled = tpu_plan("megatron_1d", **{"model.scan_layers": False})
     assert unrolled["bytes_per_device"] == pytest.approx(scanned["bytes_per_device"], rel=0.01)
     assert unrolled["collectives"]["all-reduce"]["bytes"] == pytest.approx(
         scanned["collectives"]["all-reduce"]["bytes"], rel=0.01
@@ -48,7 +59,7 @@ def test_scan_and_unrolled_layers_give_the_same_totals_on_tpu():
 
 def test_megatron_2d_on_tpu_within_5_percent_of_the_analysis():
     """The TPU compiler gathers each output gradient once (in bf16, after its own cast)."""
-    p = plan.plan(small_config(rules="megatron_2d", mesh="dp=2,mp=4"), target=TARGET)
+    p = tpu_plan("megatron_2d")
     assert p["ratio"] == pytest.approx(1.0, abs=0.05)
 
 
@@ -64,8 +75,8 @@ def test_bad_target_is_one_line():
 
 def test_sequence_parallel_on_tpu_reduce_scatters_the_same_bytes():
     """On the TPU compiler the row-parallel all-reduces become reduce-scatters (+ all-gathers)."""
-    one_d = plan.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"), target=TARGET)
-    sp = plan.plan(small_config(rules="megatron_1d_sp", mesh="dp=2,mp=4"), target=TARGET)
+    one_d = tpu_plan("megatron_1d")
+    sp = tpu_plan("megatron_1d_sp")
     assert sp["collectives"]["reduce-scatter"]["count"] >= 8  # 2 per layer forward and backward
     assert sp["collectives"]["all-gather"]["count"] >= 8
     assert sp["ratio"] == pytest.approx(1.0, abs=0.05)
