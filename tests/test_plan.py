@@ -1,5 +1,7 @@
 """plan: per-leaf specs, memory, and collectives of the compiled step against the analysis."""
 
+import copy
+import functools
 import json
 import subprocess
 import sys
@@ -16,9 +18,20 @@ from gspmd_tp.rules import RULES_DIR
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@functools.cache
+def _planned(rules, mesh, **overrides):
+    return plan.plan(small_config(rules=rules, mesh=mesh, **overrides))
+
+
+def planned(rules, mesh, **overrides):
+    """plan.plan of small_config(rules, mesh, overrides), computed once per test process (several
+    tests read the same plan); each caller gets its own copy."""
+    return copy.deepcopy(_planned(rules, mesh, **overrides))
+
+
 @pytest.fixture(scope="module")
 def megatron_1d():
-    return plan.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"))
+    return planned("megatron_1d", "dp=2,mp=4")
 
 
 def test_megatron_1d_only_all_reduces_within_5_percent(megatron_1d):
@@ -33,7 +46,7 @@ SHIPPED = ["dp", "fsdp", "megatron_1d", "megatron_1d_sp", "megatron_2d"]
 
 @pytest.mark.parametrize("rules, mesh", [(r, "dp=2,mp=4") for r in SHIPPED] + [("megatron_2d", "dp=4,mp=2")])
 def test_every_shipped_rule_file_within_10_percent_of_the_analysis(rules, mesh):
-    p = plan.plan(small_config(rules=rules, mesh=mesh))
+    p = planned(rules, mesh)
     assert p["ratio"] == pytest.approx(1.0, abs=0.10), (p["bytes_per_device"], p["analytical"])
 
 
@@ -64,8 +77,8 @@ def test_2d_gathers_each_activation_once_and_the_mlp_output_gradient_once():
 
 def test_fsdp_and_dp_use_every_device_whatever_the_mesh_shape():
     for rules in ("dp", "fsdp"):
-        flat = plan.plan(small_config(rules=rules, mesh="dp=8,mp=1"))
-        square = plan.plan(small_config(rules=rules, mesh="dp=2,mp=4"))
+        flat = planned(rules, "dp=8,mp=1")
+        square = planned(rules, "dp=2,mp=4")
         assert square["memory"]["params"] == flat["memory"]["params"]
         assert square["bytes_per_device"] == pytest.approx(flat["bytes_per_device"], rel=1e-6)
 
@@ -81,7 +94,7 @@ def test_plan_json_has_the_documented_keys(megatron_1d):
 
 
 def test_memory_per_device_against_ideal():
-    p = plan.plan(small_config(rules="fsdp", mesh="dp=8,mp=1"))
+    p = planned("fsdp", "dp=8,mp=1")
     m = p["memory"]
     assert m["params"] == pytest.approx(m["ideal_params"], rel=0.01)  # everything sharded 8 ways
     assert m["opt_state"] == pytest.approx(m["ideal_opt_state"], rel=0.01)
@@ -109,8 +122,7 @@ def test_remat_that_keeps_collective_outputs_repeats_no_communication(rules):
     remat at all."""
 
     def sent(remat):
-        c = small_config(rules=rules, mesh="dp=2,mp=4", **{"model.remat": remat})
-        return plan.plan(c)["bytes_per_device"]
+        return planned(rules, "dp=2,mp=4", **{"model.remat": remat})["bytes_per_device"]
 
     none = sent("none")
     assert sent("dots_no_batch") > 1.05 * none
@@ -118,13 +130,13 @@ def test_remat_that_keeps_collective_outputs_repeats_no_communication(rules):
 
 
 def test_data_parallel_matches_analysis():
-    p = plan.plan(small_config(rules="dp", mesh="dp=8,mp=1"))
+    p = planned("dp", "dp=8,mp=1")
     assert p["ratio"] == pytest.approx(1.0, abs=0.05)
 
 
 def test_scan_and_unrolled_layers_move_the_same_bytes():
-    scanned = plan.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"))
-    unrolled = plan.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4", **{"model.scan_layers": False}))
+    scanned = planned("megatron_1d", "dp=2,mp=4")
+    unrolled = planned("megatron_1d", "dp=2,mp=4", **{"model.scan_layers": False})
     assert unrolled["bytes_per_device"] == pytest.approx(scanned["bytes_per_device"], rel=0.01)
 
 
@@ -191,8 +203,8 @@ def test_cli_unwritable_outputs_are_one_line_errors_before_compiling():
 
 
 def test_sequence_parallel_gathers_and_scatters_instead_of_all_reducing():
-    one_d = plan.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"))
-    sp = plan.plan(small_config(rules="megatron_1d_sp", mesh="dp=2,mp=4"))
+    one_d = planned("megatron_1d", "dp=2,mp=4")
+    sp = planned("megatron_1d_sp", "dp=2,mp=4")
     assert one_d["collectives"]["all-gather"]["count"] == 0
     # Entering each attention and MLP block (2 per layer, 2 layers) the sequence is all-gathered.
     assert sp["collectives"]["all-gather"]["count"] >= 4
@@ -251,7 +263,7 @@ def test_attention_only_tensor_parallelism_is_in_the_analysis(tmp_path):
     """Each sublayer is modelled over the axes that shard its own hidden dimension: heads sharded
     and mlp not is half of megatron_1d's per-layer all-reduces, not none."""
     p = plan.plan(small_config(rules=_rule_file(tmp_path, "attn_only", mlp="null"), mesh="dp=2,mp=4"))
-    one_d = plan.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"))
+    one_d = planned("megatron_1d", "dp=2,mp=4")
     assert p["analytical"]["tensor_parallel"] > 0
     assert p["ratio"] == pytest.approx(1.0, abs=0.05), (p["bytes_per_device"], p["analytical"])
     assert one_d["analytical"]["unmodelled"] == [] and p["analytical"]["unmodelled"] == []
