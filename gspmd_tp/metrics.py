@@ -105,6 +105,17 @@ def set_aside_after(workdir: str, step: int) -> int:
     return len(later)
 
 
+def has_value(workdir: str, step: int, key: str) -> bool:
+    """Whether workdir's metrics.jsonl has a row of `step` with `key` (the later row of a step
+    logged twice)."""
+    path = os.path.join(workdir, JSONL)
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        rows = [row for row in map(_row, f) if row and row["step"] == step]
+    return bool(rows) and key in rows[-1]
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl and mirrors it to TensorBoard.
 

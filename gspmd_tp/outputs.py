@@ -5,9 +5,15 @@ write time.
 No jax import here, so entry points can check their flags first.
 """
 
+import contextlib
+import fcntl
 import os
+import socket
+import time
 
 from gspmd_tp.errors import UserError
+
+LOCK = "train.lock"  # in a workdir: held by the training job that runs on it
 
 
 def _not_creatable(directory: str) -> str | None:
@@ -67,3 +73,57 @@ def check_image(path: str, flag: str) -> None:
 def make_parent(path: str) -> None:
     """Creates the directory that file `path` goes in, where it is missing."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str, warn=print):
+    """Holds WORKDIR/train.lock (an exclusive flock, taken by process 0 of the job) while the body
+    runs. A second job on the same workdir raises UserError on every process before it reads or
+    writes anything there: it would take the running job's newest checkpoints, still being written,
+    for damaged ones. The lock goes with the process, however it ends. A workdir this call
+    created holds only the lock file when the body fails early: both are removed. Where the
+    filesystem has no locks, it warns and goes on without one.
+    """
+    import jax
+
+    from gspmd_tp import distributed
+
+    path, held_by, lock, created = os.path.join(workdir, LOCK), None, None, False
+    if jax.process_index() == 0:
+        created = not os.path.exists(workdir)
+        os.makedirs(workdir, exist_ok=True)
+        lock = open(path, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            held_by = lock.read().strip() or "a process that has not said which"
+            lock.close()
+        except OSError as e:
+            warn(
+                f"warning: {path}: cannot lock it ({e.strerror}); nothing stops a second run on this workdir"
+            )
+        else:
+            lock.seek(0)
+            lock.truncate()
+            lock.write(
+                f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+            )
+            lock.flush()
+    held = held_by is not None
+    if jax.process_count() > 1:  # the others learn process 0's outcome
+        held = bool(distributed.every_process([int(held)])[0][0])
+    if held:
+        where = held_by if held_by else "as process 0 of this job found"
+        raise UserError(
+            f"--workdir={workdir} is in use by another training run ({where}; {path}): let it finish or stop "
+            "it (SIGTERM saves and exits), then run again"
+        )
+    try:
+        yield
+    finally:
+        if lock is not None and not lock.closed:
+            lock.close()  # releases the flock
+        if created and os.listdir(workdir) == [LOCK]:
+            os.remove(path)
+            os.rmdir(workdir)

@@ -243,6 +243,27 @@ def _initial_state(s: Setup, workdir: str, found: list, mngr, imported_params):
     return state, None, 0
 
 
+def _set_aside_rows_after(workdir: str, step: int, note: str) -> None:
+    """metrics.set_aside_after on process 0, logged with `note` where rows moved."""
+    if jax.process_index() == 0:
+        replaced = metrics.set_aside_after(workdir, step)
+        if replaced:
+            rows = f"{replaced} row{'s' if replaced > 1 else ''}"
+            log(f"{metrics.JSONL}: {rows} of steps after {step} moved to {metrics.REPLACED}{note}")
+
+
+def _evaluation_pending(workdir: str, step: int, meta: dict) -> bool:
+    """Whether checkpoint `step`'s evaluation, cut short by a stop, is still to run: its meta says
+    so and metrics.jsonl's row of the step has no eval_loss yet (a start that ran it wrote one).
+    The same answer on every process (process 0's reading of the file)."""
+    if not meta.get("eval_pending"):
+        return False
+    done = jax.process_index() == 0 and metrics.has_value(workdir, step, "eval_loss")
+    if jax.process_count() > 1:
+        done = bool(distributed.every_process([int(done)])[0][0])
+    return not done
+
+
 def train(config, workdir: str) -> dict:
     """Trains per `config`, resuming from the newest checkpoint in workdir; returns final metrics.
 
@@ -266,6 +287,13 @@ def train(config, workdir: str) -> dict:
     c.data.eval_files = data.absolute_patterns(c.data.eval_files)
     if os.path.isfile(c.rules):  # a rule file of the user's, not a shipped name: found from anywhere
         c.rules = os.path.abspath(c.rules)
+    with outputs.workdir_lock(workdir, log):  # one job at a time on a workdir
+        return _train(s, workdir, checkpoint_dir)
+
+
+def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
+    """train() from the workdir's checkpoints on, with the workdir to itself."""
+    c = s.config
     # Read-only look at the workdir: a different model or another run is an error before any write.
     found = checkpoint.agreed_checkpoints(workdir, warn=log)  # the same steps on every process
     for step, meta in found:
@@ -294,13 +322,16 @@ def train(config, workdir: str) -> dict:
         if not os.path.isfile(c.init_from):
             raise UserError(f"config.init_from: no file {c.init_from}")
         imported = checkpoint.import_params(c.init_from, s.abstract_state.params)
+    elif c.init_from:
+        log(f"note: config.init_from={c.init_from} is not read: the run resumes from its checkpoints")
 
     # Before compiling (minutes on a large model); an evaluation a stop cut short still runs. The
     # step is read first: a damaged one is left to the resume below, which skips and moves it.
     newest = found[0][0] if found else None
-    if newest is not None and newest >= c.steps and not found[0][1].get("eval_pending"):
+    if newest is not None and newest >= c.steps and not _evaluation_pending(workdir, newest, found[0][1]):
         if checkpoint.restores(workdir, newest, s.abstract_state):
             log(f"nothing to do: the newest checkpoint is at step {newest} >= config.steps={c.steps}")
+            _set_aside_rows_after(workdir, newest, "")
             return {"step": newest}
 
     t0 = time.perf_counter()
@@ -316,20 +347,18 @@ def train(config, workdir: str) -> dict:
     state, data_state, start = _initial_state(s, workdir, found, mngr, imported)
     if data_state is not None:
         data_iter.set_state(data_state)
-    log(f"compiled in {compile_s:.1f}s; training steps {start + 1}..{c.steps}")
+    to_train = f"training steps {start + 1}..{c.steps}" if start < c.steps else "no step left to train"
+    log(f"compiled in {compile_s:.1f}s; {to_train}")
     resumed = dict(found).get(start)  # the meta of the checkpoint resumed; None on a fresh start
     # Steps skipped for a non-finite loss: the count covers the whole run, before the checkpoint too.
     skipped = resumed.get("skipped_steps", 0) if resumed else 0
-    if resumed and start:  # a step-0 checkpoint (an import) trained on no schedule
+    if resumed and 0 < start < c.steps:  # a step-0 checkpoint (an import) trained on no schedule
         optim.note_schedule_change(resumed["config"], c, start, start - skipped, log)
-    if jax.process_index() == 0:
-        replaced = metrics.set_aside_after(workdir, start)
-        if replaced:
-            rows = f"{replaced} row{'s' if replaced > 1 else ''}"
-            again = f"; steps {start + 1}..{c.steps} train again" if start < c.steps else ""
-            log(f"{metrics.JSONL}: {rows} of steps after {start} moved to {metrics.REPLACED}{again}")
+    _set_aside_rows_after(
+        workdir, start, f"; steps {start + 1}..{c.steps} train again" if start < c.steps else ""
+    )
     writer = metrics.MetricsWriter(workdir, enabled=jax.process_index() == 0, start=start)
-    if resumed and resumed.get("eval_pending"):  # a stop cut the evaluation of this step short
+    if resumed and _evaluation_pending(workdir, start, resumed):  # a stop cut it short
         with state_lib.sharding_context(s.mesh, s.rules):
             eval_loss = evaluate(s, eval_step, state.params, eval_ds)
         writer.amend(start, {"eval_loss": eval_loss})

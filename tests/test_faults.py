@@ -15,7 +15,7 @@ import pytest
 from conftest import child_env, small_config
 from test_train_cli import ROOT, SMALL, train
 
-from gspmd_tp import checkpoint, checkpoint_files, faults, optim, trainer
+from gspmd_tp import checkpoint, checkpoint_files, faults, optim, outputs, trainer
 from gspmd_tp.errors import UserError
 
 RUN_FOREVER = ["--config.steps=100000", "--config.log_every=1", "--config.eval_every=100000"]
@@ -176,7 +176,9 @@ def trained(tmp_path_factory):
 
 
 def _tree(path: Path) -> dict:
-    return {str(p): p.stat().st_mtime_ns for p in path.rglob("*")}
+    """Each path under `path` and when it was last written; the lock file, which every start
+    rewrites with its pid, left out."""
+    return {str(p): p.stat().st_mtime_ns for p in path.rglob("*") if p.name != outputs.LOCK}
 
 
 def _garble_arrays(step_dir: Path):
@@ -635,8 +637,19 @@ def test_stop_signal_during_evaluation_saves_at_that_step(tmp_path, monkeypatch,
     assert last["stopped"] and last["step"] == 2
     assert "eval_loss" not in last  # cut short, not reported as a full evaluation
     assert os.listdir(tmp_path / "checkpoints") == ["2"]
-    # The resumed run evaluates step 2 first and adds the figure to step 2's row.
     monkeypatch.setattr(trainer, "evaluate", original)
+    # Shortened to the step it stopped at: the first start runs the evaluation and trains nothing;
+    # the next has nothing to do (the figure is in metrics.jsonl).
+    short = tmp_path.parent / f"{tmp_path.name}_short"
+    shutil.copytree(tmp_path, short)
+    capsys.readouterr()
+    trainer.train(small_config(steps=2, eval_every=2, checkpoint_every=100), str(short))
+    out = capsys.readouterr().out
+    assert "step 2's evaluation, cut short by the stop, done now" in out and "no step left to train" in out
+    assert "learning-rate schedule" not in out
+    trainer.train(small_config(steps=2, eval_every=2, checkpoint_every=100), str(short))
+    assert "nothing to do: the newest checkpoint is at step 2" in capsys.readouterr().out
+    # The resumed run evaluates step 2 first and adds the figure to step 2's row.
     trainer.train(small_config(steps=4, eval_every=2, checkpoint_every=100), str(tmp_path))
     assert "step 2's evaluation, cut short by the stop, done now: eval_loss" in capsys.readouterr().out
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -645,3 +658,25 @@ def test_stop_signal_during_evaluation_saves_at_that_step(tmp_path, monkeypatch,
     trainer.train(small_config(steps=4, eval_every=2, checkpoint_every=100), str(reference))
     want = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     assert rows[1]["eval_loss"] == pytest.approx(want[1]["eval_loss"], rel=1e-6)
+
+
+def test_a_second_run_on_a_workdir_in_use_stops_before_touching_it(tmp_path):
+    """Two jobs on one workdir: the second would take the first one's newest checkpoints, still
+    being written, for damaged ones and move them aside. It stops at the lock instead."""
+    workdir = tmp_path / "run"
+    trainer.train(small_config(steps=2), str(workdir))
+    before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+    with outputs.workdir_lock(str(workdir)):  # held as a running job holds it
+        message = r"--workdir=.*/run is in use by another training run \(pid \d+ on .* since .*train.lock\)"
+        with pytest.raises(UserError, match=message):
+            trainer.train(small_config(steps=4), str(workdir))
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
+    assert not (workdir / "corrupt_checkpoints").exists()
+    assert trainer.train(small_config(steps=4), str(workdir))["step"] == 4  # released with the job
+
+
+def test_a_run_that_fails_early_leaves_no_workdir_behind(tmp_path):
+    workdir = tmp_path / "new"
+    with pytest.raises(UserError, match="train_files: no file matches"):
+        trainer.train(small_config(**{"data.train_files": str(tmp_path / "none*.txt")}), str(workdir))
+    assert not workdir.exists()

@@ -147,11 +147,12 @@ def test_evaluates_every_eval_every_steps_whatever_log_every(tmp_path):
     assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
 
 
-def test_resuming_needs_no_init_from_file(trained_workdir, tmp_path):
+def test_resuming_needs_no_init_from_file(trained_workdir, tmp_path, capsys):
     workdir = tmp_path / "run"
     shutil.copytree(trained_workdir, workdir)
     last = trainer.train(small_config(steps=5, init_from=str(tmp_path / "gone.npz")), str(workdir))
     assert last["step"] == 5  # resumed from step 4; the file is read by fresh runs only
+    assert "gone.npz is not read: the run resumes from its checkpoints" in capsys.readouterr().out
     with pytest.raises(UserError, match=r"config.init_from: no file .*gone.npz"):
         trainer.train(small_config(init_from=str(tmp_path / "gone.npz")), str(tmp_path / "fresh"))
     assert not (tmp_path / "fresh").exists()
@@ -232,3 +233,17 @@ def test_a_rule_file_given_by_relative_path_is_saved_absolute(tmp_path, monkeypa
     trainer.train(small_config(steps=2, eval_every=100), str(tmp_path / "run2"))
     [(_, meta)] = checkpoint_files.readable_checkpoints(str(tmp_path / "run2"))
     assert meta["config"]["rules"] == small_config().rules
+
+
+def test_a_finished_run_sets_aside_rows_logged_after_its_last_checkpoint(trained_workdir, tmp_path, capsys):
+    """Killed after logging step 5 of 8, then shortened to 4 steps: nothing is left to train, and
+    step 5's row goes where the rows of steps trained again go."""
+    workdir = tmp_path / "run"
+    shutil.copytree(trained_workdir, workdir)
+    with open(workdir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "loss": 1.0}) + "\n")
+    assert trainer.train(small_config(steps=4), str(workdir)) == {"step": 4}
+    out = capsys.readouterr().out
+    assert "nothing to do" in out and "1 row of steps after 4 moved to metrics_replaced.jsonl" in out
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) == 4
