@@ -190,6 +190,12 @@ def load_corpus(data) -> tuple[np.ndarray, np.ndarray]:
     return _pack(train), _pack(held)
 
 
+def fingerprint(tokens: np.ndarray) -> dict:
+    """{"tokens": count, "sha256": 16 hex digits of their bytes}: a token stream's identity, saved
+    with checkpoints so that a resume sees files changed in place."""
+    return {"tokens": len(tokens), "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()[:16]}
+
+
 def held_out_tokens(data) -> np.ndarray:
     """The held-out token stream alone; with config.data.eval_files only those files are read."""
     if data.eval_files:

@@ -243,6 +243,24 @@ def _initial_state(s: Setup, workdir: str, found: list, mngr, imported_params):
     return state, None, 0
 
 
+_CHANGED_CORPUS = {
+    "train": ("training corpus", "the examples from here on are not those the run would have seen"),
+    "held_out": ("held-out split", "eval_loss from here on does not compare with the rows before"),
+}
+
+
+def _note_corpus_change(saved: dict, now: dict, step: int) -> None:
+    """A warning for each token stream whose files changed (in place: config.data is the same run's)
+    since checkpoint `step` was saved."""
+    for split, (what, consequence) in _CHANGED_CORPUS.items():
+        before = saved.get(split)
+        if before and before != now[split]:
+            log(
+                f"warning: the {what} changed since step {step} was saved ({before['tokens']:,} tokens, now "
+                f"{now[split]['tokens']:,}; its files were edited): {consequence}"
+            )
+
+
 def _set_aside_rows_after(workdir: str, step: int, note: str) -> None:
     """metrics.set_aside_after on process 0, logged with `note` where rows moved."""
     if jax.process_index() == 0:
@@ -307,6 +325,7 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
     )
 
     train_tokens, eval_tokens = data.load_corpus(c.data)
+    corpus = {"train": data.fingerprint(train_tokens), "held_out": data.fingerprint(eval_tokens)}
     rows = data.process_rows(s.batch_sharding, c.batch_size)
     train_ds = data.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, rows)
     eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
@@ -350,6 +369,8 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
     to_train = f"training steps {start + 1}..{c.steps}" if start < c.steps else "no step left to train"
     log(f"compiled in {compile_s:.1f}s; {to_train}")
     resumed = dict(found).get(start)  # the meta of the checkpoint resumed; None on a fresh start
+    if resumed and start:  # step 0 (an import) has read no data
+        _note_corpus_change(resumed.get("corpus", {}), corpus, start)
     # Steps skipped for a non-finite loss: the count covers the whole run, before the checkpoint too.
     skipped = resumed.get("skipped_steps", 0) if resumed else 0
     if resumed and 0 < start < c.steps:  # a step-0 checkpoint (an import) trained on no schedule
@@ -436,6 +457,7 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
                     if step % c.checkpoint_every == 0 or done or stopping:
                         watch.check(last_saved)  # never save a state that went through a non-finite step
                         meta = {**s.meta(), "skipped_steps": watch.skipped, "eval_pending": step == eval_cut}
+                        meta["corpus"] = corpus
                         checkpoint.save(mngr, step, state, batches.get_state(), meta)
                         last_saved = step
                     if stopping:

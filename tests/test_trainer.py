@@ -247,3 +247,20 @@ def test_a_finished_run_sets_aside_rows_logged_after_its_last_checkpoint(trained
     assert "nothing to do" in out and "1 row of steps after 4 moved to metrics_replaced.jsonl" in out
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows) == 4
+
+
+def test_a_resume_warns_when_the_data_files_changed_in_place(tmp_path, capsys):
+    train_file, held_out = tmp_path / "train.txt", tmp_path / "held_out.txt"
+    train_file.write_text("def f(x):\n    return x\n" * 100)
+    held_out.write_text("class A:\n    pass\n" * 40)
+    files = {"data.train_files": str(train_file), "data.eval_files": str(held_out)}
+    workdir = str(tmp_path / "run")
+    trainer.train(small_config(steps=2, **files), workdir)
+    trainer.train(small_config(steps=3, **files), workdir)  # the same files: no warning
+    assert "changed since" not in capsys.readouterr().out
+    with open(train_file, "a") as f:
+        f.write("import os\n" * 10)
+    trainer.train(small_config(steps=4, **files), workdir)
+    out = capsys.readouterr().out
+    assert "warning: the training corpus changed since step 3 was saved (2,301 tokens, now 2,401; " in out
+    assert "held-out split changed" not in out
