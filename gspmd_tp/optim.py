@@ -52,7 +52,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     optax selects between t and t / norm * max_norm per element; XLA:CPU writes that clipped
     gradient out whole and reads it back in AdamW's moment updates (a divide is too dear for it to
     repeat in each). A scalar multiply fuses into them, so the update makes one pass fewer over the
-    gradients (the 10.5M-parameter update of configs/bench_cpu.py: 50 -> 26 ms on one device,
+    gradients (the 10.5M-parameter update of configs/bench_cpu.py: 38 -> 21 ms on one device,
     BENCHMARKS.md). Same state (none) as optax's, so checkpoints of either restore with the other.
     """
 
