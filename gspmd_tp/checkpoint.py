@@ -328,6 +328,16 @@ def check_model_matches(saved: dict, current: ModelConfig, where: str) -> None:
 _ABSENT = object()
 
 
+class _Unused:
+    """eval_fraction's identity where held-out files replace it: named so in messages."""
+
+    def __repr__(self) -> str:
+        return "unused (data.eval_files given)"
+
+
+_UNUSED = _Unused()
+
+
 def _lookup(config: dict, dotted: str):
     for part in dotted.split("."):
         config = config.get(part, _ABSENT) if isinstance(config, dict) else _ABSENT
@@ -337,7 +347,7 @@ def _lookup(config: dict, dotted: str):
 def _identity(config: dict, key: str):
     """`key`'s value as far as it shapes the run; _ABSENT where a run saved before the key existed."""
     if key == "data.eval_fraction" and _lookup(config, "data.eval_files") not in ("", None, _ABSENT):
-        return None  # held-out files replace the hashed held-out fraction, which is then unused
+        return _UNUSED  # held-out files replace the hashed held-out fraction
     value = _lookup(config, key)
     if key in ("data.train_files", "data.eval_files") and isinstance(value, str):
         # Runs save them absolute; one saved before that was relative to where it ran, taken as here.

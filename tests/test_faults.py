@@ -305,7 +305,11 @@ def test_a_different_model_is_named_before_anything_is_written(trained):
         ({"data.seed": 1}, r"data\.seed: saved 0, now 1"),
         # The held-out split decides which documents are trained on.
         ({"data.eval_fraction": 0.5}, r"data\.eval_fraction: saved 0\.05, now 0\.5"),
-        ({"data.eval_files": "held_out.txt"}, r"data\.eval_files: saved '', now '/.*held_out\.txt'"),
+        (
+            {"data.eval_files": "held_out.txt"},
+            r"data\.eval_files: saved '', now '/.*held_out\.txt'; "
+            r"data\.eval_fraction: saved 0\.05, now unused \(data\.eval_files given\)\)",
+        ),
     ],
 )
 def test_a_workdir_of_another_run_is_refused_before_anything_is_written(trained, tmp_path, change, message):
