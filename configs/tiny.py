@@ -32,7 +32,8 @@ def get_config() -> ConfigDict:
     c.host_malloc_tuning = True
     c.peak_flops_per_device = 0.0  # > 0 overrides the per-device peak used for MFU
     # False: a NaN/Inf loss or gradient stops the run (the last good checkpoint stays the newest).
-    # True: such a step keeps the old parameters and optimizer state and training goes on.
+    # True: such a step keeps the old parameters and optimizer state and training goes on (a whole
+    # checkpoint interval of such steps stops it: the run has diverged).
     c.skip_nonfinite_steps = False
     # An .npz from `python -m gspmd_tp.checkpoint export`: the initial parameters of a fresh run
     # on any mesh and rule file (ignored when the workdir already holds a checkpoint).

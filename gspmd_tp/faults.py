@@ -133,9 +133,10 @@ class NonFiniteWatch:
     skip=True: the step already kept the old state on device; this only logs and counts.
     """
 
-    def __init__(self, skip: bool, log):
+    def __init__(self, skip: bool, log, start: int = 0):
         self.skip, self._log = skip, log
         self.skipped = 0
+        self.last_finite = start  # the newest step read whose loss and gradient were finite
         self._pending: list[tuple[int, dict]] = []
 
     def add(self, step: int, stats: dict) -> None:
@@ -154,6 +155,7 @@ class NonFiniteWatch:
         for step, stats in pending:
             loss, grad_norm = float(stats["loss"]), float(stats["grad_norm"])
             if math.isfinite(loss) and math.isfinite(grad_norm):
+                self.last_finite = max(self.last_finite, step)
                 continue
             quantity = "loss" if not math.isfinite(loss) else "gradient"
             what = f"non-finite {quantity} at step {step} (loss {loss}, grad_norm {grad_norm})"
@@ -169,4 +171,21 @@ class NonFiniteWatch:
             raise UserError(
                 f"{what}: stopped without saving ({kept}); lower config.optim.lr or set "
                 f"config.skip_nonfinite_steps=True to skip such steps"
+            )
+
+    def check_diverged(self, step: int, since: int, last_good: int | None) -> None:
+        """Skipping: raises UserError where every step after `since` (the last save, or the start)
+        up to `step` was skipped. The state has not moved since, so a checkpoint would add nothing
+        but would prune an older one; a whole interval of them means the run has diverged."""
+        if self.skip and step > since and self.last_finite <= since:
+            kept = (
+                "no checkpoint was written"
+                if last_good is None
+                else f"the newest checkpoint is step {last_good}"
+            )
+            raise UserError(
+                f"every step since {'checkpoint ' if last_good is not None else 'step '}{since} "
+                f"({since + 1}..{step}) had a non-finite loss or gradient and was skipped: the run has "
+                f"diverged; stopped without saving ({kept}); resume from a checkpoint before the divergence "
+                "with a lower config.optim.lr"
             )

@@ -387,7 +387,7 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
     flops = flops_per_token(s.model_cfg, c.seq_len)
     peak = metrics.peak_flops(jax.devices()[0].device_kind, c.peak_flops_per_device)
     tokens_per_step = c.batch_size * c.seq_len
-    watch = faults.NonFiniteWatch(c.skip_nonfinite_steps, log)
+    watch = faults.NonFiniteWatch(c.skip_nonfinite_steps, log, start)
     watch.skipped = skipped
     last_saved = start if start else None
     last_row: dict = {}
@@ -456,6 +456,10 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
                     stopping = stop.requested()
                     if step % c.checkpoint_every == 0 or done or stopping:
                         watch.check(last_saved)  # never save a state that went through a non-finite step
+                        if not stopping:  # skipping: an interval that moved nothing is not saved
+                            watch.check_diverged(
+                                step, last_saved if last_saved is not None else start, last_saved
+                            )
                         meta = {**s.meta(), "skipped_steps": watch.skipped, "eval_pending": step == eval_cut}
                         meta["corpus"] = corpus
                         checkpoint.save(mngr, step, state, batches.get_state(), meta)

@@ -604,23 +604,31 @@ def test_non_finite_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_
 
 
 def test_skip_nonfinite_steps_keeps_the_old_state(tmp_path):
-    c = small_config(steps=4, skip_nonfinite_steps=True, **EXPLODE)
-    last = trainer.train(c, str(tmp_path))
+    c = small_config(steps=4, skip_nonfinite_steps=True, **{**EXPLODE, "checkpoint_every": 4})
+    last = trainer.train(c, str(tmp_path / "run"))
     assert last["skipped_steps"] == 2  # steps 3 and 4
     # Step 4 updated (or would have) at the rate of the optimizer's third update, as step 3 did.
     schedule = optim.make_schedule(c.optim, c.steps)
     assert last["learning_rate"] == pytest.approx(float(schedule(2)))
     assert float(schedule(2)) != pytest.approx(float(schedule(3)))
-    at_2, at_4 = np.load(_export(tmp_path, 2)), np.load(_export(tmp_path, 4))
+    # A checkpoint interval whose every step was skipped is a diverged run: it stops, saving nothing
+    # (the state has not moved; a save would prune an older checkpoint for a copy of it).
+    diverged = r"every step since checkpoint 2 \(3\.\.4\) had a non-finite loss or gradient and was skipped: "
+    with pytest.raises(
+        UserError, match=diverged + r"the run has diverged; stopped without saving \(the newest"
+    ):
+        trainer.train(small_config(steps=4, skip_nonfinite_steps=True, **EXPLODE), str(tmp_path / "every_2"))
+    assert os.listdir(tmp_path / "every_2" / "checkpoints") == ["2"]
+    at_2, at_4 = np.load(_export(tmp_path / "every_2", 2)), np.load(_export(tmp_path / "run", 4))
     for k in at_2.files:
         np.testing.assert_array_equal(at_4[k], at_2[k])
-    # Resumed, the count goes on from the checkpoint's: steps 5 and 6 are skipped too.
-    assert (
-        trainer.train(small_config(steps=6, skip_nonfinite_steps=True, **EXPLODE), str(tmp_path))[
-            "skipped_steps"
-        ]
-        == 4
-    )
+    # Resumed, the count goes on from the checkpoint's (steps 5 and 6 are skipped too), until the
+    # save of a run that moved nothing since step 4.
+    with pytest.raises(UserError, match=r"every step since checkpoint 4 \(5\.\.6\)"):
+        trainer.train(small_config(steps=6, skip_nonfinite_steps=True, **EXPLODE), str(tmp_path / "run"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 6 and rows[-1]["skipped_steps"] == 4
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["4"]
 
 
 def _export(workdir, step):
