@@ -123,6 +123,14 @@ def every_process(values: list[int]) -> list[list[int]]:
     return [row[:count].tolist() for row, count in zip(rows, counts, strict=True)]
 
 
+def from_process_0(value: int) -> int:
+    """Process 0's int `value` on every process (the value itself in a one-process job). Every
+    process of the job must call it at the same point."""
+    if jax.process_count() == 1:
+        return int(value)
+    return every_process([int(value)])[0][0]
+
+
 def barrier() -> None:
     """Returns once every process of the job has called it (at once in a one-process job)."""
     if jax.process_count() > 1:

@@ -110,10 +110,7 @@ def workdir_lock(workdir: str, warn=print):
                 f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
             )
             lock.flush()
-    held = held_by is not None
-    if jax.process_count() > 1:  # the others learn process 0's outcome
-        held = bool(distributed.every_process([int(held)])[0][0])
-    if held:
+    if distributed.from_process_0(held_by is not None):
         where = held_by if held_by else "as process 0 of this job found"
         raise UserError(
             f"--workdir={workdir} is in use by another training run ({where}; {path}): let it finish or stop "

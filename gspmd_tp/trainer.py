@@ -277,9 +277,7 @@ def _evaluation_pending(workdir: str, step: int, meta: dict) -> bool:
     if not meta.get("eval_pending"):
         return False
     done = jax.process_index() == 0 and metrics.has_value(workdir, step, "eval_loss")
-    if jax.process_count() > 1:
-        done = bool(distributed.every_process([int(done)])[0][0])
-    return not done
+    return not distributed.from_process_0(done)
 
 
 def train(config, workdir: str) -> dict:
