@@ -59,6 +59,11 @@ def from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
     config.model's sizes are replaced by the HF config's; its rules and mesh choose the shardings.
     Returns the Setup of that run (its config carries the mapped model).
     """
+    with outputs.workdir_lock(workdir):  # a training run there would resume from a half-written step 0
+        return _from_hf(hf_dir, workdir, config)
+
+
+def _from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
     hf_path = Path(hf_dir)
     hf = hf_layout.read_hf_config(hf_dir, "--hf_dir")
     ckpt_dir = checkpoint_files.checkpoint_dir(workdir)

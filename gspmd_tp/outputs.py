@@ -113,7 +113,7 @@ def workdir_lock(workdir: str, warn=print):
     if distributed.from_process_0(held_by is not None):
         where = held_by if held_by else "as process 0 of this job found"
         raise UserError(
-            f"--workdir={workdir} is in use by another training run ({where}; {path}): let it finish or stop "
+            f"--workdir={workdir} is in use by another job ({where}; {path}): let it finish or stop "
             "it (SIGTERM saves and exits), then run again"
         )
     try:

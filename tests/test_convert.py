@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import LLAMA, child_env, small_config
 
-from gspmd_tp import checkpoint, convert
+from gspmd_tp import checkpoint, checkpoint_files, convert, outputs
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.model import Transformer
@@ -136,6 +136,20 @@ def test_tensor_that_does_not_match_config_json_is_named(tmp_path, hf_models):
     with pytest.raises(UserError, match=r"mlp.gate_proj.weight has shape \(96, 64\), config.json implies"):
         convert.from_hf(str(tmp_path / "hf"), str(tmp_path / "run"), small_config())
     assert not (tmp_path / "run").exists()  # no empty checkpoints/ left behind
+
+
+def test_import_into_a_workdir_in_use_writes_nothing(tmp_path, hf_models):
+    """A training run just started there holds the lock and has no checkpoint yet: a step 0
+    written under it would be resumed from by neither or both."""
+    hf_dir, _ = hf_models["untied"]
+    run = tmp_path / "run"
+    run.mkdir()
+    with outputs.workdir_lock(str(run)):
+        with pytest.raises(UserError, match=r"--workdir=.*/run is in use by another job \(pid \d+"):
+            convert.from_hf(str(hf_dir), str(run), small_config())
+    assert sorted(p.name for p in run.iterdir()) == ["train.lock"]
+    convert.from_hf(str(hf_dir), str(run), small_config())  # the lock went with its holder
+    assert checkpoint_files.steps_on_disk(str(run / "checkpoints")) == [0]
 
 
 def _tree(path):

@@ -679,7 +679,7 @@ def test_a_second_run_on_a_workdir_in_use_stops_before_touching_it(tmp_path):
     trainer.train(small_config(steps=2), str(workdir))
     before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
     with outputs.workdir_lock(str(workdir)):  # held as a running job holds it
-        message = r"--workdir=.*/run is in use by another training run \(pid \d+ on .* since .*train.lock\)"
+        message = r"--workdir=.*/run is in use by another job \(pid \d+ on .* since .*train.lock\)"
         with pytest.raises(UserError, match=message):
             trainer.train(small_config(steps=4), str(workdir))
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
