@@ -105,3 +105,18 @@ def _first_difference(given: dict, known: dict, where: str, skip: tuple[str, ...
             tiny = f"configs/tiny.py sets {known[key]!r}"
             return f"{where}.{key} is missing ({tiny}); start from configs/tiny.py get_config()"
     return None
+
+
+def changed(saved: dict, now: dict, skip: tuple[str, ...] = (), where: str = "") -> list[str]:
+    """`KEY before -> after` for each key whose value differs between two config dicts (the keys
+    `saved` lacks, added since it was written, are taken as equal); dotted keys in `skip` are left out."""
+    lines = []
+    for key, value in now.items():
+        dotted = f"{where}{key}"
+        if dotted in skip or key not in saved:
+            continue
+        if isinstance(value, dict) and isinstance(saved[key], dict):
+            lines += changed(saved[key], value, skip, f"{dotted}.")
+        elif saved[key] != value:
+            lines.append(f"{dotted} {saved[key]!r} -> {value!r}")
+    return lines

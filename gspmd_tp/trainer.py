@@ -15,7 +15,7 @@ import optax
 from gspmd_tp import axes, checkpoint, checkpoint_files, data, distributed, faults, metrics, optim, outputs
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
-from gspmd_tp.config_keys import check_keys, ours
+from gspmd_tp.config_keys import changed, check_keys, ours
 from gspmd_tp.errors import UserError, warn
 from gspmd_tp.mesh import make_mesh, mesh_string
 from gspmd_tp.model import ModelConfig, flops_per_token, param_count
@@ -229,6 +229,19 @@ def evaluate(s: Setup, eval_step, params, dataset, stop=lambda: False) -> float 
     return None if sums is None else sums[0] / sums[1]
 
 
+# Keys whose change on resume is reported elsewhere (the resume line, the schedule note, the
+# init_from note) or refused (checkpoint.RUN_IDENTITY).
+_NOTED_ELSEWHERE = ("rules", "mesh", "init_from", *optim.SCHEDULE_KEYS, *checkpoint.RUN_IDENTITY)
+
+
+def _note_config_change(saved_config: dict, config, step: int) -> None:
+    """Logs one line naming the settings a resumed run changed since `step` was saved (a larger
+    batch, another remat policy, ...): accepted, and in the log of the run they change."""
+    diffs = changed(saved_config, config.to_dict(), _NOTED_ELSEWHERE)
+    if diffs:
+        log(f"note: changed since step {step} was saved: {'; '.join(diffs)}")
+
+
 def _initial_state(s: Setup, workdir: str, found: list, mngr, imported_params):
     """(state, data-iterator state or None, start step): the newest checkpoint that restores, else init."""
     c = s.config
@@ -373,6 +386,8 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
     skipped = resumed.get("skipped_steps", 0) if resumed else 0
     if resumed and 0 < start < c.steps:  # a step-0 checkpoint (an import) trained on no schedule
         optim.note_schedule_change(resumed["config"], c, start, start - skipped, log)
+    if resumed and start:  # an import's config is from-hf's, not a run's
+        _note_config_change(resumed["config"], c, start)
     _set_aside_rows_after(
         workdir, start, f"; steps {start + 1}..{c.steps} train again" if start < c.steps else ""
     )

@@ -1,6 +1,7 @@
 """The sharded train step computes what one device computes, under every rule file and mesh."""
 
 import json
+import re
 import shutil
 
 import jax
@@ -182,6 +183,22 @@ def test_a_resumed_run_replaces_the_rows_of_the_steps_it_trains_again(trained_wo
         f"step 3 trains at lr {float(new(2)):.3e}, not {float(old(2)):.3e}"
     ) in out
     assert rows[2]["learning_rate"] == pytest.approx(float(new(2)))
+    assert "note: changed since" not in out  # config.steps is the schedule note's
+
+
+def test_a_resume_names_the_settings_it_changed(trained_workdir, tmp_path, capsys):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained_workdir, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "4")
+    changed = {"batch_size": 16, "model.remat": "dots", "optim.clip_norm": 0.5, "mesh": "dp=4,mp=2"}
+    trainer.train(small_config(**changed), str(workdir))
+    out = capsys.readouterr().out
+    # The mesh is the resume line's to name; the model's settings come in their section's order.
+    assert re.search(r"resumed from step 2 \(saved on mesh dp=2,mp=4 with rules \S*megatron_2d.yaml\)", out)
+    assert (
+        "note: changed since step 2 was saved: batch_size 8 -> 16; model.remat 'none' -> 'dots'; "
+        "optim.clip_norm 1.0 -> 0.5\n"
+    ) in out
 
 
 def test_a_finished_run_says_so_before_compiling(trained_workdir, tmp_path, monkeypatch, capsys):
