@@ -6,9 +6,19 @@ picked where it lives, so the full [tokens, vocab] logits never move (tests/test
 the compiled step). For large vocabularies even the per-device logits are big: the chunked form
 computes them a block of positions at a time, under jax.checkpoint, so the step never holds more
 than one block of logits, in the forward or the backward pass.
+
+A loop over blocks closes over the output projection, so autodiff sums its gradient across the
+blocks in the loop's carry. A carry laid out like the projection (not split over the batch) makes
+GSPMD reduce each block's gradient over the batch's devices before adding it: one data-parallel
+reduction of the projection's gradient per block instead of per step. The chunked form therefore
+reads a copy of the projection per batch shard (BATCH on a leading axis, no communication), so that
+each shard sums its blocks' gradients locally and the reduction over the batch runs once, where the
+copies' gradients are summed after the loop.
 """
 
 from __future__ import annotations
+
+import math
 
 import flax.linen as nn
 import jax
@@ -16,6 +26,7 @@ import jax.numpy as jnp
 
 from gspmd_tp.axes import BATCH, LENGTH, VOCAB
 from gspmd_tp.projection import output_projection
+from gspmd_tp.rules import axes_of
 
 
 def cross_entropy_sums(logits_blv, targets_bl, valid_bl=None):
@@ -33,6 +44,14 @@ def cross_entropy_sums(logits_blv, targets_bl, valid_bl=None):
     return jnp.where(valid_bl, losses, 0.0).sum(), valid_bl.sum()
 
 
+def batch_shards(batch: int) -> int:
+    """Devices a batch of `batch` rows is split over under the logical rules and mesh being traced
+    with: the size of the mesh axes `batch` resolves to (1 outside them, or where they do not divide)."""
+    mesh = dict(jax.sharding.get_abstract_mesh().shape)
+    shards = math.prod(mesh.get(a, 1) for a in axes_of(nn.logical_to_mesh_axes((BATCH,))[0]))
+    return shards if batch % shards == 0 else 1
+
+
 def chunked_cross_entropy_sums(hidden_ble, head_ev, targets_bl, chunk: int, valid_bl=None):
     """cross_entropy_sums(hidden @ head, targets, valid), `chunk` positions at a time.
 
@@ -42,20 +61,31 @@ def chunked_cross_entropy_sums(hidden_ble, head_ev, targets_bl, chunk: int, vali
     b, length, e = hidden_ble.shape
     if length % chunk:
         raise ValueError(f"sequence length {length} is not divisible by loss_chunk {chunk}")
-    n = length // chunk
-    hidden_cble = hidden_ble.reshape(b, n, chunk, e).swapaxes(0, 1)  # (chunks, batch, chunk, embed)
-    targets_cbl = targets_bl.reshape(b, n, chunk).swapaxes(0, 1)
-    valid_cbl = None if valid_bl is None else valid_bl.reshape(b, n, chunk).swapaxes(0, 1)
+    n, s = length // chunk, batch_shards(b)
+
+    def blocks(x_bl):  # (batch, length, ...) -> (chunks, shards, batch / shards, chunk, ...)
+        x = x_bl.reshape(s, b // s, n, chunk, *x_bl.shape[2:])
+        return jnp.moveaxis(x, 2, 0)
+
+    hidden_csble = blocks(hidden_ble)
+    targets_csbl = blocks(targets_bl)
+    valid_csbl = None if valid_bl is None else blocks(valid_bl)
+    # One copy of the projection per batch shard, each on its own shard's devices (see the module
+    # docstring): the gradient the loop carries is then split over the batch like the rows.
+    head_sev = jnp.broadcast_to(head_ev, (s, *head_ev.shape))
+    head_sev = nn.with_logical_constraint(head_sev, (BATCH, None, VOCAB))
 
     @jax.checkpoint  # recompute each block's logits in the backward pass instead of saving them
     def block(hidden, targets, valid):
-        hidden = nn.with_logical_constraint(hidden, (BATCH, LENGTH, None))
-        logits = output_projection(hidden, head_ev.astype(hidden.dtype))
-        logits = nn.with_logical_constraint(logits.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
-        return cross_entropy_sums(logits, targets, valid)[0]
+        hidden = nn.with_logical_constraint(hidden, (BATCH, None, LENGTH, None))
+        logits = jax.vmap(output_projection)(hidden, head_sev.astype(hidden.dtype))
+        logits = nn.with_logical_constraint(logits.astype(jnp.float32), (BATCH, None, LENGTH, VOCAB))
+        # Per shard, (shards,): the running total stays split over the batch too.
+        return jax.vmap(lambda x, t, v: cross_entropy_sums(x, t, v)[0])(logits, targets, valid)
 
-    def body(total, xs):
-        return total + block(*xs), None
+    def body(total_s, xs):
+        return total_s + block(*xs), None
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden_cble, targets_cbl, valid_cbl))
-    return total, b * length if valid_bl is None else valid_bl.sum()
+    zeros = nn.with_logical_constraint(jnp.zeros((s,), jnp.float32), (BATCH,))
+    total_s, _ = jax.lax.scan(body, zeros, (hidden_csble, targets_csbl, valid_csbl))
+    return total_s.sum(), b * length if valid_bl is None else valid_bl.sum()
