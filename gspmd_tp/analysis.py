@@ -74,8 +74,11 @@ def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[s
     parameters are sharded over those axes, once per microbatch. FSDP (a parameter sharded
     over a batch axis): gathered forward and backward per microbatch, its gradient
     reduce-scattered. XLA:CPU lowers reduce-scatter as all-reduce plus slice, so on the CPU
-    backend a reduce-scatter costs an all-reduce. `unmodelled` lists shardings the analysis does
-    not cover (head_dim, layers, length): there the total is not what the rule file needs.
+    backend a reduce-scatter costs an all-reduce. On the TPU backend a float32 model's products
+    read bf16 operands (JAX's default precision) and the compiler gathers them after the cast:
+    weights and the all-gather half of a sequence-parallel or 2D pair count 2 bytes an element.
+    `unmodelled` lists shardings the analysis does not cover (head_dim, layers, length): there the
+    total is not what the rule file needs.
     """
     c, cfg = s.config, s.model_cfg
     mesh_shape = dict(s.mesh.shape)
@@ -92,6 +95,9 @@ def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[s
     d_ways = ways(batch_axes)
     k = c.grad_accum
     act_bytes = 4 if (backend == "cpu" or cfg.dtype == "float32") else 2  # XLA:CPU promotes bf16
+    # What an all-gather moves per byte of a product's operand: the TPU compiler rounds float32
+    # operands to bfloat16 (JAX's default precision) and gathers them after the cast.
+    gather = 2 / act_bytes if backend == "tpu" else 1.0
     activation = (c.batch_size // k // d_ways) * c.seq_len * cfg.d_model * act_bytes
     # (all-reduces per microbatch, the mesh axes they run over), one entry per kind.
     reductions = [
@@ -109,6 +115,14 @@ def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[s
     scattered = any(set(axes_of(e)) & tp_axes for e in list(residual)[1:])
     if scattered and backend == "cpu":
         tensor_parallel *= 1.5
+    elif scattered:
+        # Half of each pair is an all-gather, of a product's operand except for the embedding's
+        # output gradient (half of the vocabulary entry's gathers), which a scatter-add reads.
+        operands = [1.0] * (len(reductions) - 1) + [0.5]
+        tensor_parallel = sum(
+            k * n * 2 * (ways(a) - 1) / ways(a) * activation * (1 + f * gather + (1 - f)) / 2
+            for (n, a), f in zip(reductions, operands, strict=True)
+        )
     # Shardings the analysis has no term for: the rest of the total is still right, but not the total.
     unmodelled = {
         (name, tuple(axes_of(e)))
@@ -171,7 +185,7 @@ def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[s
             # Inside the layer scan a weight is gathered for the forward pass and again for the
             # backward (ZeRO-3); outside it the gathered copy is kept for the backward pass.
             gathers = 2 if axes.LAYERS in row["logical"] else 1
-            fsdp_gather += k * gathers * (f - 1) / f * gathered
+            fsdp_gather += k * gathers * (f - 1) / f * gathered * (gather if len(row["shape"]) > 1 else 1)
             fsdp_reduce += k * (f - 1) / f * gathered * (2 if backend == "cpu" else 1)
     return {
         "tensor_parallel": tensor_parallel,

@@ -168,10 +168,15 @@ def classify(text: str) -> dict[str, str]:
 
 
 def collectives(text: str, num_devices: int) -> list[Collective]:
-    """Every collective of the program with its bytes, group size and execution count."""
+    """Every collective of the program with its bytes, group size and execution count.
+
+    One collective, one entry: the TPU compiler splits an asynchronous collective into a start
+    fusion and continuation fusions (async_collective_fusion) that each hold a copy of the
+    instruction with the same channel_id; one copy is counted, the most executed.
+    """
     comps, _ = _computations(text)
     runs = executions(text)
-    found = []
+    found: list[tuple[Collective, str | None]] = []
     for comp, lines in comps.items():
         for line in lines:
             m = _INSTRUCTION.match(line)
@@ -191,18 +196,22 @@ def collectives(text: str, num_devices: int) -> list[Collective]:
                 # The TPU compiler writes a reduce-scatter as a fused all-reduce + dynamic-slice
                 # computation named all-reduce-scatter; it moves what a reduce-scatter moves.
                 kind, size = "reduce-scatter", size // groups
-            found.append(
-                Collective(
-                    kind=kind,
-                    name=name,
-                    computation=comp,
-                    result_bytes=size,
-                    group_size=groups,
-                    executions=runs.get(comp, 0),
-                    op_name=_op_name(rest),
-                )
+            c = Collective(
+                kind=kind,
+                name=name,
+                computation=comp,
+                result_bytes=size,
+                group_size=groups,
+                executions=runs.get(comp, 0),
+                op_name=_op_name(rest),
             )
-    return found
+            channel = re.search(r"\bchannel_id=(\d+)", rest)
+            found.append((c, channel.group(1) if channel else None))
+    kept = {}  # channel -> the copy counted
+    for c, channel in found:
+        if channel is not None and (channel not in kept or c.executions > kept[channel].executions):
+            kept[channel] = c
+    return [c for c, channel in found if channel is None or kept[channel] is c]
 
 
 def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:

@@ -94,3 +94,26 @@ ENTRY %main (p: f32[4,128,256]) -> f32[4,32,256] {
     assert found.kind == "reduce-scatter" and found.executions == 1
     assert found.result_bytes == 4 * 32 * 256 * 4
     assert found.ring_bytes == pytest.approx(3 / 4 * 4 * 128 * 256 * 4)
+
+
+def test_an_async_collective_split_into_start_continuation_and_done_counts_once():
+    """The TPU compiler's async collectives: a start fusion, continuation fusions and a done fusion,
+    each holding a copy of the all-gather with the same channel_id; one all-gather moves the bytes."""
+    copy = (
+        "  %{name} = bf16[4,32,64]{{2,1,0}} all-gather(%p), channel_id=9, replica_groups=[2,4]<=[8], "
+        'dimensions={{1}}, metadata={{op_name="jit(step)/layers/attn/dot_general"}}'
+    )
+    parts = ["start", "continue.1", "continue.2", "done"]
+    text = "\n".join(
+        f"%{part} (p: bf16[4,8,64]) -> bf16[4,32,64] {{\n  %p = bf16[4,8,64]{{2,1,0}} parameter(0)\n"
+        f"{copy.format(name='all-gather.' + str(i))}\n}}\n"
+        for i, part in enumerate(parts)
+    )
+    calls = "\n".join(
+        f"  %f{i} = bf16[4,32,64]{{2,1,0}} fusion(%a), kind=kCustom, calls=%{p}" for i, p in enumerate(parts)
+    )
+    entry = "ENTRY %main (a: bf16[4,8,64]) -> bf16[4,32,64] {\n  %a = bf16[4,8,64]{2,1,0} parameter(0)\n"
+    text += f"\n{entry}{calls}\n}}\n"
+    (found,) = hlo.collectives(text, num_devices=8)
+    assert found.kind == "all-gather" and found.executions == 1 and found.result_bytes == 4 * 32 * 64 * 2
+    assert hlo.summarize([found])["all-gather"]["count"] == 1
