@@ -35,6 +35,7 @@ from gspmd_tp.axes import (
     VOCAB,
 )
 from gspmd_tp.projection import PROJECTION, explicit_projection_grad, output_projection, project
+from gspmd_tp.rules import UNCONSTRAINED, axes_of
 
 # Activations that a rule file may make a collective produce: each sublayer's input once it is
 # whole-width (an all-gather under sequence parallelism and 2D) and its output once reduced to the
@@ -247,12 +248,24 @@ def rotary(x, positions, theta: float):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
+def _score_heads() -> tuple:
+    """Logical names of the scores' (kv_heads, group) axes. Where the query heads are split over
+    mesh axes that the key/value heads are not (fewer key/value heads than the model-parallel
+    degree, kv_heads -> null), a device holds its own query heads, a split across both axes that
+    no single name describes, and every key/value head: the axes are left to GSPMD, which carries
+    the queries' split into the scores. Named (kv_heads, none), every score was gathered."""
+    mesh_axes = lambda name: set(axes_of(nn.logical_to_mesh_axes((name,))[0]))  # noqa: E731
+    if mesh_axes(HEADS) <= mesh_axes(KV_HEADS):
+        return KV_HEADS, None
+    return UNCONSTRAINED, UNCONSTRAINED
+
+
 def _attend(q, k, v, mask, dtype):
     """Softmax attention of grouped queries q (batch, q, kv_heads, group, head_dim) over keys and
     values (batch, s, kv_heads, head_dim) where `mask` (broadcasting to (batch, kv_heads, group, q,
     s)) allows; the scores and softmax in float32. Returns (batch, q, kv_heads, group, head_dim)."""
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    scores = _constrain(scores, (BATCH, KV_HEADS, None, LENGTH, None))
+    scores = _constrain(scores, (BATCH, *_score_heads(), LENGTH, None))
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v)

@@ -20,6 +20,9 @@ from gspmd_tp.axes import VOCABULARY
 from gspmd_tp.errors import UserError
 
 RULES_DIR = Path(__file__).resolve().parent.parent / "rules"
+# In a tuple of logical names, a dimension left to GSPMD: no rule applies to it and it takes no mesh
+# axis away from the others (flax passes it through unchanged).
+UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 _KEYS = {"description", "mesh_axes", "rules"}
 
 MeshAxes = str | tuple[str, ...] | None

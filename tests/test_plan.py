@@ -270,6 +270,23 @@ def _rule_file(tmp_path, name, **changes):
     return str(path)
 
 
+def test_fewer_key_value_heads_than_mp_moves_no_attention_score(tmp_path):
+    """2 key/value heads on mp=4 (kv_heads -> null, heads -> mp): each device scores its own query
+    heads against whole keys and values. The scores were constrained (kv_heads, none) on their head
+    axes, which gathered every layer's float32 scores forward and backward (1.54 MB per device per
+    step; 0.75 MB without)."""
+    rules = _rule_file(tmp_path, "kv_null", kv_heads="null")
+    c = small_config(rules=rules, mesh="dp=2,mp=4", **{"model.num_kv_heads": 2})
+    text = step_lib.compile_train_step(trainer.setup(c)).as_text()
+    t = c.seq_len
+    for coll in hlo.collectives(text, 8):
+        line = next(ln for ln in text.splitlines() if f"%{coll.name} = " in ln)
+        result_type = line.split("=", 1)[1].split(coll.kind)[0]
+        assert f",{t},{t}]" not in result_type, line[:200]  # (batch, kv_heads, group, q, s)
+    moved = sum(x.ring_bytes * x.executions for x in hlo.collectives(text, 8))
+    assert moved < 1.25 * planned("megatron_1d", "dp=2,mp=4")["bytes_per_device"]
+
+
 def test_attention_only_tensor_parallelism_is_in_the_analysis(tmp_path):
     """Each sublayer is modelled over the axes that shard its own hidden dimension: heads sharded
     and mlp not is half of megatron_1d's per-layer all-reduces, not none."""
