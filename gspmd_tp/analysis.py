@@ -182,9 +182,10 @@ def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[s
             fsdp_gather += k * 2 * (f - 1) / f * rows_bytes
         elif f > 1:
             gathered = local * f
-            # Inside the layer scan a weight is gathered for the forward pass and again for the
-            # backward (ZeRO-3); outside it the gathered copy is kept for the backward pass.
-            gathers = 2 if axes.LAYERS in row["logical"] else 1
+            # A layer's weight is gathered for the forward pass and again for the backward (ZeRO-3),
+            # scanned or unrolled (XLA:CPU and the TPU compiler both gather again rather than keep
+            # every layer's gathered copy); the output projection's gathered copy is kept.
+            gathers = 2 if row["path"].startswith("params/layers") else 1
             fsdp_gather += k * gathers * (f - 1) / f * gathered * (gather if len(row["shape"]) > 1 else 1)
             fsdp_reduce += k * (f - 1) / f * gathered * (2 if backend == "cpu" else 1)
     return {
