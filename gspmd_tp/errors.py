@@ -51,10 +51,18 @@ def parse_flags(argv: list[str], load: bool = True) -> list[str]:
     lacks reported in one line on stderr (exit 1)."""
     from absl import flags
 
-    with _config_mistakes_exit(argv):
+    with _config_mistakes_exit(argv), _no_none_warning():
         try:
             args = flags.FLAGS(argv)
         except flags.Error as e:  # absl's own report is two lines and a FATAL
+            if raised := _raised_by_get_config(e):
+                path = _config_path(argv, None)
+                where = _where(raised, path)
+                print(
+                    f"error: --config={path}: {type(raised).__name__}: {_first_line(raised)}{where}",
+                    file=sys.stderr,
+                )
+                sys.exit(1)
             message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
             print(f"error: {message} (--helpshort lists the flags)", file=sys.stderr)
             sys.exit(1)
@@ -95,6 +103,32 @@ def _config_mistakes_exit(argv: list[str] | None = None, default: str | None = N
             f"error: --config={path}: {type(e).__name__}: {_first_line(e)}{_where(e, path)}", file=sys.stderr
         )
         sys.exit(1)
+
+
+@contextlib.contextmanager
+def _no_none_warning():
+    """Keeps ml_collections' logged warning for a get_config() that returned None (and absl's line
+    about logging before flag parsing) off stderr: loaded_config() says so in its one line."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "get_config() returned None" not in record.getMessage()
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
+def _raised_by_get_config(e: BaseException) -> BaseException | None:
+    """The TypeError or ValueError that the --config file's get_config() raised, where absl's flag
+    error `e` wraps one: ml_collections re-raises it with the whole traceback as its message."""
+    wrapped = e.__context__
+    if isinstance(wrapped, (TypeError, ValueError)) and "Error whilst parsing config file" in str(wrapped):
+        return wrapped.__context__ or wrapped
+    return None
 
 
 def _first_line(e: BaseException) -> str:

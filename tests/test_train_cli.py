@@ -159,6 +159,18 @@ def test_flag_mistakes_are_one_line(args, message):
             "def get_config():\n    raise RuntimeError('no data')\n",
             "--config=CFG: RuntimeError: no data (line 2)",
         ),
+        (  # ml_collections re-raises a TypeError or ValueError with the whole traceback as its text
+            "def get_config():\n    return int('abc')\n",
+            "--config=CFG: ValueError: invalid literal for int() with base 10: 'abc' (line 2)",
+        ),
+        (
+            "def get_config(variant):\n    pass\n",
+            "--config=CFG: TypeError: get_config() missing 1 required positional argument: 'variant'",
+        ),
+        (
+            "def get_config():\n    pass\n",
+            "--config=CFG: get_config() returned a value of type NoneType (None), not",
+        ),
         (
             "from configs import tiny\ndef get_config():\n    c = tiny.get_config()\n"
             "    c.optim.learning_rate = 1e-4\n    return c\n",
@@ -182,6 +194,9 @@ def test_flag_mistakes_are_one_line(args, message):
         "int",
         "import",
         "raises",
+        "raises-valueerror",
+        "needs-an-argument",
+        "none",
         "misspelt-key",
         "unknown-key",
         "missing-key",
@@ -195,7 +210,7 @@ def test_a_config_file_that_is_wrong_is_one_line(tmp_path, body, message):
         [sys.executable, "train.py", f"--config={cfg}", f"--workdir={tmp_path / 'run'}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert errors[0].startswith(f"error: {message.replace('CFG', str(cfg))}"), errors
+    assert len(result.stderr.splitlines()) == 1, result.stderr[-2000:]
+    assert result.stderr.startswith(f"error: {message.replace('CFG', str(cfg))}"), result.stderr
     assert not (tmp_path / "run").exists()
