@@ -85,6 +85,34 @@ def steps_on_disk(ckpt_dir: str) -> list[int]:
     return sorted((int(n) for n in os.listdir(ckpt_dir) if n.isdigit()), reverse=True)
 
 
+def _is_step_dir(path: str) -> bool:
+    """Whether `path` is one step of a checkpoints directory (finished, partial or damaged)."""
+    return (
+        os.path.basename(path).isdigit()
+        and os.path.isdir(path)
+        and any(os.path.exists(os.path.join(path, n)) for n in (STATE, META, DATA, "_CHECKPOINT_METADATA"))
+    )
+
+
+def check_workdir_given(workdir: str, flag: str = "--workdir") -> None:
+    """Raises UserError where `workdir` is a run's checkpoints directory or one of its steps rather
+    than the run's directory (the checkpoint tool takes those): a run started there would write its
+    own checkpoints, metrics and lock inside the other run's, and a reader would find nothing."""
+    path = os.path.abspath(workdir)
+    parent = os.path.dirname(path)
+    if _is_step_dir(path):
+        run = os.path.dirname(parent)
+        raise UserError(
+            f"{flag}={workdir} is step {os.path.basename(path)} of the checkpoints of {run}, not a run's "
+            f"directory; pass {flag}={run} (--step={os.path.basename(path)} reads that step)"
+        )
+    if any(_is_step_dir(os.path.join(path, str(step))) for step in steps_on_disk(path)):
+        raise UserError(
+            f"{flag}={workdir} is the checkpoints directory of {parent}, not a run's directory; "
+            f"pass {flag}={parent}"
+        )
+
+
 def read_step_meta(step_dir: str) -> dict:
     """The meta item of a step, read as plain JSON; raises if the step is partial."""
     # orbax writes commit_success.txt last inside each finished item on file systems without

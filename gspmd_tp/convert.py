@@ -66,6 +66,7 @@ def from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
 def _from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
     hf_path = Path(hf_dir)
     hf = hf_layout.read_hf_config(hf_dir, "--hf_dir")
+    checkpoint_files.check_workdir_given(workdir)
     ckpt_dir = checkpoint_files.checkpoint_dir(workdir)
     if checkpoint_files.steps_on_disk(ckpt_dir):
         raise UserError(f"{ckpt_dir} already holds checkpoints; use a new --workdir")

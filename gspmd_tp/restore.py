@@ -85,6 +85,7 @@ def saved_config(
     from gspmd_tp import checkpoint
     from gspmd_tp import checkpoint_files as files
 
+    files.check_workdir_given(workdir)
     if step is None:
         found = files.readable_checkpoints(workdir, warn=warn)
         if not found:

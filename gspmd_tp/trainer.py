@@ -299,6 +299,7 @@ def train(config, workdir: str) -> dict:
     A SIGTERM/SIGINT saves at the next step boundary and returns with "stopped" set; a second
     exits at once. A NaN/Inf loss or gradient raises UserError (or is skipped, per config).
     """
+    checkpoint_files.check_workdir_given(workdir)
     outputs.check_dir(workdir, "--workdir")
     # What a run writes inside it, where it exists already (a resumed run) and is not writable:
     # found now, not when the first save fails in the background minutes later.

@@ -214,3 +214,45 @@ def test_a_config_file_that_is_wrong_is_one_line(tmp_path, body, message):
     assert len(result.stderr.splitlines()) == 1, result.stderr[-2000:]
     assert result.stderr.startswith(f"error: {message.replace('CFG', str(cfg))}"), result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "command, given, message",
+    [
+        (
+            ["train.py", "--config=configs/tiny.py", *SMALL, "--config.steps=1"],
+            "run/checkpoints",
+            "--workdir=RUN/checkpoints is the checkpoints directory of RUN, not a run's directory; "
+            "pass --workdir=RUN",
+        ),
+        (
+            ["train.py", "--config=configs/tiny.py", *SMALL, "--config.steps=1"],
+            "run/checkpoints/4",
+            "--workdir=RUN/checkpoints/4 is step 4 of the checkpoints of RUN, not a run's directory; "
+            "pass --workdir=RUN (--step=4 reads that step)",
+        ),
+        (
+            ["-m", "gspmd_tp.evaluate"],
+            "run/checkpoints",
+            "--workdir=RUN/checkpoints is the checkpoints directory of RUN, not a run's directory; "
+            "pass --workdir=RUN",
+        ),
+    ],
+    ids=["train-checkpoints-dir", "train-step-dir", "evaluate-checkpoints-dir"],
+)
+def test_a_checkpoints_directory_given_as_workdir_is_one_line(tmp_path, command, given, message):
+    """The checkpoint tool takes a run's checkpoints/ or one step directory; train.py given one
+    started a fresh run inside the other run's checkpoints (its own checkpoints/, metrics and lock
+    in there), and the readers looked for checkpoints/checkpoints."""
+    step = tmp_path / "run" / "checkpoints" / "4"
+    for item in ("state", "meta", "data"):
+        (step / item).mkdir(parents=True)
+    (step / "_CHECKPOINT_METADATA").write_text("{}")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    result = subprocess.run(
+        [sys.executable, *command, f"--workdir={tmp_path / given}"],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr == f"error: {message.replace('RUN', str(tmp_path / 'run'))}\n"
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written
