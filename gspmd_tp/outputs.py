@@ -88,11 +88,17 @@ def workdir_lock(workdir: str, warn=print):
 
     from gspmd_tp import distributed
 
-    path, held_by, lock, created = os.path.join(workdir, LOCK), None, None, False
+    path, held_by, lock, created, unwritable = os.path.join(workdir, LOCK), None, None, False, None
     if jax.process_index() == 0:
         created = not os.path.exists(workdir)
-        os.makedirs(workdir, exist_ok=True)
-        lock = open(path, "a+")
+        try:  # check_dir's os.access says yes to root even where the filesystem refuses (/proc)
+            os.makedirs(workdir, exist_ok=True)
+            lock = open(path, "a+")
+        except OSError as e:
+            unwritable = f"{e.strerror}: {e.filename}"
+            if created and os.path.isdir(workdir) and not os.listdir(workdir):
+                os.rmdir(workdir)
+    if lock is not None:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -110,11 +116,15 @@ def workdir_lock(workdir: str, warn=print):
                 f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
             )
             lock.flush()
-    if distributed.from_process_0(held_by is not None):
-        where = held_by if held_by else "as process 0 of this job found"
+    # 0: go on; 1: locked by another job; 2: process 0 cannot write the workdir.
+    outcome = distributed.from_process_0(1 if held_by is not None else 2 if unwritable else 0)
+    process_0 = "as process 0 of this job found"
+    if outcome == 2:
+        raise UserError(f"--workdir={workdir}: cannot write there ({unwritable or process_0})")
+    if outcome == 1:
         raise UserError(
-            f"--workdir={workdir} is in use by another job ({where}; {path}): let it finish or stop "
-            "it (SIGTERM saves and exits), then run again"
+            f"--workdir={workdir} is in use by another job ({held_by or process_0}; {path}): "
+            "let it finish or stop it (SIGTERM saves and exits), then run again"
         )
     try:
         yield

@@ -75,3 +75,18 @@ def test_a_chart_needs_an_image_format_matplotlib_writes(tmp_path):
     ):
         outputs.check_image(str(tmp_path / "chart"), "--chart")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_workdir_that_cannot_be_written_is_one_line_when_the_lock_is_taken(tmp_path):
+    """os.access, which check_dir asks, says yes to root where the filesystem refuses (/proc), and a
+    train.lock in the way is no file: the lock, the run's first write, named the path in a traceback."""
+    lock = tmp_path / "run" / outputs.LOCK
+    lock.mkdir(parents=True)
+    message = f"--workdir={tmp_path / 'run'}: cannot write there (Is a directory: {lock})"
+    with pytest.raises(UserError, match=_whole(message)):
+        with outputs.workdir_lock(str(tmp_path / "run")):
+            pass
+    with pytest.raises(UserError, match=r"^--workdir=/proc/gspmd_tp_none/run: cannot write there \("):
+        with outputs.workdir_lock("/proc/gspmd_tp_none/run"):
+            pass
+    assert not os.path.exists("/proc/gspmd_tp_none")
