@@ -199,6 +199,8 @@ def main(argv) -> None:
     command = argv[1] if len(argv) == 2 else None
     if command not in ("from-hf", "to-hf"):
         given = f"unknown command {command!r}; " if command else ""
+        if len(argv) > 2:  # `config.steps=5` without its dashes, say
+            given = f"unexpected argument {argv[2]!r} after {argv[1]!r} (flags are --NAME=VALUE); "
         print(
             f"error: {given}usage: python -m gspmd_tp.convert {{from-hf,to-hf}} --FLAG=VALUE ...",
             file=sys.stderr,

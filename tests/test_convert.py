@@ -252,6 +252,19 @@ def test_an_unknown_command_is_named():
     assert result.stderr.count("\n") == 1
 
 
+def test_a_positional_argument_after_the_command_is_named(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "gspmd_tp.convert", "to-hf", f"--workdir={tmp_path}", "--hf_dir=x",
+         "config.steps=5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == (
+        "error: unexpected argument 'config.steps=5' after 'to-hf' (flags are --NAME=VALUE); "
+        "usage: python -m gspmd_tp.convert {from-hf,to-hf} --FLAG=VALUE ...\n"
+    )
+
+
 def test_commands_import_fine_tune_with_train_py_and_export(tmp_path, hf_models):
     hf_dir, want = hf_models["untied"]
     run, out = tmp_path / "run", tmp_path / "hf"
