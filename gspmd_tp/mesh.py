@@ -16,9 +16,10 @@ def parse_mesh(spec: str, num_devices: int, hint: str = "") -> dict[str, int]:
     """Parses "dp=2,mp=4" into {"dp": 2, "mp": 4}; one size may be -1 and is filled in. `hint` ends
     the message of a device count that does not match."""
     sizes: dict[str, int] = {}
-    for part in spec.replace(" ", "").split(","):
-        name, eq, value = part.partition("=")
-        if not name or not eq:
+    for part in spec.split(","):
+        part = part.strip()  # " dp = 2, mp=4"; but "dp=2 mp=4" is one item, not two
+        name, eq, value = (p.strip() for p in part.partition("="))
+        if not name or not eq or any(c.isspace() for c in name + value):
             raise UserError(f"mesh {spec!r}: expected NAME=SIZE items separated by commas, got {part!r}")
         if name in sizes:
             raise UserError(f"mesh {spec!r}: axis {name!r} appears twice")

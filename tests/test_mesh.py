@@ -35,6 +35,7 @@ def test_parse_mesh(spec, devices, sizes):
         ("dp=-1,mp=3", r"8 devices are not divisible by the fixed axes \(3\)"),
         ("dp=2,mp", r"expected NAME=SIZE items separated by commas, got 'mp'"),
         ("dp=8,", r"expected NAME=SIZE items separated by commas, got ''"),
+        ("dp=2 mp=4", r"expected NAME=SIZE items separated by commas, got 'dp=2 mp=4'"),
         ("=8", r"expected NAME=SIZE"),
         ("dp=2,dp=4", r"axis 'dp' appears twice"),
         ("dp=two,mp=4", r"size of axis 'dp' is not an integer: 'two'"),
