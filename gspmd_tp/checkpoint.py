@@ -302,8 +302,14 @@ def saved_model(model: dict) -> dict:
     return {**dataclasses.asdict(ModelConfig()), **model}
 
 
-def check_model_matches(saved: dict, current: ModelConfig, where: str) -> None:
-    """A checkpoint made by a different model cannot be resumed: name every differing key and parameter."""
+def check_model_matches(
+    saved: dict,
+    current: ModelConfig,
+    where: str,
+    advice: str = "use a new --workdir or the saved model config",
+) -> None:
+    """A checkpoint made by a different model cannot be resumed (or read): name every differing key
+    and parameter, then `advice`."""
     saved = saved_model(saved)
     now = dataclasses.asdict(current)
     diffs = [
@@ -321,7 +327,7 @@ def check_model_matches(saved: dict, current: ModelConfig, where: str) -> None:
     ]
     raise UserError(
         f"{where} holds a checkpoint of a different model ({'; '.join(diffs)}; parameters: "
-        f"{'; '.join(shapes) or 'same shapes'}); use a new --workdir or the saved model config"
+        f"{'; '.join(shapes) or 'same shapes'}); {advice}"
     )
 
 

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 DEFAULT_DEVICES = 8  # what train.py simulates by default (configs/tiny.py host_device_count)
+# A reader's --config.model overrides that change the parameters: the fix is to leave them out.
+READ_AS_SAVED = (
+    "the parameters are read as saved: leave out the --config.model overrides that change them "
+    "(dtype, remat, attention, attention_block and projection_grad may differ)"
+)
 
 
 def split_overrides(args: list[str]) -> dict[str, str]:
@@ -163,7 +168,7 @@ def load_setup(
         s = _setup_with_saved_rules(config, meta, step)
     else:
         s = trainer.setup(config)
-    checkpoint.check_model_matches(meta["model"], s.model_cfg, workdir)
+    checkpoint.check_model_matches(meta["model"], s.model_cfg, workdir, READ_AS_SAVED)
     if sampling:
         from gspmd_tp import axes
         from gspmd_tp.rules import unsharded
@@ -219,7 +224,8 @@ def restore_newest_params(workdir: str, step: int, s: trainer.Setup):
     def read(path: str):
         candidate = int(os.path.basename(path))
         if candidate != step:  # `step` was checked by load_setup
-            checkpoint.check_model_matches(files.read_step_meta(path)["model"], s.model_cfg, workdir)
+            model = files.read_step_meta(path)["model"]
+            checkpoint.check_model_matches(model, s.model_cfg, workdir, READ_AS_SAVED)
         return _read_params(workdir, candidate, s)
 
     ckpt_dir = files.checkpoint_dir(workdir)

@@ -55,6 +55,11 @@ def test_report_and_plot(trained_workdir, tmp_path, capsys):
         (["--config.rules=nonexistent"], "rule file 'nonexistent' not found"),
         (["--plot=/dev/null/loss.png"], "--plot=/dev/null/loss.png: /dev/null is a file, not a directory"),
         (["--plot=/tmp/loss.jpgg"], "--plot=/tmp/loss.jpgg: the extension .jpgg is not an image format"),
+        (  # not train.py's "use a new --workdir": nothing is written here
+            ["--config.model.scan_layers=False"],
+            "holds a checkpoint of a different model (scan_layers: saved True, now False; parameters: ",
+        ),
+        (["--config.model.d_model=32"], "; the parameters are read as saved: leave out the --config.model"),
     ],
 )
 def test_bad_input_is_one_line(trained_workdir, monkeypatch, capsys, args, message):
