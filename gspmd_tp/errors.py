@@ -146,9 +146,11 @@ def _where(e: BaseException, path: str) -> str:
 
 def _config_path(argv: list[str], default: str | None) -> str:
     """The --config file as given, or the default's path marked as such."""
-    given = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    if given:
-        return given[-1]
+    from gspmd_tp.host_devices import flag_from_argv  # no jax there
+
+    given = flag_from_argv(argv, "--config")  # --config=FILE or absl's --config FILE
+    if given is not None:
+        return given
     if default is None:
         from absl import flags
 

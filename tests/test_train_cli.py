@@ -217,6 +217,32 @@ def test_a_config_file_that_is_wrong_is_one_line(tmp_path, body, message):
 
 
 @pytest.mark.parametrize(
+    "body, message",
+    [
+        (None, "--config=CFG: no such file (cwd ROOT)"),
+        (
+            "def get_config():\n    raise RuntimeError('no data')\n",
+            "--config=CFG: RuntimeError: no data (line 2)",
+        ),
+        ("X = 1\n", "--config=CFG: the file defines no get_config()"),
+    ],
+    ids=["missing", "raises", "no-get_config"],
+)
+def test_a_config_file_given_in_absls_space_form_is_the_one_named(tmp_path, body, message):
+    """`--config FILE` (absl's other spelling) named the default configs/tiny.py in the error."""
+    cfg = tmp_path / "mine.py"
+    if body is not None:
+        cfg.write_text(body)
+    result = subprocess.run(
+        [sys.executable, "train.py", "--config", str(cfg), f"--workdir={tmp_path / 'run'}"],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr == f"error: {message.replace('CFG', str(cfg)).replace('ROOT', str(ROOT))}\n"
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
     "command, given, message",
     [
         (
