@@ -87,11 +87,13 @@ def steps_on_disk(ckpt_dir: str) -> list[int]:
 
 def _is_step_dir(path: str) -> bool:
     """Whether `path` is one step of a checkpoints directory (finished, partial or damaged)."""
-    return (
-        os.path.basename(path).isdigit()
-        and os.path.isdir(path)
-        and any(os.path.exists(os.path.join(path, n)) for n in (STATE, META, DATA, "_CHECKPOINT_METADATA"))
-    )
+
+    def has(name: str) -> bool:
+        return os.path.exists(os.path.join(path, name))
+
+    # Not `data` alone: a run directory named 1 may hold the user's data/.
+    named = os.path.basename(path).isdigit() and os.path.isdir(path)
+    return named and (has("_CHECKPOINT_METADATA") or (has(STATE) and has(META)))
 
 
 def check_workdir_given(workdir: str, flag: str = "--workdir") -> None:

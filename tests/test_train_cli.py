@@ -282,3 +282,20 @@ def test_a_checkpoints_directory_given_as_workdir_is_one_line(tmp_path, command,
     assert result.returncode == 1, result.stderr[-2000:]
     assert result.stderr == f"error: {message.replace('RUN', str(tmp_path / 'run'))}\n"
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_a_run_directory_named_by_a_number_is_a_workdir(tmp_path):
+    """Only a directory that holds a checkpoint's items is taken for a step: a run named 1 may keep
+    its data/ (one of a step's item names) and its own checkpoints/."""
+    from gspmd_tp import checkpoint_files
+
+    run = tmp_path / "1"
+    (run / "data").mkdir(parents=True)
+    (run / "checkpoints" / "2" / "state").mkdir(parents=True)
+    (run / "checkpoints" / "2" / "meta").mkdir()
+    checkpoint_files.check_workdir_given(str(run))
+    checkpoint_files.check_workdir_given(str(tmp_path))
+    with pytest.raises(checkpoint_files.UserError, match="is the checkpoints directory of "):
+        checkpoint_files.check_workdir_given(str(run / "checkpoints"))
+    with pytest.raises(checkpoint_files.UserError, match="is step 2 of the checkpoints of "):
+        checkpoint_files.check_workdir_given(str(run / "checkpoints" / "2"))
