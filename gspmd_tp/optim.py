@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -25,8 +27,9 @@ def decay_mask(params):
 def check(optim) -> None:
     """Checks config.optim's values; raises UserError naming the key."""
     for key in ("lr", "warmup_steps", "eps", "weight_decay", "clip_norm"):
-        if optim[key] < 0:
-            raise UserError(f"config.optim.{key} must be 0 or more, got {optim[key]}")
+        if not 0 <= optim[key] < math.inf:  # nan and inf too: the first step would be non-finite
+            finite = "" if math.isfinite(optim[key]) else " and finite"
+            raise UserError(f"config.optim.{key} must be 0 or more{finite}, got {optim[key]}")
     if not 0 <= optim.min_lr_ratio <= 1:
         raise UserError(f"config.optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
     for key in ("b1", "b2"):

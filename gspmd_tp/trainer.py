@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 
@@ -77,7 +78,7 @@ def check_config(config) -> None:
         raise UserError(
             f"config.host_device_count must be 0 (the host's devices) or more, got {config.host_device_count}"
         )
-    if config.peak_flops_per_device < 0:
+    if not 0 <= config.peak_flops_per_device < math.inf:
         peak = config.peak_flops_per_device
         raise UserError(f"config.peak_flops_per_device must be 0 (the known peak) or more, got {peak}")
     if not 0 <= config.data.seed < 2**32:

@@ -85,6 +85,11 @@ def test_norm_scales_get_no_weight_decay():
         ("min_lr_ratio", 1.5, r"config.optim.min_lr_ratio must be in \[0, 1\], got 1.5"),
         ("b2", 1.0, r"config.optim.b2 must be in \[0, 1\), got 1.0"),
         ("clip_norm", -1.0, "config.optim.clip_norm must be 0 or more, got -1.0"),
+        ("lr", float("nan"), "config.optim.lr must be 0 or more and finite, got nan"),
+        ("lr", float("inf"), "config.optim.lr must be 0 or more and finite, got inf"),
+        ("weight_decay", float("nan"), "config.optim.weight_decay must be 0 or more and finite, got nan"),
+        ("eps", float("nan"), "config.optim.eps must be 0 or more and finite, got nan"),
+        ("clip_norm", float("nan"), "config.optim.clip_norm must be 0 or more and finite, got nan"),
     ],
 )
 def test_bad_optimizer_values_are_named(key, value, message):
@@ -137,6 +142,12 @@ def test_negative_run_values_are_named(key, message):
     c = small_config()
     c[key] = -1
     with pytest.raises(UserError, match=message):
+        trainer.setup(c)
+
+
+def test_a_peak_that_is_not_a_number_is_named():
+    c = small_config(peak_flops_per_device=float("nan"))
+    with pytest.raises(UserError, match=r"config.peak_flops_per_device must be 0 \(the known peak\) or more"):
         trainer.setup(c)
 
 
