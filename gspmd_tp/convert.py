@@ -59,6 +59,7 @@ def from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
     config.model's sizes are replaced by the HF config's; its rules and mesh choose the shardings.
     Returns the Setup of that run (its config carries the mapped model).
     """
+    checkpoint_files.check_workdir_given(workdir)  # before the lock, which would leave its file there
     with outputs.workdir_lock(workdir):  # a training run there would resume from a half-written step 0
         return _from_hf(hf_dir, workdir, config)
 
@@ -66,7 +67,6 @@ def from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
 def _from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
     hf_path = Path(hf_dir)
     hf = hf_layout.read_hf_config(hf_dir, "--hf_dir")
-    checkpoint_files.check_workdir_given(workdir)
     ckpt_dir = checkpoint_files.checkpoint_dir(workdir)
     if checkpoint_files.steps_on_disk(ckpt_dir):
         raise UserError(f"{ckpt_dir} already holds checkpoints; use a new --workdir")

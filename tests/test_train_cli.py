@@ -258,13 +258,19 @@ def test_a_config_file_given_in_absls_space_form_is_the_one_named(tmp_path, body
             "pass --workdir=RUN (--step=4 reads that step)",
         ),
         (
+            ["-m", "gspmd_tp.convert", "from-hf", "--hf_dir=/nonexistent"],
+            "run/checkpoints",
+            "--workdir=RUN/checkpoints is the checkpoints directory of RUN, not a run's directory; "
+            "pass --workdir=RUN",
+        ),
+        (
             ["-m", "gspmd_tp.evaluate"],
             "run/checkpoints",
             "--workdir=RUN/checkpoints is the checkpoints directory of RUN, not a run's directory; "
             "pass --workdir=RUN",
         ),
     ],
-    ids=["train-checkpoints-dir", "train-step-dir", "evaluate-checkpoints-dir"],
+    ids=["train-checkpoints-dir", "train-step-dir", "from-hf-checkpoints-dir", "evaluate-checkpoints-dir"],
 )
 def test_a_checkpoints_directory_given_as_workdir_is_one_line(tmp_path, command, given, message):
     """The checkpoint tool takes a run's checkpoints/ or one step directory; train.py given one
