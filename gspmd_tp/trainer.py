@@ -300,6 +300,10 @@ def train(config, workdir: str) -> dict:
     A SIGTERM/SIGINT saves at the next step boundary and returns with "stopped" set; a second
     exits at once. A NaN/Inf loss or gradient raises UserError (or is skipped, per config).
     """
+    # First, on every process: a value given to one process alone (a rule file or data path that
+    # only it lacks, say) is named everywhere, not only where that process's own check fails while
+    # the others wait for it in a collective until it is given up for dead.
+    distributed.check_same_everywhere(config.to_dict(), "")
     checkpoint_files.check_workdir_given(workdir)
     outputs.check_dir(workdir, "--workdir")
     # What a run writes inside it, where it exists already (a resumed run) and is not writable:

@@ -123,14 +123,22 @@ def test_a_checkpoint_one_process_cannot_read_is_skipped_by_every_process(tmp_pa
     assert sorted(losses(run)) == [1, 2, 3, 4, 5] and losses(run)[3] == first[3]
 
 
-def test_processes_given_other_values_are_refused_before_training(tmp_path):
-    procs = start(tmp_path / "run", 4, only=((), ("--config.optim.lr=0.001",)))
+@pytest.mark.parametrize(
+    "only, key",
+    [
+        ("--config.optim.lr=0.001", "config.optim.lr"),
+        # A rule file only process 1 was given (and lacks): named on both, not process 1's own
+        # "not found" while process 0 waited 30 s in a collective and blamed a dead peer.
+        ("--config.rules=nonexistent", "config.rules"),
+    ],
+    ids=["lr", "missing-rule-file"],
+)
+def test_processes_given_other_values_are_refused_before_training(tmp_path, only, key):
+    procs = start(tmp_path / "run", 4, only=((), (only,)))
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 1, err[-2000:]
-        assert "error: config.optim.lr differs between process 0 and process 1 of this job" in err, err[
-            -2000:
-        ]
+        assert f"error: {key} differs between process 0 and process 1 of this job" in err, err[-2000:]
     assert not (tmp_path / "run").exists()
 
 
