@@ -8,12 +8,14 @@ No jax import here, so entry points can check their flags first.
 import contextlib
 import fcntl
 import os
+import secrets
 import socket
 import time
 
 from gspmd_tp.errors import UserError
 
 LOCK = "train.lock"  # in a workdir: held by the training job that runs on it
+_JOB = "job "  # the lock file's second line: a number drawn by process 0 of the job
 
 
 def _not_creatable(directory: str) -> str | None:
@@ -83,12 +85,18 @@ def workdir_lock(workdir: str, warn=print):
     for damaged ones. The lock goes with the process, however it ends. A workdir this call
     created holds only the lock file when the body fails early: both are removed. Where the
     filesystem has no locks, it warns and goes on without one.
+
+    In a multi-process job every process must then read the line process 0 wrote in the lock file
+    (a number drawn for this job): a process given another --workdir, or one whose workdir is not
+    the storage process 0 writes to, would save its shards of every checkpoint elsewhere and wait
+    in the save's barriers. UserError on every process instead, naming the first that does not.
     """
     import jax
 
     from gspmd_tp import distributed
 
-    path, held_by, lock, created, unwritable = os.path.join(workdir, LOCK), None, None, False, None
+    path, held_by, lock, created, job = os.path.join(workdir, LOCK), None, None, False, 0
+    unwritable = None
     if jax.process_index() == 0:
         created = not os.path.exists(workdir)
         try:  # check_dir's os.access says yes to root even where the filesystem refuses (/proc)
@@ -103,30 +111,36 @@ def workdir_lock(workdir: str, warn=print):
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.seek(0)
-            held_by = lock.read().strip() or "a process that has not said which"
+            held_by = lock.readline().strip() or "a process that has not said which"
             lock.close()
         except OSError as e:
             warn(
                 f"warning: {path}: cannot lock it ({e.strerror}); nothing stops a second run on this workdir"
             )
-        else:
-            lock.seek(0)
-            lock.truncate()
-            lock.write(
-                f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-            )
-            lock.flush()
+        if not lock.closed:
+            job = secrets.randbelow(2**31 - 1) + 1  # int32, never 0 (no line written)
+            try:
+                lock.seek(0)
+                lock.truncate()
+                since = time.strftime("%Y-%m-%d %H:%M:%S")
+                lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}\n{_JOB}{job}\n")
+                lock.flush()
+                os.fsync(lock.fileno())  # seen by the other hosts of the job (NFS: close-to-open)
+            except OSError:
+                job = 0
     # 0: go on; 1: locked by another job; 2: process 0 cannot write the workdir.
     outcome = distributed.from_process_0(1 if held_by is not None else 2 if unwritable else 0)
     process_0 = "as process 0 of this job found"
-    if outcome == 2:
+    if outcome == 2:  # nothing was created, nothing to clean up
         raise UserError(f"--workdir={workdir}: cannot write there ({unwritable or process_0})")
-    if outcome == 1:
-        raise UserError(
-            f"--workdir={workdir} is in use by another job ({held_by or process_0}; {path}): "
-            "let it finish or stop it (SIGTERM saves and exits), then run again"
-        )
     try:
+        if outcome == 1:
+            raise UserError(
+                f"--workdir={workdir} is in use by another job ({held_by or process_0}; {path}): "
+                "let it finish or stop it (SIGTERM saves and exits), then run again"
+            )
+        if jax.process_count() > 1:
+            _check_one_workdir(workdir, path, distributed.from_process_0(job))
         yield
     finally:
         if lock is not None and not lock.closed:
@@ -134,3 +148,30 @@ def workdir_lock(workdir: str, warn=print):
         if created and os.listdir(workdir) == [LOCK]:
             os.remove(path)
             os.rmdir(workdir)
+
+
+def _check_one_workdir(workdir: str, path: str, job: int) -> None:
+    """UserError on every process of the job unless each reads `job` (process 0's number; 0: it
+    wrote none, nothing to check) in its own lock file `path`. Every process must call it."""
+    import jax
+
+    from gspmd_tp import distributed
+
+    if not job:
+        return
+    for _ in range(3):  # a host's cached view of the shared directory may lag a moment
+        try:
+            with open(path) as f:
+                sees = f"{_JOB}{job}" in f.read().splitlines()
+        except OSError:
+            sees = False
+        if sees or jax.process_index() == 0:
+            break
+        time.sleep(1.0)
+    blind = [i for i, [ok] in enumerate(distributed.every_process([int(sees)])) if not ok]
+    if blind:
+        raise UserError(
+            f"--workdir={workdir}: process {blind[0]} of this job does not find the {LOCK} that process 0 "
+            f"wrote in its --workdir: start every process with the same --workdir, on storage that every "
+            "process sees"
+        )

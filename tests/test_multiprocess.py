@@ -142,6 +142,23 @@ def test_processes_given_other_values_are_refused_before_training(tmp_path, only
     assert not (tmp_path / "run").exists()
 
 
+def test_processes_given_other_workdirs_are_refused_before_training(tmp_path):
+    """Process 1 would save its shards of each checkpoint in its own workdir while process 0 waited
+    in the save's barriers for them (a hang of minutes, then a crash with no checkpoint)."""
+    procs = start(tmp_path / "a", 4, only=((), (f"--workdir={tmp_path / 'b'}",)))
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 1, err[-2000:]
+        assert (
+            "process 1 of this job does not find the train.lock that process 0 wrote in its --workdir" in err
+        )
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def wait_for_training(workdir):
     metrics = Path(workdir) / "metrics.jsonl"
     deadline = time.time() + 120
