@@ -88,12 +88,15 @@ def initialize(
         raise UserError(f"{how}: joining the job failed: {first}") from None
 
 
-def check_same_everywhere(config: dict, rules_text: str) -> None:
-    """UserError, on every process, naming the first config key (or the rule file) that some process
-    of the job was given otherwise: processes started with other values would train apart."""
+def check_same_everywhere(config: dict, rules_text: str | None = None) -> None:
+    """UserError, on every process, naming the first config key (or the rule file, where its text is
+    given) that some process of the job was given otherwise: processes started with other values
+    would train apart."""
     if jax.process_count() == 1:
         return
-    items = sorted(_flat(config).items()) + [("the rule file's text", rules_text)]
+    items = sorted(_flat(config).items())
+    if rules_text is not None:
+        items.append(("the rule file's text", rules_text))
     digests = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:3], "little") for _, v in items]
     keys = int.from_bytes(hashlib.sha256(repr([k for k, _ in items]).encode()).digest()[:3], "little")
     rows = every_process([keys, *digests])  # 24-bit digests fit int32
@@ -108,6 +111,25 @@ def check_same_everywhere(config: dict, rules_text: str) -> None:
                 f"{name} differs between process 0 and process {other} of this job; "
                 "start every process with the same config, rule file and overrides"
             )
+
+
+def agreed(fn, *args):
+    """fn(*args) on every process of the job, with one outcome for all: where it raises UserError on
+    some process (a file only that host lacks, a value only that process was given), that process
+    raises it and every other raises a UserError naming that process, instead of going on into a
+    collective that the failed process never joins. Every process must call it at the same point."""
+    if jax.process_count() == 1:
+        return fn(*args)
+    try:
+        result, mine = fn(*args), None
+    except UserError as e:
+        result, mine = None, e
+    failed = [i for i, [bad] in enumerate(every_process([int(mine is not None)])) if bad]
+    if mine is not None:
+        raise mine
+    if failed:
+        raise UserError(f"process {failed[0]} of this job stopped with an error (its output says which)")
+    return result
 
 
 def every_process(values: list[int]) -> list[list[int]]:

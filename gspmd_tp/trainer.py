@@ -302,18 +302,11 @@ def train(config, workdir: str) -> dict:
     """
     # First, on every process: a value given to one process alone (a rule file or data path that
     # only it lacks, say) is named everywhere, not only where that process's own check fails while
-    # the others wait for it in a collective until it is given up for dead.
-    distributed.check_same_everywhere(config.to_dict(), "")
-    checkpoint_files.check_workdir_given(workdir)
-    outputs.check_dir(workdir, "--workdir")
-    # What a run writes inside it, where it exists already (a resumed run) and is not writable:
-    # found now, not when the first save fails in the background minutes later.
+    # the others wait for it in a collective until it is given up for dead. What else fails on one
+    # process only (a file its host lacks) fails every process.
+    distributed.check_same_everywhere(config.to_dict())
+    s = distributed.agreed(_checked_setup, config, workdir)
     checkpoint_dir = checkpoint_files.checkpoint_dir(workdir)
-    outputs.check_dir(checkpoint_dir, "--workdir's checkpoints")
-    outputs.check_dir(os.path.join(workdir, metrics.TENSORBOARD), "--workdir's tensorboard")
-    outputs.check_file(os.path.join(workdir, metrics.JSONL), "--workdir's metrics")
-    outputs.check_file(os.path.join(workdir, metrics.REPLACED), "--workdir's replaced metrics")
-    s = setup(config)
     c = s.config
     distributed.check_same_everywhere(c.to_dict(), s.rules.text)
     workdir = os.path.abspath(workdir)
@@ -324,6 +317,37 @@ def train(config, workdir: str) -> dict:
         c.rules = os.path.abspath(c.rules)
     with outputs.workdir_lock(workdir, log):  # one job at a time on a workdir
         return _train(s, workdir, checkpoint_dir)
+
+
+def _checked_setup(config, workdir: str) -> Setup:
+    """setup(config), once the workdir's paths are found writable."""
+    checkpoint_files.check_workdir_given(workdir)
+    outputs.check_dir(workdir, "--workdir")
+    # What a run writes inside it, where it exists already (a resumed run) and is not writable:
+    # found now, not when the first save fails in the background minutes later.
+    checkpoint_dir = checkpoint_files.checkpoint_dir(workdir)
+    outputs.check_dir(checkpoint_dir, "--workdir's checkpoints")
+    outputs.check_dir(os.path.join(workdir, metrics.TENSORBOARD), "--workdir's tensorboard")
+    outputs.check_file(os.path.join(workdir, metrics.JSONL), "--workdir's metrics")
+    outputs.check_file(os.path.join(workdir, metrics.REPLACED), "--workdir's replaced metrics")
+    return setup(config)
+
+
+def _read_inputs(s: Setup, resuming: bool):
+    """(corpus fingerprints, train dataset, eval dataset, imported parameters or None): what the
+    run reads from files, on every process."""
+    c = s.config
+    train_tokens, eval_tokens = data.load_corpus(c.data)
+    corpus = {"train": data.fingerprint(train_tokens), "held_out": data.fingerprint(eval_tokens)}
+    rows = data.process_rows(s.batch_sharding, c.batch_size)
+    train_ds = data.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, rows)
+    eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
+    imported = None
+    if not resuming and c.init_from:  # read only by a fresh run: a resumed one may have lost the file
+        if not os.path.isfile(c.init_from):
+            raise UserError(f"config.init_from: no file {c.init_from}")
+        imported = checkpoint.import_params(c.init_from, s.abstract_state.params)
+    return corpus, train_ds, eval_ds, imported
 
 
 def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
@@ -341,11 +365,8 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
         f"{jax.device_count()} {jax.devices()[0].device_kind} devices | rules {s.rules.source}"
     )
 
-    train_tokens, eval_tokens = data.load_corpus(c.data)
-    corpus = {"train": data.fingerprint(train_tokens), "held_out": data.fingerprint(eval_tokens)}
-    rows = data.process_rows(s.batch_sharding, c.batch_size)
-    train_ds = data.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, rows)
-    eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
+    # A file one host lacks or reads otherwise stops every process (one line each), not that one alone.
+    corpus, train_ds, eval_ds, imported = distributed.agreed(_read_inputs, s, bool(found))
     if eval_batch_count(s, eval_ds) < c.eval_batches:
         log(
             f"config.eval_batches={c.eval_batches} is more than the held-out split's "
@@ -353,12 +374,7 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
         )
     data_iter = iter(train_ds)
 
-    imported = None
-    if not found and c.init_from:  # read only by a fresh run: a resumed one may have lost the file
-        if not os.path.isfile(c.init_from):
-            raise UserError(f"config.init_from: no file {c.init_from}")
-        imported = checkpoint.import_params(c.init_from, s.abstract_state.params)
-    elif c.init_from:
+    if found and c.init_from:
         log(f"note: config.init_from={c.init_from} is not read: the run resumes from its checkpoints")
 
     # Before compiling (minutes on a large model); an evaluation a stop cut short still runs. The

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.serial
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = [
-    "--config=configs/tiny.py",
+    f"--config={ROOT / 'configs' / 'tiny.py'}",
     "--config.batch_size=8",
     "--config.seq_len=32",
     "--config.model.d_model=64",
@@ -44,9 +44,11 @@ def env(devices: int) -> dict:
     return e
 
 
-def start(workdir, steps, *extra, processes=2, only=((), ())):
-    """Starts the job; 1 process gets 8 devices, 2 processes 4 each (process i adding `only[i]`)."""
-    args = [sys.executable, "train.py", *SMALL, f"--workdir={workdir}", f"--config.steps={steps}", *extra]
+def start(workdir, steps, *extra, processes=2, only=((), ()), cwd=(ROOT, ROOT)):
+    """Starts the job; 1 process gets 8 devices, 2 processes 4 each (process i adding `only[i]`,
+    started in directory `cwd[i]`)."""
+    train = [sys.executable, str(ROOT / "train.py"), *SMALL]
+    args = [*train, f"--workdir={workdir}", f"--config.steps={steps}", *extra]
     if processes == 1:
         return [subprocess.Popen(args, cwd=ROOT, env=env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True)]  # fmt: skip
@@ -60,7 +62,7 @@ def start(workdir, steps, *extra, processes=2, only=((), ())):
                 "--num_processes=2",
                 f"--process_id={i}",
             ],
-            cwd=ROOT,
+            cwd=cwd[i],
             env=env(4),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -157,6 +159,44 @@ def test_processes_given_other_workdirs_are_refused_before_training(tmp_path):
             "process 1 of this job does not find the train.lock that process 0 wrote in its --workdir" in err
         )
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_value_that_fails_on_one_process_only_is_named_on_every_process(tmp_path):
+    """Process 1's mesh cannot be made: before, it alone stopped (and aborted at the exit barrier)
+    while process 0 compiled and failed 30 s later in gloo, blaming a dead peer."""
+    procs = start(tmp_path / "run", 4, only=((), ("--config.mesh=dp=3,mp=4",)))
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 1, err[-2000:]
+        assert err.strip().splitlines()[-1] == (
+            "error: config.mesh differs between process 0 and process 1 of this job; "
+            "start every process with the same config, rule file and overrides"
+        ), err[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_data_file_one_host_lacks_stops_every_process_with_one_line(tmp_path):
+    """The same relative config.data.train_files, started from two directories: only process 0's
+    holds the files (as a host without the shared disk). Before, process 1 stopped alone."""
+    for i in range(2):
+        (tmp_path / f"cwd{i}").mkdir()
+    corpus = tmp_path / "cwd0" / "corpus"
+    corpus.mkdir()
+    for i, doc in enumerate(sorted((ROOT / "gspmd_tp").glob("*.py"))):
+        (corpus / f"{i}.txt").write_bytes(doc.read_bytes())
+    files = ("--config.data.train_files=corpus/*.txt", "--config.data.eval_fraction=0.3")
+    procs = start(tmp_path / "run", 4, *files, cwd=(tmp_path / "cwd0", tmp_path / "cwd1"))
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    lasts = [err.strip().splitlines()[-1] for _, err in outs]
+    assert [p.returncode for p in procs] == [1, 1], lasts
+    assert lasts == [
+        "error: process 1 of this job stopped with an error (its output says which)",
+        f"error: config.data.train_files: no file matches '{tmp_path / 'cwd1' / 'corpus' / '*.txt'}'",
+    ]
 
 
 def wait_for_training(workdir):
