@@ -350,6 +350,25 @@ def _read_inputs(s: Setup, resuming: bool):
     return corpus, train_ds, eval_ds, imported
 
 
+def _check_same_corpus(corpus: dict) -> None:
+    """UserError on every process where some process of the job read other tokens (the same config,
+    other files: a relative path from another directory, a host's own copy that differs). Each
+    process reads only its rows of each batch: the batches would mix the two corpora."""
+    if jax.process_count() == 1:
+        return
+    splits = list(_CHANGED_CORPUS)
+    rows = distributed.every_process([int(corpus[split]["sha256"][:7], 16) for split in splits])  # int32
+    for column, split in enumerate(splits):
+        other = next((i for i, row in enumerate(rows) if row[column] != rows[0][column]), None)
+        if other is not None:
+            mine = corpus[split]
+            raise UserError(
+                f"the {_CHANGED_CORPUS[split][0]} read by process {other} of this job differs from process "
+                f"0's (here: {mine['tokens']:,} tokens, sha256 {mine['sha256']}): every process must read "
+                "the same files (config.data's paths; relative ones from each process's own directory)"
+            )
+
+
 def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
     """train() from the workdir's checkpoints on, with the workdir to itself."""
     c = s.config
@@ -367,6 +386,7 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
 
     # A file one host lacks or reads otherwise stops every process (one line each), not that one alone.
     corpus, train_ds, eval_ds, imported = distributed.agreed(_read_inputs, s, bool(found))
+    _check_same_corpus(corpus)
     if eval_batch_count(s, eval_ds) < c.eval_batches:
         log(
             f"config.eval_batches={c.eval_batches} is more than the held-out split's "

@@ -175,17 +175,25 @@ def test_a_value_that_fails_on_one_process_only_is_named_on_every_process(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
-def test_a_data_file_one_host_lacks_stops_every_process_with_one_line(tmp_path):
-    """The same relative config.data.train_files, started from two directories: only process 0's
-    holds the files (as a host without the shared disk). Before, process 1 stopped alone."""
-    for i in range(2):
-        (tmp_path / f"cwd{i}").mkdir()
-    corpus = tmp_path / "cwd0" / "corpus"
-    corpus.mkdir()
+def corpus_in(directory, skip=()):
+    """directory/corpus/N.txt: the package's sources, less the `skip`th."""
+    corpus = directory / "corpus"
+    corpus.mkdir(parents=True)
     for i, doc in enumerate(sorted((ROOT / "gspmd_tp").glob("*.py"))):
-        (corpus / f"{i}.txt").write_bytes(doc.read_bytes())
-    files = ("--config.data.train_files=corpus/*.txt", "--config.data.eval_fraction=0.3")
-    procs = start(tmp_path / "run", 4, *files, cwd=(tmp_path / "cwd0", tmp_path / "cwd1"))
+        if i not in skip:
+            (corpus / f"{i}.txt").write_bytes(doc.read_bytes())
+
+
+# The same relative paths, resolved in the directory each process started in.
+FILES = ("--config.data.train_files=corpus/*.txt", "--config.data.eval_fraction=0.3")
+
+
+def test_a_data_file_one_host_lacks_stops_every_process_with_one_line(tmp_path):
+    """Only process 0's directory holds the files (as a host without the shared disk). Before,
+    process 1 stopped alone."""
+    corpus_in(tmp_path / "cwd0")
+    (tmp_path / "cwd1").mkdir()
+    procs = start(tmp_path / "run", 4, *FILES, cwd=(tmp_path / "cwd0", tmp_path / "cwd1"))
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
@@ -197,6 +205,26 @@ def test_a_data_file_one_host_lacks_stops_every_process_with_one_line(tmp_path):
         "error: process 1 of this job stopped with an error (its output says which)",
         f"error: config.data.train_files: no file matches '{tmp_path / 'cwd1' / 'corpus' / '*.txt'}'",
     ]
+
+
+def test_processes_that_read_other_data_are_refused_before_training(tmp_path):
+    """Process 1's copy of the corpus lacks a file: before, both trained, on batches that mixed the
+    two corpora (each process reads only its rows), and wrote checkpoints."""
+    corpus_in(tmp_path / "cwd0")
+    corpus_in(tmp_path / "cwd1", skip=(3,))
+    procs = start(tmp_path / "run", 4, *FILES, cwd=(tmp_path / "cwd0", tmp_path / "cwd1"))
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    lasts = [(err.strip().splitlines() or [""])[-1] for _, err in outs]
+    assert [p.returncode for p in procs] == [1, 1], lasts
+    for last in lasts:
+        assert last.startswith(
+            "error: the training corpus read by process 1 of this job differs from process 0's"
+        )
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def wait_for_training(workdir):
