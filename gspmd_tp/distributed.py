@@ -86,6 +86,23 @@ def initialize(
             else f"--coordinator_address={coordinator_address}"
         )
         raise UserError(f"{how}: joining the job failed: {first}") from None
+    check_device_counts()
+
+
+def check_device_counts() -> None:
+    """UserError, on every process (each sees every device: no collective), where the processes of
+    the job hold different numbers of devices: the batch and every exchange between processes give
+    each process the same share."""
+    counts = [0] * jax.process_count()
+    for d in jax.devices():
+        counts[d.process_index] += 1
+    other = next((i for i, n in enumerate(counts) if n != counts[0]), None)
+    if other is not None:
+        raise UserError(
+            f"process {other} of this job has {counts[other]} devices and process 0 has {counts[0]}: "
+            "start every process with as many (on CPU: the same --xla_force_host_platform_device_count "
+            "in XLA_FLAGS, or config.host_device_count)"
+        )
 
 
 def check_same_everywhere(config: dict, rules_text: str | None = None) -> None:

@@ -44,9 +44,9 @@ def env(devices: int) -> dict:
     return e
 
 
-def start(workdir, steps, *extra, processes=2, only=((), ()), cwd=(ROOT, ROOT)):
-    """Starts the job; 1 process gets 8 devices, 2 processes 4 each (process i adding `only[i]`,
-    started in directory `cwd[i]`)."""
+def start(workdir, steps, *extra, processes=2, only=((), ()), cwd=(ROOT, ROOT), devices=(4, 4)):
+    """Starts the job; 1 process gets 8 devices, 2 processes `devices[i]` each (default 4; process i
+    adding `only[i]`, started in directory `cwd[i]`)."""
     train = [sys.executable, str(ROOT / "train.py"), *SMALL]
     args = [*train, f"--workdir={workdir}", f"--config.steps={steps}", *extra]
     if processes == 1:
@@ -63,7 +63,7 @@ def start(workdir, steps, *extra, processes=2, only=((), ()), cwd=(ROOT, ROOT)):
                 f"--process_id={i}",
             ],
             cwd=cwd[i],
-            env=env(4),
+            env=env(devices[i]),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -172,6 +172,18 @@ def test_a_value_that_fails_on_one_process_only_is_named_on_every_process(tmp_pa
             "error: config.mesh differs between process 0 and process 1 of this job; "
             "start every process with the same config, rule file and overrides"
         ), err[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_processes_with_other_device_counts_are_refused_on_joining(tmp_path):
+    """Before: both failed in the config comparison's first exchange with JAX's 'Unable to compute
+    global_shape due to non-uniform sharding', blaming a dead peer."""
+    procs = start(tmp_path / "run", 4, devices=(4, 2))
+    outs = [p.communicate(timeout=120) for p in procs]
+    want = "error: process 1 of this job has 2 devices and process 0 has 4: start every process with as many"
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 1, err[-2000:]
+        assert err.strip().splitlines()[-1].startswith(want), err[-2000:]
     assert not (tmp_path / "run").exists()
 
 
