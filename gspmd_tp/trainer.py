@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import time
@@ -334,8 +335,9 @@ def _checked_setup(config, workdir: str) -> Setup:
 
 
 def _read_inputs(s: Setup, resuming: bool):
-    """(corpus fingerprints, train dataset, eval dataset, imported parameters or None): what the
-    run reads from files, on every process."""
+    """(corpus fingerprints, train dataset, eval dataset, imported parameters or None, the imported
+    file's sha256 or ""): what the run reads from files, on every process (the digest in a
+    multi-process job only)."""
     c = s.config
     train_tokens, eval_tokens = data.load_corpus(c.data)
     corpus = {"train": data.fingerprint(train_tokens), "held_out": data.fingerprint(eval_tokens)}
@@ -347,26 +349,44 @@ def _read_inputs(s: Setup, resuming: bool):
         if not os.path.isfile(c.init_from):
             raise UserError(f"config.init_from: no file {c.init_from}")
         imported = checkpoint.import_params(c.init_from, s.abstract_state.params)
-    return corpus, train_ds, eval_ds, imported
+    digest = _file_sha256(c.init_from) if imported is not None and jax.process_count() > 1 else ""
+    return corpus, train_ds, eval_ds, imported, digest
 
 
-def _check_same_corpus(corpus: dict) -> None:
-    """UserError on every process where some process of the job read other tokens (the same config,
-    other files: a relative path from another directory, a host's own copy that differs). Each
-    process reads only its rows of each batch: the batches would mix the two corpora."""
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_same_inputs(corpus: dict, init_from: str, init_digest: str) -> None:
+    """UserError on every process where some process of the job read other tokens or another
+    config.init_from (the same config, other files: a relative path from another directory, a
+    host's own copy that differs). Each process reads only its rows of each batch, and places only
+    its shards of the imported parameters: the job would mix the two."""
     if jax.process_count() == 1:
         return
     splits = list(_CHANGED_CORPUS)
-    rows = distributed.every_process([int(corpus[split]["sha256"][:7], 16) for split in splits])  # int32
-    for column, split in enumerate(splits):
+    digests = [corpus[split]["sha256"] for split in splits] + [init_digest or "0"]
+    rows = distributed.every_process([int(d[:7], 16) for d in digests])  # 28 bits: int32
+    for column, digest in enumerate(digests):
         other = next((i for i, row in enumerate(rows) if row[column] != rows[0][column]), None)
-        if other is not None:
-            mine = corpus[split]
+        if other is None:
+            continue
+        if column == len(splits):
             raise UserError(
-                f"the {_CHANGED_CORPUS[split][0]} read by process {other} of this job differs from process "
-                f"0's (here: {mine['tokens']:,} tokens, sha256 {mine['sha256']}): every process must read "
-                "the same files (config.data's paths; relative ones from each process's own directory)"
+                f"config.init_from={init_from} read by process {other} of this job differs from process 0's "
+                f"(here: sha256 {digest[:16]}): every process must read the same file (a relative path "
+                "from each process's own directory)"
             )
+        mine = corpus[splits[column]]
+        raise UserError(
+            f"the {_CHANGED_CORPUS[splits[column]][0]} read by process {other} of this job differs from "
+            f"process 0's (here: {mine['tokens']:,} tokens, sha256 {mine['sha256']}): every process must "
+            "read the same files (config.data's paths; relative ones from each process's own directory)"
+        )
 
 
 def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
@@ -385,8 +405,8 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
     )
 
     # A file one host lacks or reads otherwise stops every process (one line each), not that one alone.
-    corpus, train_ds, eval_ds, imported = distributed.agreed(_read_inputs, s, bool(found))
-    _check_same_corpus(corpus)
+    corpus, train_ds, eval_ds, imported, init_digest = distributed.agreed(_read_inputs, s, bool(found))
+    _check_same_inputs(corpus, c.init_from, init_digest)
     if eval_batch_count(s, eval_ds) < c.eval_batches:
         log(
             f"config.eval_batches={c.eval_batches} is more than the held-out split's "

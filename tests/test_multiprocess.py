@@ -239,6 +239,40 @@ def test_processes_that_read_other_data_are_refused_before_training(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_processes_that_read_other_initial_parameters_are_refused_before_training(tmp_path):
+    """config.init_from=init.npz from two directories holding different files: before, each process
+    placed its own shards of its own file and both trained on from the mixture, exit 0."""
+    from configs import tiny
+    from gspmd_tp import checkpoint, trainer
+
+    c = tiny.get_config()
+    for flag in SMALL[1:]:
+        key, value = flag.removeprefix("--config.").split("=")
+        *parents, leaf = key.split(".")
+        target = c
+        for part in parents:
+            target = target[part]
+        target[leaf] = type(target[leaf])(value)
+    shapes = {k: v.shape for k, v in checkpoint._flat(trainer.setup(c).abstract_state.params).items()}
+    for i in range(2):
+        rng = np.random.default_rng(i)
+        (tmp_path / f"cwd{i}").mkdir()
+        np.savez(tmp_path / f"cwd{i}" / "init.npz", **{k: rng.normal(0, 0.02, v) for k, v in shapes.items()})
+    procs = start(
+        tmp_path / "run", 4, "--config.init_from=init.npz", cwd=(tmp_path / "cwd0", tmp_path / "cwd1")
+    )
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    lasts = [(err.strip().splitlines() or [""])[-1] for _, err in outs]
+    assert [p.returncode for p in procs] == [1, 1], lasts
+    for last in lasts:
+        assert last.startswith("error: config.init_from=init.npz read by process 1 of this job differs"), last
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def wait_for_training(workdir):
     metrics = Path(workdir) / "metrics.jsonl"
     deadline = time.time() + 120
