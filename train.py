@@ -21,6 +21,9 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index in [0,
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout_s", 100, "Multi-process: exit with an error when a peer is silent this long."
 )
+_JOIN = flags.DEFINE_integer(
+    "join_timeout_s", 300, "Multi-process: exit with an error when the job has not all joined in this long."
+)
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Let jax.distributed.initialize() find the job itself (TPU pods, SLURM)."
 )
@@ -37,7 +40,12 @@ def main(argv):
 
     try:
         distributed.initialize(
-            _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DISTRIBUTED.value, _HEARTBEAT.value
+            _COORDINATOR.value,
+            _NUM_PROCESSES.value,
+            _PROCESS_ID.value,
+            _DISTRIBUTED.value,
+            _HEARTBEAT.value,
+            _JOIN.value,
         )
         # Until the training loop's own handler takes over (and after it), SIGTERM and Ctrl-C stop
         # the run at once: one line, no traceback. Set after jax.distributed.initialize, whose

@@ -5,7 +5,10 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
+import os
 import socket
+import sys
+import threading
 
 import jax
 import numpy as np
@@ -28,19 +31,28 @@ def _port_taken(port: int) -> bool:
 
 
 def initialize(
-    coordinator_address: str, num_processes: int, process_id: int, auto: bool, heartbeat_timeout_s: int = 100
+    coordinator_address: str,
+    num_processes: int,
+    process_id: int,
+    auto: bool,
+    heartbeat_timeout_s: int = 100,
+    join_timeout_s: int = 300,
 ) -> None:
     """Joins the other processes: explicitly (address, count, id), or auto-detected on TPU pods and
     SLURM (`auto`). No arguments and no `auto`: a single process. A second call is harmless.
 
     A process whose peer stops answering for `heartbeat_timeout_s` exits with an error instead of
-    waiting forever in a collective."""
+    waiting forever in a collective. One whose job has not all joined in `join_timeout_s` (a process
+    not started, or started with another --num_processes, --process_id or address) exits with one
+    line, status 1 (JAX itself would abort with a stack trace, blaming a dead task)."""
     if jax.distributed.is_initialized():
         return
     if num_processes < 1:
         raise UserError(f"--num_processes={num_processes}: must be 1 or more")
     if heartbeat_timeout_s < 1:
         raise UserError(f"--heartbeat_timeout_s={heartbeat_timeout_s}: must be 1 or more")
+    if join_timeout_s < 1:
+        raise UserError(f"--join_timeout_s={join_timeout_s}: must be 1 or more")
     host, _, port = coordinator_address.rpartition(":")
     if coordinator_address and not (host and port.isdigit() and 0 < int(port) < 65536):
         raise UserError(
@@ -69,7 +81,12 @@ def initialize(
     timeouts = {
         "heartbeat_timeout_seconds": heartbeat_timeout_s,
         "shutdown_timeout_seconds": heartbeat_timeout_s,
+        # JAX's own limit comes later: _give_up_unless says what to check, in one line.
+        "initialization_timeout": join_timeout_s + 60,
     }
+    joined = threading.Event()
+    how = given if explicit else "--distributed"
+    threading.Thread(target=_give_up_unless, args=(joined, join_timeout_s, how), daemon=True).start()
     try:
         if explicit:
             jax.distributed.initialize(
@@ -80,13 +97,27 @@ def initialize(
     except (ValueError, RuntimeError) as e:
         # No cluster environment for --distributed, a coordinator port already taken, ...
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        how = (
+        failed = (
             "--distributed (no TPU pod or SLURM job found?)"
             if not explicit
             else f"--coordinator_address={coordinator_address}"
         )
-        raise UserError(f"{how}: joining the job failed: {first}") from None
+        raise UserError(f"{failed}: joining the job failed: {first}") from None
+    finally:
+        joined.set()
     check_device_counts()
+
+
+def _give_up_unless(joined: threading.Event, seconds: int, how: str) -> None:
+    if not joined.wait(seconds):
+        print(
+            f"error: {how}: the job's processes did not all join within --join_timeout_s={seconds}: start "
+            "every process, each with the same coordinator address and process count and its own process "
+            "id from 0",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
 
 
 def check_device_counts() -> None:

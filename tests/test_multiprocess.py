@@ -363,11 +363,33 @@ def test_a_silent_peer_ends_the_job_after_the_heartbeat_timeout(tmp_path):
     assert JAX_S in err or any(line.startswith(OURS) for line in err.splitlines()), err[-2000:]
 
 
+def test_a_job_that_never_fully_joins_is_one_line_after_join_timeout_s(tmp_path):
+    """Process 1 never started (or given another address or id): before, process 0 waited 300 s
+    and JAX aborted it (exit 134) with a stack trace blaming a dead task."""
+    address = f"127.0.0.1:{free_port()}"
+    job = [f"--coordinator_address={address}", "--num_processes=2", "--process_id=0"]
+    args = [*SMALL, f"--workdir={tmp_path / 'run'}", *job]
+    t = time.time()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args, "--join_timeout_s=3"],
+        env=env(4), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: --coordinator_address='{address}' --num_processes=2 --process_id=0: the job's processes "
+        "did not all join within --join_timeout_s=3: start every process, each with the same coordinator "
+        "address and process count and its own process id from 0"
+    )
+    assert time.time() - t < 60
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (("", 0, 0, False, 100), "--num_processes=0: must be 1 or more"),
         (("", 1, 0, False, 0), "--heartbeat_timeout_s=0: must be 1 or more"),
+        (("", 1, 0, False, 100, 0), "--join_timeout_s=0: must be 1 or more"),
         (("nohost", 2, 0, False, 100), "--coordinator_address='nohost': expected HOST:PORT"),
         (("127.0.0.1:99999", 2, 0, False, 100), "--coordinator_address='127.0.0.1:99999'"),
         (("127.0.0.1:1234", 2, 2, False, 100), "all three are needed, with 0 <= process_id < num_processes"),
