@@ -52,8 +52,6 @@ def main(argv):
         # preemption notifier takes SIGTERM over (and only logs it) in a multi-process job.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _stop_outside_the_loop)
-        # A peer that stops so before training began stops this process too, at once.
-        distributed.follow_stops(_peer_stopped)
         train(config, _WORKDIR.value)
         # What is left is the exit, which in a multi-process job waits at jax.distributed's
         # shutdown barrier for the slowest peer.
@@ -89,8 +87,7 @@ def main(argv):
 
 
 # What a stop outside the training loop means, said in the one line it prints.
-_BEFORE = "before training began; no checkpoint was written"
-_OUTSIDE_THE_LOOP = _BEFORE
+_OUTSIDE_THE_LOOP = "before training began; no checkpoint was written"
 
 
 def _stop_outside_the_loop(signum, frame):
@@ -100,25 +97,12 @@ def _stop_outside_the_loop(signum, frame):
     _stopped(signal.Signals(signum))
 
 
-def _stopped(sig: signal.Signals, process: int | None = None):
+def _stopped(sig: signal.Signals):
     """Outside the training run (whose signals save and stop): compiling, restoring, exiting. One line,
-    and out at once: a normal exit while XLA's compiler threads still run can end in a segfault.
-
-    Before training began, the other processes of the job are told and stop too (they would wait
-    for this one in a collective until the heartbeat timeout); `process`: the one signalled, where
-    it is another."""
+    and out at once: a normal exit while XLA's compiler threads still run can end in a segfault."""
     name = "Ctrl-C" if sig == signal.SIGINT else sig.name
-    if process is None and _OUTSIDE_THE_LOOP == _BEFORE:
-        from gspmd_tp import distributed
-
-        distributed.announce_stop(sig)
-    where = "" if process is None else f" on process {process}"
-    print(f"stopped by {name}{where} {_OUTSIDE_THE_LOOP}", file=sys.stderr, flush=True)
+    print(f"stopped by {name} {_OUTSIDE_THE_LOOP}", file=sys.stderr, flush=True)
     os._exit(128 + sig)
-
-
-def _peer_stopped(signum: int, process: int):
-    _stopped(signal.Signals(signum), process)
 
 
 if __name__ == "__main__":

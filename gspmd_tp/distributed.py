@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import errno
 import functools
 import hashlib
@@ -119,68 +118,6 @@ def _give_up_unless(joined: threading.Event, seconds: int, how: str) -> None:
             flush=True,
         )
         os._exit(1)
-
-
-# Set by a process that stops on its own before the job's training loop, where its peers would
-# otherwise wait for it in a collective until the heartbeat timeout.
-_STOPPED_KEY = "gspmd_tp/stopped_before_training"
-
-
-def _client():
-    from jax._src import distributed as jax_distributed
-
-    return jax_distributed.global_state.client
-
-
-def announce_stop(signum: int) -> None:
-    """Tells the other processes of the job (follow_stops) that this one stops now, by signal
-    `signum`, on its own. Nothing in a one-process job; a failure to tell is ignored."""
-    client = _client()
-    if client is None or jax.process_count() == 1:
-        return
-    try:
-        client.key_value_set(_STOPPED_KEY, f"{signum} {jax.process_index()}")
-    except Exception:  # noqa: BLE001 - another process told first, or the service is gone
-        pass
-
-
-_EXITING = -1  # the announced "process" of a job that ends: every follower returns
-
-
-def follow_stops(on_stop) -> None:
-    """Calls on_stop(signum, process) on a background thread once another process of the job
-    announced its stop (announce_stop). Nothing in a one-process job.
-
-    The thread waits inside a call into JAX's client, which must not be under way when the
-    interpreter exits (it aborts the process): at exit it is woken, with a value that ends it."""
-    client = _client()
-    if client is None or jax.process_count() == 1:
-        return
-
-    def run():
-        while True:
-            try:
-                told = client.blocking_key_value_get(_STOPPED_KEY, 600_000)
-            except Exception as e:  # noqa: BLE001
-                if "DEADLINE_EXCEEDED" in str(e):
-                    continue
-                return  # the job is shutting down
-            signum, process = map(int, told.split())
-            if process not in (_EXITING, jax.process_index()):
-                on_stop(signum, process)
-            return
-
-    thread = threading.Thread(target=run, name="peer-stops", daemon=True)
-    thread.start()
-
-    def wake_and_join():  # before jax.distributed's own exit handler (atexit runs the last first)
-        try:
-            client.key_value_set(_STOPPED_KEY, f"0 {_EXITING}")
-        except Exception:  # noqa: BLE001 - set already (a stop, or a peer's exit): the thread woke
-            pass
-        thread.join(timeout=5)
-
-    atexit.register(wake_and_join)
 
 
 def check_device_counts() -> None:

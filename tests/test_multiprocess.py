@@ -340,38 +340,10 @@ def test_sigterm_while_compiling_is_one_line_on_every_process(tmp_path):
             _, err = p.communicate(timeout=120)
             assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
             last = err.strip().splitlines()[-1]
-            # Its own signal, or a peer's told first.
-            assert re.fullmatch(
-                r"stopped by SIGTERM (on process \d )?before training began; no checkpoint was written", last
-            ), last
+            assert last == "stopped by SIGTERM before training began; no checkpoint was written"
     finally:
         for p in procs:
             p.kill()
-    assert not (tmp_path / "run" / "checkpoints").exists()
-
-
-def test_sigterm_to_one_process_while_compiling_stops_every_process_at_once(tmp_path):
-    """Before, process 1 stopped alone; process 0 waited for it in the first step's collective until
-    the heartbeat timeout (100 s) and JAX aborted it with a stack trace (exit 134)."""
-    procs = start(tmp_path / "run", 100_000)
-    try:
-        # gloo's first line: both joined (their handlers are set) and compare configs; with the
-        # compilation cache warm, "gspmd_tp: " can come too close to the training loop.
-        for line in procs[0].stdout:
-            if line.startswith("[Gloo] "):
-                break
-        procs[1].send_signal(signal.SIGTERM)
-        signalled = time.time()
-        errs = [p.communicate(timeout=150)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, [e[-1000:] for e in errs]
-    assert time.time() - signalled < 30
-    assert [e.strip().splitlines()[-1] for e in errs] == [
-        "stopped by SIGTERM on process 1 before training began; no checkpoint was written",
-        "stopped by SIGTERM before training began; no checkpoint was written",
-    ]
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
