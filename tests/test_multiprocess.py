@@ -79,6 +79,19 @@ def finish(procs):
     return outs
 
 
+def refused(procs):
+    """The last stderr line of each process of a job that must stop before training, each exiting 1
+    (killed if still running after 120 s)."""
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    lasts = [(err.strip().splitlines() or [""])[-1] for _, err in outs]
+    assert [p.returncode for p in procs] == [1, 1], [err[-2000:] for _, err in outs]
+    return lasts
+
+
 def losses(workdir):
     rows = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows}
@@ -148,15 +161,9 @@ def test_processes_given_other_workdirs_are_refused_before_training(tmp_path):
     """Process 1 would save its shards of each checkpoint in its own workdir while process 0 waited
     in the save's barriers for them (a hang of minutes, then a crash with no checkpoint)."""
     procs = start(tmp_path / "a", 4, only=((), (f"--workdir={tmp_path / 'b'}",)))
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 1, err[-2000:]
+    for last in refused(procs):
         assert (
-            "process 1 of this job does not find the train.lock that process 0 wrote in its --workdir" in err
+            "process 1 of this job does not find the train.lock that process 0 wrote in its --workdir" in last
         )
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
@@ -165,13 +172,11 @@ def test_a_value_that_fails_on_one_process_only_is_named_on_every_process(tmp_pa
     """Process 1's mesh cannot be made: before, it alone stopped (and aborted at the exit barrier)
     while process 0 compiled and failed 30 s later in gloo, blaming a dead peer."""
     procs = start(tmp_path / "run", 4, only=((), ("--config.mesh=dp=3,mp=4",)))
-    outs = [p.communicate(timeout=120) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 1, err[-2000:]
-        assert err.strip().splitlines()[-1] == (
+    for last in refused(procs):
+        assert last == (
             "error: config.mesh differs between process 0 and process 1 of this job; "
             "start every process with the same config, rule file and overrides"
-        ), err[-2000:]
+        )
     assert not (tmp_path / "run").exists()
 
 
@@ -179,11 +184,9 @@ def test_processes_with_other_device_counts_are_refused_on_joining(tmp_path):
     """Before: both failed in the config comparison's first exchange with JAX's 'Unable to compute
     global_shape due to non-uniform sharding', blaming a dead peer."""
     procs = start(tmp_path / "run", 4, devices=(4, 2))
-    outs = [p.communicate(timeout=120) for p in procs]
     want = "error: process 1 of this job has 2 devices and process 0 has 4: start every process with as many"
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 1, err[-2000:]
-        assert err.strip().splitlines()[-1].startswith(want), err[-2000:]
+    for last in refused(procs):
+        assert last.startswith(want), last
     assert not (tmp_path / "run").exists()
 
 
@@ -206,14 +209,7 @@ def test_a_data_file_one_host_lacks_stops_every_process_with_one_line(tmp_path):
     corpus_in(tmp_path / "cwd0")
     (tmp_path / "cwd1").mkdir()
     procs = start(tmp_path / "run", 4, *FILES, cwd=(tmp_path / "cwd0", tmp_path / "cwd1"))
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    lasts = [err.strip().splitlines()[-1] for _, err in outs]
-    assert [p.returncode for p in procs] == [1, 1], lasts
-    assert lasts == [
+    assert refused(procs) == [
         "error: process 1 of this job stopped with an error (its output says which)",
         f"error: config.data.train_files: no file matches '{tmp_path / 'cwd1' / 'corpus' / '*.txt'}'",
     ]
@@ -225,14 +221,7 @@ def test_processes_that_read_other_data_are_refused_before_training(tmp_path):
     corpus_in(tmp_path / "cwd0")
     corpus_in(tmp_path / "cwd1", skip=(3,))
     procs = start(tmp_path / "run", 4, *FILES, cwd=(tmp_path / "cwd0", tmp_path / "cwd1"))
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    lasts = [(err.strip().splitlines() or [""])[-1] for _, err in outs]
-    assert [p.returncode for p in procs] == [1, 1], lasts
-    for last in lasts:
+    for last in refused(procs):
         assert last.startswith(
             "error: the training corpus read by process 1 of this job differs from process 0's"
         )
@@ -261,14 +250,7 @@ def test_processes_that_read_other_initial_parameters_are_refused_before_trainin
     procs = start(
         tmp_path / "run", 4, "--config.init_from=init.npz", cwd=(tmp_path / "cwd0", tmp_path / "cwd1")
     )
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    lasts = [(err.strip().splitlines() or [""])[-1] for _, err in outs]
-    assert [p.returncode for p in procs] == [1, 1], lasts
-    for last in lasts:
+    for last in refused(procs):
         assert last.startswith("error: config.init_from=init.npz read by process 1 of this job differs"), last
     assert not (tmp_path / "run" / "checkpoints").exists()
 
