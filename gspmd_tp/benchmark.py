@@ -341,11 +341,16 @@ def format_table(report: dict) -> str:
             roof = _percent(r["roofline_fraction"])
             lines.append(f"{_timing(r)} {100 * r['change']:>+6.1f}% {roof:>8}  {r['variant']}")
         return "\n".join(lines)
-    lines.append(f"{head} {'compile s':>9} {'MFU':>6} {'roofline':>8} {'comm MiB':>9} {'cpu busy':>8}")
+    lines.append(
+        f"{head} {'compile s':>9} {'MFU':>6} {'roofline':>8} {'args MiB':>9} {'temp MiB':>9} {'comm MiB':>9} "
+        f"{'cpu busy':>8}"
+    )
     for r in report["results"]:
+        mem = r["memory_per_device"]  # the compiled step's, per device, as plan reports them
         lines.append(
             f"{_timing(r)} {r['compile_s']:>9.2f} {_percent(r['mfu']):>6} "
-            f"{_percent(r['roofline_fraction']):>8} {r['collective_bytes_per_device'] / 2**20:>9.2f} "
+            f"{_percent(r['roofline_fraction']):>8} {mem['arguments'] / 2**20:>9.2f} "
+            f"{mem['temporaries'] / 2**20:>9.2f} {r['collective_bytes_per_device'] / 2**20:>9.2f} "
             f"{r['host_cpu_busy_cores']:>8.2f}"
         )
     split = [r for r in report["results"] if "forward_s" in r]

@@ -219,3 +219,24 @@ def test_cli_unwritable_json_out_is_one_line_error_before_any_work(tmp_path):
         f"error: --json_out={blocker}/bench.json: {blocker} is a file, not a directory"
     )
     assert "matmul" not in run.stdout + run.stderr
+
+
+def _row(**extra):
+    """A report row as bench_one makes it, with made-up figures."""
+    return {
+        "rules": "megatron_1d", "mesh": "dp=2,mp=4", "tokens_per_sec": 2000.0, "step_s": 2.0,
+        "step_s_min": 1.9, "step_s_max": 2.1, "compile_s": 3.0, "model_flops_per_sec": 1e10, "mfu": None,
+        "roofline_fraction": 0.5, "memory_per_device": {"arguments": 3 * 2**20, "temporaries": 70 * 2**20},
+        "collective_bytes_per_device": 5 * 2**20, "host_cpu_busy_cores": 1.5, "loss": 9.0, "profile": None,
+        "profiled_step_s": None, **extra,
+    }  # fmt: skip
+
+
+def test_table_shows_the_per_device_memory():
+    report = {"devices": 8, "device_kind": "cpu", "matmul_flops_per_sec": {}, "results": [_row()]}
+    head, row = benchmark.format_table(report).splitlines()[-2:]
+    for name in ("step ms", "compile s", "args MiB", "temp MiB", "comm MiB", "cpu busy"):
+        head = head.replace(name, name.replace(" ", "_"))
+    columns = dict(zip(head.split(), row.split(), strict=True))
+    assert columns["args_MiB"] == "3.00" and columns["temp_MiB"] == "70.00"
+    assert columns["comm_MiB"] == "5.00" and columns["MFU"] == "n/a"
