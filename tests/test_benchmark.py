@@ -240,3 +240,21 @@ def test_table_shows_the_per_device_memory():
     columns = dict(zip(head.split(), row.split(), strict=True))
     assert columns["args_MiB"] == "3.00" and columns["temp_MiB"] == "70.00"
     assert columns["comm_MiB"] == "5.00" and columns["MFU"] == "n/a"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="os.access already refuses /proc to a user other than root")
+def test_cli_json_out_the_filesystem_refuses_is_one_line_error_before_any_work():
+    # As root os.access says /proc is writable; the write used to fail with a traceback after timing.
+    run = subprocess.run(
+        [sys.executable, "bench.py", "--config=configs/bench_cpu.py", "--config.model.num_layers=1",
+         "--config.seq_len=64", "--config.batch_size=8", "--steps=1", "--warmup=0",
+         "--json_out=/proc/bench.json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert (
+        run.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: --json_out=/proc/bench.json: cannot write it (")
+    )
+    assert "matmul" not in run.stdout + run.stderr
