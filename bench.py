@@ -9,6 +9,7 @@
 import json
 import os
 import sys
+import tempfile
 
 from absl import app, flags, logging
 
@@ -57,6 +58,16 @@ def _try_json_out(path: str) -> None:
         os.remove(path)
 
 
+def _try_profile_dir(path: str) -> None:
+    """Creates directory `path` and a file in it (removed at once), for the reason _try_json_out
+    opens its file: otherwise the profiler fails to write only after the steps were timed."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise UserError(f"--profile_dir={path}: cannot write there ({e.strerror})") from None
+
+
 def main(argv):
     no_positional_arguments(argv)
     logging.set_verbosity(logging.WARNING)
@@ -72,6 +83,7 @@ def main(argv):
             _try_json_out(_JSON_OUT.value)
         if _PROFILE.value:
             outputs.check_dir(_PROFILE.value, "--profile_dir")
+            _try_profile_dir(_PROFILE.value)
         variants = benchmark.parse_variants(_VARIANTS.value) if _VARIANTS.value else None
         report = benchmark.run(
             config,

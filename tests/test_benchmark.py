@@ -258,3 +258,18 @@ def test_cli_json_out_the_filesystem_refuses_is_one_line_error_before_any_work()
         .startswith("error: --json_out=/proc/bench.json: cannot write it (")
     )
     assert "matmul" not in run.stdout + run.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="os.access already refuses /proc to a user other than root")
+def test_cli_profile_dir_the_filesystem_refuses_is_one_line_error_before_any_work():
+    # As root os.access says /proc is writable; the profiler used to fail with a traceback after timing.
+    run = subprocess.run(
+        [sys.executable, "bench.py", "--config=configs/bench_cpu.py", "--config.model.num_layers=1",
+         "--config.seq_len=64", "--config.batch_size=8", "--steps=1", "--warmup=0",
+         "--profile_dir=/proc/bench_profile"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --profile_dir=/proc/bench_profile: cannot write there (")
+    assert "matmul" not in run.stdout + run.stderr
