@@ -6,7 +6,6 @@
         --variants="model.remat=none;model.attention_block=128" [--rounds=5 --round_steps=3]
 """
 
-import json
 import os
 import sys
 import tempfile
@@ -101,12 +100,12 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     # Printed before the file is written: a write that fails after all the timing loses nothing.
-    print(json.dumps(report) if _JSON.value else benchmark.format_table(report), flush=True)
+    print(benchmark.to_json(report) if _JSON.value else benchmark.format_table(report), flush=True)
     if _JSON_OUT.value:
         try:
             outputs.make_parent(_JSON_OUT.value)
             with open(_JSON_OUT.value, "w") as f:
-                json.dump(report, f, indent=1)
+                f.write(benchmark.to_json(report, indent=1))
         except OSError as e:
             print(f"error: --json_out={_JSON_OUT.value}: cannot write it ({e.strerror})", file=sys.stderr)
             sys.exit(1)

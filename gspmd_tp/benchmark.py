@@ -315,6 +315,22 @@ def run(
     }
 
 
+def _finite(value):
+    """`value` with every float that is not finite (a diverged step's NaN loss) made None."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
+
+
+def to_json(report: dict, indent: int | None = None) -> str:
+    """A run() report as strict JSON: a number that is not finite is written null, not NaN."""
+    return json.dumps(_finite(report), indent=indent, allow_nan=False)
+
+
 def _percent(fraction: float | None) -> str:
     """A fraction as a percentage with one decimal, or "n/a" where there is none."""
     return f"{100 * fraction:.1f}%" if fraction is not None else "n/a"

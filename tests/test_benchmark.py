@@ -273,3 +273,26 @@ def test_cli_profile_dir_the_filesystem_refuses_is_one_line_error_before_any_wor
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --profile_dir=/proc/bench_profile: cannot write there (")
     assert "matmul" not in run.stdout + run.stderr
+
+
+def _strict_json(text: str) -> dict:
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_cli_json_is_strict_json_when_the_loss_is_not_finite(tmp_path):
+    # A diverged step's loss was written NaN, which JSON parsers other than Python's refuse.
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "bench.py", "--config=configs/bench_cpu.py", "--config.model.num_layers=1",
+         "--config.seq_len=64", "--config.batch_size=8", "--config.optim.lr=1e30",
+         "--config.optim.warmup_steps=1", "--config.optim.clip_norm=0", "--steps=1", "--warmup=3",
+         "--json", f"--json_out={out}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    for text in (run.stdout, out.read_text()):
+        row = _strict_json(text)["results"][0]
+        assert row["loss"] is None and row["mfu"] is None and row["tokens_per_sec"] > 0
