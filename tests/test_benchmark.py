@@ -243,35 +243,26 @@ def test_table_shows_the_per_device_memory():
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="os.access already refuses /proc to a user other than root")
-def test_cli_json_out_the_filesystem_refuses_is_one_line_error_before_any_work():
-    # As root os.access says /proc is writable; the write used to fail with a traceback after timing.
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--json_out=/proc/bench.json", "error: --json_out=/proc/bench.json: cannot write it ("),
+        (
+            "--profile_dir=/proc/bench_profile",
+            "error: --profile_dir=/proc/bench_profile: cannot write there (",
+        ),
+    ],
+)
+def test_cli_an_output_the_filesystem_refuses_is_one_line_error_before_any_work(flag, message):
+    # As root os.access says /proc is writable: the file write, or the profiler, used to fail with a
+    # traceback after every step had been timed.
     run = subprocess.run(
         [sys.executable, "bench.py", "--config=configs/bench_cpu.py", "--config.model.num_layers=1",
-         "--config.seq_len=64", "--config.batch_size=8", "--steps=1", "--warmup=0",
-         "--json_out=/proc/bench.json"],
+         "--config.seq_len=64", "--config.batch_size=8", "--steps=1", "--warmup=0", flag],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 1
-    assert (
-        run.stderr.strip()
-        .splitlines()[-1]
-        .startswith("error: --json_out=/proc/bench.json: cannot write it (")
-    )
-    assert "matmul" not in run.stdout + run.stderr
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="os.access already refuses /proc to a user other than root")
-def test_cli_profile_dir_the_filesystem_refuses_is_one_line_error_before_any_work():
-    # As root os.access says /proc is writable; the profiler used to fail with a traceback after timing.
-    run = subprocess.run(
-        [sys.executable, "bench.py", "--config=configs/bench_cpu.py", "--config.model.num_layers=1",
-         "--config.seq_len=64", "--config.batch_size=8", "--steps=1", "--warmup=0",
-         "--profile_dir=/proc/bench_profile"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 1
-    last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: --profile_dir=/proc/bench_profile: cannot write there (")
+    assert run.stderr.strip().splitlines()[-1].startswith(message)
     assert "matmul" not in run.stdout + run.stderr
 
 
