@@ -146,7 +146,7 @@ def to_hf(
     base = hf_layout.read_hf_config(hf_base, "--hf_base") if hf_base else None
     overrides = {key: value for key, value in (("rules", rules), ("mesh", mesh)) if value}
     explicit = step is not None
-    step, meta, s = restore.load_setup(workdir, overrides, step)
+    step, meta, s = restore.load_setup(workdir, overrides, step, params_only=True)
     if explicit:
         params = restore.restore_params(workdir, step, s)
     else:

@@ -139,7 +139,11 @@ def _setup_with_saved_rules(config: ConfigDict, meta: dict, step: int) -> traine
 
 
 def load_setup(
-    workdir: str, overrides: dict[str, str], step: int | None = None, sampling: bool = False
+    workdir: str,
+    overrides: dict[str, str],
+    step: int | None = None,
+    sampling: bool = False,
+    params_only: bool = False,
 ) -> tuple[int, dict, trainer.Setup]:
     """(step, meta, Setup) for the run in workdir: config, rule file and mesh checked, nothing compiled.
 
@@ -148,14 +152,15 @@ def load_setup(
     cuDNN attention away from a GPU, by the einsum path that computes the same. With `sampling` the
     training batch is not checked against the mesh (sampling pads its own batch of prompts), and
     sequence positions are sharded over no mesh axis: a prompt has any length, and decoding makes
-    one position at a time (the parameters' shardings do not change).
+    one position at a time (the parameters' shardings do not change). With `params_only` (a reader
+    of the parameters alone, such as to-hf) the training batch is not checked either.
     """
     import jax
 
     from gspmd_tp import checkpoint, trainer
 
     step, meta, config = saved_config(workdir, overrides, step)
-    if sampling and "batch_size" not in overrides and "grad_accum" not in overrides:
+    if (sampling or params_only) and "batch_size" not in overrides and "grad_accum" not in overrides:
         # A batch every mesh of these devices divides: the batch axes' product divides the count.
         config.batch_size, config.grad_accum = jax.device_count(), 1
     if config.model.attention == "cudnn" and "model.attention" not in overrides:

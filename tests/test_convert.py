@@ -152,6 +152,15 @@ def test_import_into_a_workdir_in_use_writes_nothing(tmp_path, hf_models):
     assert checkpoint_files.steps_on_disk(str(run / "checkpoints")) == [0]
 
 
+def test_export_onto_a_mesh_the_training_batch_does_not_divide(tmp_path, hf_models):
+    """to-hf reads parameters only: a run's batch of 4 does not stop it reading onto dp=8."""
+    hf_dir, want = hf_models["untied"]
+    run = tmp_path / "run"
+    convert.from_hf(str(hf_dir), str(run), small_config(batch_size=4))  # megatron_2d on dp=2,mp=4
+    convert.to_hf(str(run), str(tmp_path / "hf"), rules="dp", mesh="dp=8,mp=1")
+    _assert_close(_hf_logits(tmp_path / "hf"), want)
+
+
 def _tree(path):
     return {str(p): p.stat().st_mtime_ns for p in path.rglob("*")}
 
