@@ -145,20 +145,35 @@ def check_same_everywhere(config: dict, rules_text: str | None = None) -> None:
     items = sorted(_flat(config).items())
     if rules_text is not None:
         items.append(("the rule file's text", rules_text))
-    digests = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:3], "little") for _, v in items]
-    keys = int.from_bytes(hashlib.sha256(repr([k for k, _ in items]).encode()).digest()[:3], "little")
-    rows = every_process([keys, *digests])  # 24-bit digests fit int32
-    if len({len(row) for row in rows}) > 1:
+    found = first_disagreement([[k for k, _ in items], *(v for _, v in items)])
+    if found is None:
+        return
+    column, other = found
+    if column == len(items) + 1:
         raise UserError("the processes of this job were given configs with different keys; start each alike")
-    everyone = np.array(rows)  # (processes, 1 + keys)
-    for column, name in enumerate(["the config's keys"] + [k for k, _ in items]):
-        values = everyone[:, column]
-        if (values != values[0]).any():
-            other = int(np.argmax(values != values[0]))
-            raise UserError(
-                f"{name} differs between process 0 and process {other} of this job; "
-                "start every process with the same config, rule file and overrides"
-            )
+    name = (["the config's keys"] + [k for k, _ in items])[column]
+    raise UserError(
+        f"{name} differs between process 0 and process {other} of this job; "
+        "start every process with the same config, rule file and overrides"
+    )
+
+
+def first_disagreement(values: list) -> tuple[int, int] | None:
+    """(i, p): values[i] is the first of `values` that another process of the job holds otherwise
+    (compared by a 24-bit digest of its repr), p the first such process; (len(values), p) where
+    process p holds another number of values; None where every process holds the same. Every
+    process of the job must call it at the same point."""
+    digests = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:3], "little") for v in values]
+    rows = every_process(digests)  # 24-bit digests fit int32
+    other = next((p for p, row in enumerate(rows) if len(row) != len(digests)), None)
+    if other is not None:
+        return len(values), other
+    everyone = np.array(rows)  # (processes, values)
+    for column in range(len(values)):
+        differs = everyone[:, column] != everyone[0, column]
+        if differs.any():
+            return column, int(np.argmax(differs))
+    return None
 
 
 def agreed(fn, *args):

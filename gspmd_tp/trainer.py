@@ -369,24 +369,22 @@ def _check_same_inputs(corpus: dict, init_from: str, init_digest: str) -> None:
     if jax.process_count() == 1:
         return
     splits = list(_CHANGED_CORPUS)
-    digests = [corpus[split]["sha256"] for split in splits] + [init_digest or "0"]
-    rows = distributed.every_process([int(d[:7], 16) for d in digests])  # 28 bits: int32
-    for column, digest in enumerate(digests):
-        other = next((i for i, row in enumerate(rows) if row[column] != rows[0][column]), None)
-        if other is None:
-            continue
-        if column == len(splits):
-            raise UserError(
-                f"config.init_from={init_from} read by process {other} of this job differs from process 0's "
-                f"(here: sha256 {digest[:16]}): every process must read the same file (a relative path "
-                "from each process's own directory)"
-            )
-        mine = corpus[splits[column]]
+    found = distributed.first_disagreement([corpus[split]["sha256"] for split in splits] + [init_digest])
+    if found is None:
+        return
+    column, other = found
+    if column == len(splits):
         raise UserError(
-            f"the {_CHANGED_CORPUS[splits[column]][0]} read by process {other} of this job differs from "
-            f"process 0's (here: {mine['tokens']:,} tokens, sha256 {mine['sha256']}): every process must "
-            "read the same files (config.data's paths; relative ones from each process's own directory)"
+            f"config.init_from={init_from} read by process {other} of this job differs from process 0's "
+            f"(here: sha256 {init_digest[:16]}): every process must read the same file (a relative path "
+            "from each process's own directory)"
         )
+    mine = corpus[splits[column]]
+    raise UserError(
+        f"the {_CHANGED_CORPUS[splits[column]][0]} read by process {other} of this job differs from "
+        f"process 0's (here: {mine['tokens']:,} tokens, sha256 {mine['sha256']}): every process must "
+        "read the same files (config.data's paths; relative ones from each process's own directory)"
+    )
 
 
 def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
