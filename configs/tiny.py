@@ -38,6 +38,13 @@ def get_config() -> ConfigDict:
     # An .npz from `python -m gspmd_tp.checkpoint export`: the initial parameters of a fresh run
     # on any mesh and rule file (ignored when the workdir already holds a checkpoint).
     c.init_from = ""
+    # > 0: trace that many training steps with jax.profiler into WORKDIR/profile (ui.perfetto.dev
+    # opens the .trace.json.gz; TensorBoard's profile plugin reads the directory) and log where their
+    # device time went.
+    # The first skip_steps steps of this start (a resume's too) stay out of it: warm-up, not steady state.
+    c.profile = ConfigDict()
+    c.profile.steps = 0
+    c.profile.skip_steps = 3
 
     c.model = ConfigDict()
     c.model.vocab_size = 256  # byte tokens; a multiple of 128 shards on any mp up to 128

@@ -7,10 +7,7 @@ of the two: figures that compare across machines, which a slow dtype cannot flat
 
 from __future__ import annotations
 
-import collections
 import copy
-import glob
-import gzip
 import json
 import os
 import statistics
@@ -20,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspmd_tp import hlo, metrics, restore, trainer
+from gspmd_tp import hlo, metrics, profiling, restore, trainer
 from gspmd_tp import rules as rules_lib
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
@@ -53,18 +50,10 @@ def profile_step(step, state, batch, directory: str) -> tuple[dict, float, objec
         state, _ = step(state, batch)
         jax.block_until_ready(state)
         traced_s = time.perf_counter() - t0
-    traces = sorted(glob.glob(os.path.join(directory, "**", "*.trace.json.gz"), recursive=True))
-    if not traces:
+    trace = profiling.newest_trace(directory)
+    if trace is None:
         return {}, traced_s, state
-    with gzip.open(traces[-1]) as f:
-        events = json.load(f).get("traceEvents", [])
-    us = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("name") in groups:
-            us[groups[e["name"]]] += e.get("dur", 0)
-    total = sum(us.values()) or 1
-    devices = len(jax.devices())
-    shares = {k: {"ms_per_device": us[k] / 1e3 / devices, "share": us[k] / total} for k in hlo.GROUPS}
+    shares = profiling.device_time_shares(trace, groups, len(jax.devices()))
     return shares, traced_s, state
 
 

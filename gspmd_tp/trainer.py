@@ -14,7 +14,18 @@ import time
 import jax
 import optax
 
-from gspmd_tp import axes, checkpoint, checkpoint_files, data, distributed, faults, metrics, optim, outputs
+from gspmd_tp import (
+    axes,
+    checkpoint,
+    checkpoint_files,
+    data,
+    distributed,
+    faults,
+    metrics,
+    optim,
+    outputs,
+    profiling,
+)
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
 from gspmd_tp.config_keys import changed, check_keys, ours
@@ -85,6 +96,9 @@ def check_config(config) -> None:
     if not 0 <= config.data.seed < 2**32:
         raise UserError(f"config.data.seed must be in [0, 2**32), got {config.data.seed}")
     data.check(config.data)
+    for key in ("steps", "skip_steps"):
+        if config.profile[key] < 0:
+            raise UserError(f"config.profile.{key} must be 0 or more, got {config.profile[key]}")
     if config.data.prefetch < -1:
         raise UserError(f"config.data.prefetch must be -1 (auto), 0 or more, got {config.data.prefetch}")
     # Every data source yields byte tokens, whatever the files hold.
@@ -387,6 +401,20 @@ def _check_same_inputs(corpus: dict, init_from: str, init_digest: str) -> None:
     )
 
 
+def _step_trace(s: Setup, workdir: str, start: int, train_step) -> profiling.StepTrace:
+    """config.profile's window of this start's steps; each process of a job traces its own devices."""
+    c = s.config.profile
+    first = start + 1 + c.skip_steps
+    last = min(first + c.steps - 1, s.config.steps)
+    directory = os.path.join(workdir, profiling.PROFILE)
+    if jax.process_count() > 1:
+        directory = os.path.join(directory, f"process_{jax.process_index()}")
+    if c.steps and first > s.config.steps:
+        log(f"note: config.profile traces from step {first}, after the run's last step {s.config.steps}")
+    text = train_step.as_text() if c.steps else ""
+    return profiling.StepTrace(directory, first, max(last - first + 1, 0), text, log)
+
+
 def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
     """train() from the workdir's checkpoints on, with the workdir to itself."""
     c = s.config
@@ -469,6 +497,7 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
     depth = c.data.prefetch if c.data.prefetch >= 0 else (0 if jax.devices()[0].platform == "cpu" else 2)
     batches = None
     window = {"start": time.perf_counter(), "data_wait": []}  # one wait per step dispatched
+    trace = _step_trace(s, workdir, start, train_step)
 
     def report(step: int, stats, steps: int, eval_params=None) -> None:
         """Reads a logged step's stats (the host's only wait) and writes its row. `steps` of the
@@ -514,7 +543,9 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
                     t = time.perf_counter()
                     batch = next(batches)
                     window["data_wait"].append(time.perf_counter() - t)
+                    trace.before(step)
                     state, stats = train_step(state, batch)
+                    window["start"] += trace.after(step, state)  # the trace's writing is no step's time
                     watch.add(step, stats)
                     if pending is not None:  # the device is busy with this step meanwhile
                         report(*pending)
@@ -558,6 +589,7 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
             raise
         finally:
             stop.finishing()  # a first signal from here on waits for the save in flight
+            trace.close()
             if batches is not None:
                 batches.close()
             # Also on an error: let a save in flight finish, so the newest checkpoint on disk is complete.
@@ -565,8 +597,9 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
                 mngr.wait_until_finished()
                 mngr.close()
             writer.close()
+        traced = f", profile in {os.path.join(workdir, profiling.PROFILE)}" if trace.written else ""
         log(
             f"done: metrics in {os.path.join(workdir, metrics.JSONL)}, TensorBoard events in "
-            f"{os.path.join(workdir, metrics.TENSORBOARD)}, checkpoints in {checkpoint_dir}"
+            f"{os.path.join(workdir, metrics.TENSORBOARD)}, checkpoints in {checkpoint_dir}{traced}"
         )
     return last_row

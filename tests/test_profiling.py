@@ -1,0 +1,97 @@
+"""config.profile traces a window of a training run's steps and says where their device time went."""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import small_config
+
+from gspmd_tp import hlo, profiling, trainer
+from gspmd_tp.errors import UserError
+
+SHARES = re.compile(r"device time: (.*)$")
+
+
+def _shares(line: str) -> dict[str, float]:
+    """{'matrix products': 51.2, ...} from a `profile:` log line."""
+    text = SHARES.search(line).group(1)
+    return {name: float(pct) for name, pct in re.findall(r"([a-z, ]+?) ([\d.]+)%(?:, |$)", text)}
+
+
+def test_a_run_traces_the_steps_it_is_told_to(tmp_path, capsys):
+    c = small_config(steps=6, log_every=1, eval_every=100, checkpoint_every=100)
+    c.profile.steps, c.profile.skip_steps = 2, 1
+    trainer.train(c, str(tmp_path))
+    out = capsys.readouterr().out
+    [line] = [x for x in out.splitlines() if x.startswith("profile:")]
+    # This start's first step is 1: left out, then steps 2 and 3.
+    assert line.startswith("profile: steps 2..3 traced in ")
+    trace = re.search(r" to (\S+\.trace\.json\.gz);", line).group(1)
+    assert trace.startswith(str(tmp_path / profiling.PROFILE))
+    shares = _shares(line)
+    assert list(shares) == list(hlo.GROUPS)
+    assert sum(shares.values()) == pytest.approx(100, abs=0.3)
+    assert shares["matrix products"] > 0 and shares["collectives"] > 0  # megatron_2d on dp=2,mp=4
+    assert f"profile in {tmp_path / profiling.PROFILE}" in out.splitlines()[-1]
+    rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resumed_run_counts_its_window_from_where_it_starts(tmp_path, capsys):
+    c = small_config(steps=2, log_every=1, eval_every=100, checkpoint_every=100)
+    trainer.train(c, str(tmp_path))
+    c.steps = 4
+    c.profile.steps, c.profile.skip_steps = 1, 0
+    trainer.train(c, str(tmp_path))
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("profile:")]
+    assert line.startswith("profile: steps 3..3 traced in ")
+
+
+def test_a_window_after_the_last_step_is_said_and_traces_nothing(tmp_path, capsys):
+    c = small_config(steps=2, log_every=1, eval_every=100)
+    c.profile.steps, c.profile.skip_steps = 2, 5
+    trainer.train(c, str(tmp_path))
+    out = capsys.readouterr().out
+    assert "note: config.profile traces from step 6, after the run's last step 2" in out
+    assert "profile:" not in out
+    assert not (tmp_path / profiling.PROFILE).exists()
+
+
+def test_a_window_is_cut_at_the_run_end(tmp_path, capsys):
+    c = small_config(steps=3, log_every=1, eval_every=100)
+    c.profile.steps, c.profile.skip_steps = 10, 1
+    trainer.train(c, str(tmp_path))
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("profile:")]
+    assert line.startswith("profile: steps 2..3 traced in ")
+
+
+@pytest.mark.parametrize("key", ["steps", "skip_steps"])
+def test_a_negative_profile_value_is_refused(tmp_path, key):
+    c = small_config()
+    c.profile[key] = -1
+    with pytest.raises(UserError, match=rf"^config\.profile\.{key} must be 0 or more, got -1$"):
+        trainer.train(c, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_trace_cut_short_ends_at_the_last_step_dispatched(tmp_path):
+    """A stop or an error inside the window still ends the trace and says which steps it holds."""
+    f = jax.jit(lambda x: jnp.tanh(x @ x))
+    x = jnp.ones((64, 64))
+    lines = []
+    trace = profiling.StepTrace(
+        str(tmp_path), first=2, steps=5, step_text=f.lower(x).compile().as_text(), log=lines.append
+    )
+    for step in (1, 2, 3):
+        trace.before(step)
+        x = f(x)
+        assert trace.after(step, x) == 0.0  # the window runs to step 6
+    trace.close()
+    [line] = lines
+    assert line.startswith("profile: steps 2..3 traced in ")
+    assert trace.written.endswith(".trace.json.gz")
+    assert _shares(line)["matrix products"] > 0
+    trace.close()  # a second close writes nothing more
+    assert len(lines) == 1
