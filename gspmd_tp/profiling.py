@@ -46,8 +46,8 @@ def format_shares(shares: dict) -> str:
 
 class StepTrace:
     """Traces the training steps `first`..`first + steps - 1` into `directory` with jax.profiler
-    (ui.perfetto.dev opens its .trace.json.gz; TensorBoard's profile plugin reads the directory), then logs the
-    window's wall time and where its device time went. steps=0 traces nothing."""
+    (ui.perfetto.dev opens its .trace.json.gz; TensorBoard's profile plugin reads the directory),
+    then logs the window's wall time and where its device time went. steps=0 traces nothing."""
 
     def __init__(self, directory: str, first: int, steps: int, step_text: str, log):
         self.directory, self.first, self.last = directory, first, first + steps - 1
