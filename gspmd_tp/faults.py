@@ -15,6 +15,7 @@ import sys
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gspmd_tp import distributed
@@ -126,11 +127,19 @@ class StopSignal:
         return self._agreed
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    """One replicated bool: every float of `tree` (sharded as it is) is finite."""
+    leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.stack(leaves).all() if leaves else jnp.array(True)
+
+
 class NonFiniteWatch:
     """Collects the per-step stats of the jitted step and checks them in batches at host syncs.
 
     skip=False: the first NaN/Inf loss or gradient raises UserError naming the step and quantity.
     skip=True: the step already kept the old state on device; this only logs and counts.
+    Either way a state about to be saved is checked whole first (check_state).
     """
 
     def __init__(self, skip: bool, log, start: int = 0):
@@ -172,6 +181,23 @@ class NonFiniteWatch:
                 f"{what}: stopped without saving ({kept}); lower config.optim.lr or set "
                 f"config.skip_nonfinite_steps=True to skip such steps"
             )
+
+    def check_state(self, step: int, state, since: int, last_good: int | None) -> None:
+        """Raises UserError where the parameters or optimizer state to be saved at `step` hold NaN
+        or Inf. The losses and gradients check() reads do not show an update that overflowed them
+        from a finite loss and gradient (a learning rate beyond float32, say); saved, that state
+        would become the newest checkpoint, the one a resume picks, and every step from it NaN.
+        One reduction on device per save, none per step."""
+        if bool(_all_finite((state.params, state.opt_state))):
+            return
+        kept = (
+            "no checkpoint was written" if last_good is None else f"the newest checkpoint is step {last_good}"
+        )
+        raise UserError(
+            f"non-finite parameters or optimizer state at step {step}: an update since step {since} made "
+            f"them NaN or Inf from a finite loss and gradient; stopped without saving ({kept}); lower "
+            "config.optim.lr and run again"
+        )
 
     def check_diverged(self, step: int, since: int, last_good: int | None) -> None:
         """Skipping: raises UserError where every step after `since` (the last save, or the start)

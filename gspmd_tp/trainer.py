@@ -564,6 +564,10 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
                             watch.check_diverged(
                                 step, last_saved if last_saved is not None else start, last_saved
                             )
+                        # An update may overflow the state from a finite loss: never saved.
+                        watch.check_state(
+                            step, state, last_saved if last_saved is not None else start, last_saved
+                        )
                         meta = {**s.meta(), "skipped_steps": watch.skipped, "eval_pending": step == eval_cut}
                         meta["corpus"] = corpus
                         checkpoint.save(mngr, step, state, batches.get_state(), meta)

@@ -631,6 +631,24 @@ def test_skip_nonfinite_steps_keeps_the_old_state(tmp_path):
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["4"]
 
 
+@pytest.mark.parametrize("skip", [False, True], ids=["stop", "skip"])
+def test_parameters_a_finite_step_overflowed_are_never_saved(tmp_path, skip):
+    """A rate beyond float32's range: step 3's loss and gradient are finite, its update is not. Its
+    checkpoint would be the newest, the one a resume picks, NaN from there on."""
+    workdir = tmp_path / "run"
+    trainer.train(small_config(steps=2, checkpoint_every=1), str(workdir))
+    overflow = {**EXPLODE, "optim.lr": 1e39, "checkpoint_every": 1}
+    message = (
+        r"non-finite parameters or optimizer state at step 3: an update since step 2 made them NaN or Inf "
+        r"from a finite loss and gradient; stopped without saving \(the newest checkpoint is step 2\)"
+    )
+    with pytest.raises(UserError, match=message):
+        trainer.train(small_config(steps=4, skip_nonfinite_steps=skip, **overflow), str(workdir))
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2"]
+    saved = np.load(_export(workdir, 2))
+    assert all(np.isfinite(saved[k]).all() for k in saved.files)
+
+
 def _export(workdir, step):
     out = str(workdir / f"params_{step}.npz")
     checkpoint.export_params(str(workdir), out, step)
