@@ -246,23 +246,34 @@ def _agreed_read(read, path: str):
     return result
 
 
-def restore_newest(mngr: ocp.CheckpointManager, found: list[tuple[int, dict]], abstract_state, warn=print):
+def restore_newest(
+    mngr: ocp.CheckpointManager,
+    found: list[tuple[int, dict]],
+    abstract_state,
+    warn=print,
+    damaged: dict[int, str] | None = None,
+):
     """(step, meta, state, data state) of the newest checkpoint in `found` (agreed_checkpoints) that
     restores on every process of the job.
 
     One whose files are damaged (missing, cut short, undecodable) on any process is named through
-    `warn` and moved to workdir/corrupt_checkpoints/. Any other failure (permissions, memory, storage)
-    moves nothing and raises UserError, as does having no step left that restores.
+    `warn` and moved to workdir/corrupt_checkpoints/; so is each step of `damaged` ({step: warning},
+    from damage_warning), without reading it again. Any other failure (permissions, memory,
+    storage) moves nothing and raises UserError, as does having no step left that restores.
     """
-    ckpt_dir, metas, moved = str(mngr.directory), dict(found), []
+    ckpt_dir, metas, moved, damaged = str(mngr.directory), dict(found), [], damaged or {}
 
     def set_aside(step: int) -> None:
         move_aside(ckpt_dir, step, warn)
         moved.append(step)
         mngr.reload()
 
+    for step in sorted(damaged, reverse=True):
+        warn(damaged[step])
+        set_aside(step)
     read = _agreed_restore(abstract_state)
-    hit = first_that_reads(ckpt_dir, [step for step, _ in found], read, warn, on_damage=set_aside)
+    steps = [step for step, _ in found if step not in damaged]
+    hit = first_that_reads(ckpt_dir, steps, read, warn, on_damage=set_aside)
     if hit is None:
         where = os.path.join(os.path.dirname(ckpt_dir), CORRUPT_DIR)
         raise UserError(
@@ -273,12 +284,14 @@ def restore_newest(mngr: ocp.CheckpointManager, found: list[tuple[int, dict]], a
     return step, metas[step], state, data_state
 
 
-def restores(workdir: str, step: int, abstract_state) -> bool:
-    """Whether checkpoint `step` restores on every process of the job (its arrays are read, then
-    dropped): False where its files are damaged on some process, without a word (restore_newest
-    names and moves it). Any other failure raises UserError, as in restore_newest."""
-    read = _agreed_restore(abstract_state)
-    return first_that_reads(checkpoint_dir(workdir), [step], read, warn=lambda _: None) is not None
+def damage_warning(workdir: str, step: int, abstract_state) -> str | None:
+    """None where checkpoint `step` restores on every process of the job (its arrays are read, then
+    dropped); where its files are damaged on some process, the warning that names it, unprinted:
+    restore_newest(damaged=...) prints it and moves the step without reading it a second time.
+    Any other failure raises UserError, as in restore_newest."""
+    read, warnings = _agreed_restore(abstract_state), []
+    hit = first_that_reads(checkpoint_dir(workdir), [step], read, warn=warnings.append)
+    return None if hit is not None else warnings[0]
 
 
 def _agreed_restore(abstract_state):

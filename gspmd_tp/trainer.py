@@ -258,11 +258,14 @@ def _note_config_change(saved_config: dict, config, step: int) -> None:
         log(f"note: changed since step {step} was saved: {'; '.join(diffs)}")
 
 
-def _initial_state(s: Setup, workdir: str, found: list, mngr, imported_params):
-    """(state, data-iterator state or None, start step): the newest checkpoint that restores, else init."""
+def _initial_state(s: Setup, found: list, mngr, imported_params, damaged: dict):
+    """(state, data-iterator state or None, start step): the newest checkpoint that restores, else
+    init. The steps of `damaged` ({step: warning}) were read already: moved aside unread."""
     c = s.config
     if found:
-        start, meta, state, data_state = checkpoint.restore_newest(mngr, found, s.abstract_state, warn=log)
+        start, meta, state, data_state = checkpoint.restore_newest(
+            mngr, found, s.abstract_state, warn=log, damaged=damaged
+        )
         log(f"resumed from step {start} (saved on mesh {meta['mesh']} with rules {meta['rules']['source']})")
         return state, data_state, start
     state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, c.seq_len, c.seed)
@@ -446,11 +449,14 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
     # Before compiling (minutes on a large model); an evaluation a stop cut short still runs. The
     # step is read first: a damaged one is left to the resume below, which skips and moves it.
     newest = found[0][0] if found else None
+    damaged = {}  # {step: warning} of steps read already and found damaged: not read again below
     if newest is not None and newest >= c.steps and not _evaluation_pending(workdir, newest, found[0][1]):
-        if checkpoint.restores(workdir, newest, s.abstract_state):
+        warning = checkpoint.damage_warning(workdir, newest, s.abstract_state)
+        if warning is None:
             log(f"nothing to do: the newest checkpoint is at step {newest} >= config.steps={c.steps}")
             _set_aside_rows_after(workdir, newest, "")
             return {"step": newest}
+        damaged[newest] = warning
 
     t0 = time.perf_counter()
     train_step = step_lib.compile_train_step(s)
@@ -462,7 +468,7 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
     # The first write: unreadable newest steps move aside so that saving those steps again works.
     checkpoint_files.move_aside_unreadable(workdir, [step for step, _ in found], warn=log)
     mngr = checkpoint.manager(workdir, c.keep_checkpoints)
-    state, data_state, start = _initial_state(s, workdir, found, mngr, imported)
+    state, data_state, start = _initial_state(s, found, mngr, imported, damaged)
     if data_state is not None:
         data_iter.set_state(data_state)
     to_train = f"training steps {start + 1}..{c.steps}" if start < c.steps else "no step left to train"
