@@ -36,6 +36,7 @@ from ml_collections import ConfigDict
 from gspmd_tp import checkpoint, checkpoint_files, hf_layout, outputs, restore, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError, define_config, loaded_config, parse_flags
+from gspmd_tp.mesh import DeviceCountError
 
 # Files of a Hugging Face model directory that are not weights and that to-hf carries over.
 _CARRIED_FILES = (
@@ -236,10 +237,8 @@ def main(argv) -> None:
                     dtype=flags_.dtype,
                     hf_base=flags_.hf_base,
                 )
-            except UserError as e:  # the mesh's hint names train.py's flag; to-hf has its own
-                raise UserError(
-                    str(e).replace("--config.host_device_count=N", "--host_device_count=N")
-                ) from None
+            except DeviceCountError as e:  # its hint names train.py's flag; to-hf has its own
+                raise e.naming("--host_device_count") from None
             print(f"wrote {len(files)} files to {flags_.hf_dir}")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -11,10 +11,31 @@ from jax.sharding import AxisType, Mesh
 
 from gspmd_tp.errors import UserError
 
+# The flag that sets how many CPU devices train.py (and the readers taking --config) simulate.
+DEVICE_COUNT_FLAG = "--config.host_device_count"
 
-def parse_mesh(spec: str, num_devices: int, hint: str = "") -> dict[str, int]:
-    """Parses "dp=2,mp=4" into {"dp": 2, "mp": 4}; one size may be -1 and is filled in. `hint` ends
-    the message of a device count that does not match."""
+
+class DeviceCountError(UserError):
+    """A mesh that spans another number of devices than there are. Where they are simulated CPU
+    devices, the message names `flag`, the one that sets their count; a command that spells that
+    flag otherwise re-raises `naming(its flag)`."""
+
+    def __init__(self, spec: str, size: int, available: int, flag: str = ""):
+        self.spec, self.size, self.available, self.flag = spec, size, available, flag
+        hint = f"; {flag}=N simulates N CPU devices" if flag else ""
+        super().__init__(f"mesh {spec!r} has {size} devices but {available} are available{hint}")
+
+    def __reduce__(self):  # pickled or copied by its fields, not by its message
+        return DeviceCountError, (self.spec, self.size, self.available, self.flag)
+
+    def naming(self, flag: str) -> DeviceCountError:
+        """The same error naming `flag` for the device count (still none where it named none)."""
+        return DeviceCountError(self.spec, self.size, self.available, flag if self.flag else "")
+
+
+def parse_mesh(spec: str, num_devices: int, device_flag: str = "") -> dict[str, int]:
+    """Parses "dp=2,mp=4" into {"dp": 2, "mp": 4}; one size may be -1 and is filled in. A device
+    count that does not match raises DeviceCountError naming `device_flag` (none: no hint)."""
     sizes: dict[str, int] = {}
     for part in spec.split(","):
         part = part.strip()  # " dp = 2, mp=4"; but "dp=2 mp=4" is one item, not two
@@ -40,9 +61,7 @@ def parse_mesh(spec: str, num_devices: int, hint: str = "") -> dict[str, int]:
             )
         sizes[free[0]] = num_devices // known
     if math.prod(sizes.values()) != num_devices:
-        raise UserError(
-            f"mesh {spec!r} has {math.prod(sizes.values())} devices but {num_devices} are available{hint}"
-        )
+        raise DeviceCountError(spec, math.prod(sizes.values()), num_devices, device_flag)
     return sizes
 
 
@@ -55,9 +74,7 @@ def make_mesh(
     """
     devices = jax.devices() if devices is None else devices
     cpu = devices[0].platform == "cpu"
-    sizes = parse_mesh(
-        spec, len(devices), "; --config.host_device_count=N simulates N CPU devices" if cpu else ""
-    )
+    sizes = parse_mesh(spec, len(devices), DEVICE_COUNT_FLAG if cpu else "")
     if set(sizes) != set(mesh_axes):
         raise UserError(
             f"mesh {spec!r} names axes {sorted(sizes)} but {rules_source}'s mesh_axes are {list(mesh_axes)}; "

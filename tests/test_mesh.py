@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import AxisType
 
 from gspmd_tp.errors import UserError
-from gspmd_tp.mesh import make_mesh, mesh_string, parse_mesh
+from gspmd_tp.mesh import DeviceCountError, make_mesh, mesh_string, parse_mesh
 
 
 @pytest.mark.parametrize(
@@ -80,6 +80,25 @@ def test_make_mesh_checks_sizes_against_its_devices():
     message = "has 8 devices but 2 are available; --config.host_device_count=N simulates N CPU devices$"
     with pytest.raises(UserError, match=message):
         make_mesh("dp=2,mp=4", ("dp", "mp"), devices=jax.devices()[:2])
+
+
+def test_a_device_count_error_names_the_flag_of_the_command_that_reads_it():
+    """convert to-hf spells the device-count flag --host_device_count: the error is rebuilt with it,
+    not edited as text (a path or mesh in the message is left as it is)."""
+    with pytest.raises(DeviceCountError) as e:
+        make_mesh("dp=2,mp=4", ("dp", "mp"), devices=jax.devices()[:2])
+    assert (e.value.spec, e.value.size, e.value.available) == ("dp=2,mp=4", 8, 2)
+    assert str(e.value.naming("--host_device_count")) == (
+        "mesh 'dp=2,mp=4' has 8 devices but 2 are available; --host_device_count=N simulates N CPU devices"
+    )
+    # Not simulated (an accelerator's count is what it is): no flag named, either way.
+    with pytest.raises(DeviceCountError) as e:
+        parse_mesh("dp=2,mp=4", 2)
+    assert (
+        str(e.value)
+        == str(e.value.naming("--host_device_count"))
+        == ("mesh 'dp=2,mp=4' has 8 devices but 2 are available")
+    )
 
 
 @pytest.mark.parametrize("spec", ["dp=2,mp=4", "dp=8,mp=1", "dp=1,mp=8"])
