@@ -9,7 +9,7 @@ import sys
 
 from absl import app, flags, logging
 
-from gspmd_tp import host_devices
+from gspmd_tp import host_devices, outputs
 from gspmd_tp.errors import UserError, define_config, no_positional_arguments, parse_flags
 
 _CONFIG = define_config("configs/tiny.py", "A configs/*.py file.")
@@ -83,6 +83,7 @@ def main(argv):
             file=sys.stderr,
             flush=True,
         )
+        outputs.remove_created_workdirs()  # what the lock's exit would have done
         os._exit(1)
 
 
@@ -102,6 +103,7 @@ def _stopped(sig: signal.Signals):
     and out at once: a normal exit while XLA's compiler threads still run can end in a segfault."""
     name = "Ctrl-C" if sig == signal.SIGINT else sig.name
     print(f"stopped by {name} {_OUTSIDE_THE_LOOP}", file=sys.stderr, flush=True)
+    outputs.remove_created_workdirs()  # a new workdir holding only the lock: gone, as on an error
     os._exit(128 + sig)
 
 

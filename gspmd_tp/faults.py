@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspmd_tp import distributed
+from gspmd_tp import distributed, outputs
 from gspmd_tp.errors import UserError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -85,6 +85,7 @@ class StopSignal:
         if self._signum or self._deliveries() > 1:
             # The user (or the scheduler) insists: no checkpoint, no cleanup, the shell's exit code.
             print(f"received {name} again: exiting at once without saving", file=sys.stderr, flush=True)
+            outputs.remove_created_workdirs()
             os._exit(128 + signum)
         self._signum, self.stopped_by = signum, name
         if self._finishing:

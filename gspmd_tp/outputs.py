@@ -16,6 +16,7 @@ from gspmd_tp.errors import UserError
 
 LOCK = "train.lock"  # in a workdir: held by the training job that runs on it
 _JOB = "job "  # the lock file's second line: a number drawn by process 0 of the job
+_created: list[str] = []  # workdirs that a workdir_lock of this process created and still holds
 
 
 def _not_creatable(directory: str) -> str | None:
@@ -102,6 +103,8 @@ def workdir_lock(workdir: str, warn=print):
         try:  # check_dir's os.access says yes to root even where the filesystem refuses (/proc)
             os.makedirs(workdir, exist_ok=True)
             lock = open(path, "a+")
+            if created:
+                _created.append(workdir)  # from here an os._exit removes it too
         except OSError as e:
             unwritable = f"{e.strerror}: {e.filename}"
             if created and os.path.isdir(workdir) and not os.listdir(workdir):
@@ -145,9 +148,23 @@ def workdir_lock(workdir: str, warn=print):
     finally:
         if lock is not None and not lock.closed:
             lock.close()  # releases the flock
-        if created and os.listdir(workdir) == [LOCK]:
-            os.remove(path)
-            os.rmdir(workdir)
+        if workdir in _created:
+            _remove_if_only_the_lock(workdir)
+            _created.remove(workdir)
+
+
+def _remove_if_only_the_lock(workdir: str) -> None:
+    if os.path.isdir(workdir) and os.listdir(workdir) == [LOCK]:
+        os.remove(os.path.join(workdir, LOCK))
+        os.rmdir(workdir)
+
+
+def remove_created_workdirs() -> None:
+    """Removes each workdir that a workdir_lock of this process created and holds, where it holds
+    nothing but the lock file: what the lock's own exit does, for an exit through os._exit (a stop
+    signal while the run compiles), which skips it."""
+    for workdir in _created:
+        _remove_if_only_the_lock(workdir)
 
 
 def _check_one_workdir(workdir: str, path: str, job: int) -> None:
