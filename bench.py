@@ -6,9 +6,7 @@
         --variants="model.remat=none;model.attention_block=128" [--rounds=5 --round_steps=3]
 """
 
-import os
 import sys
-import tempfile
 
 from absl import app, flags, logging
 
@@ -42,31 +40,6 @@ _ROUNDS = flags.DEFINE_integer("rounds", 5, "With --variants: alternating rounds
 _ROUND_STEPS = flags.DEFINE_integer("round_steps", 3, "With --variants: timed steps per round.")
 
 
-def _try_json_out(path: str) -> None:
-    """Opens `path` for appending where its directory exists (a file this made is removed again):
-    check_file's os.access says yes to root where the filesystem refuses (/proc, a read-only mount),
-    and the write must not fail only after every rule file x mesh has been timed."""
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        return  # check_file found the nearest existing directory writable; it is created at the end
-    existed = os.path.exists(path)
-    try:
-        open(path, "a").close()
-    except OSError as e:
-        raise UserError(f"--json_out={path}: cannot write it ({e.strerror})") from None
-    if not existed:
-        os.remove(path)
-
-
-def _try_profile_dir(path: str) -> None:
-    """Creates directory `path` and a file in it (removed at once), for the reason _try_json_out
-    opens its file: otherwise the profiler fails to write only after the steps were timed."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()
-    except OSError as e:
-        raise UserError(f"--profile_dir={path}: cannot write there ({e.strerror})") from None
-
-
 def main(argv):
     no_positional_arguments(argv)
     logging.set_verbosity(logging.WARNING)
@@ -77,12 +50,12 @@ def main(argv):
     rules = _RULES.value.split(",") if _RULES.value else [config.rules]
     meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
     try:
+        # Probed by writing: the file write, or the profiler, must not fail only after every rule
+        # file x mesh has been timed.
         if _JSON_OUT.value:
-            outputs.check_file(_JSON_OUT.value, "--json_out")
-            _try_json_out(_JSON_OUT.value)
+            outputs.check_file(_JSON_OUT.value, "--json_out", probe=True)
         if _PROFILE.value:
-            outputs.check_dir(_PROFILE.value, "--profile_dir")
-            _try_profile_dir(_PROFILE.value)
+            outputs.check_dir(_PROFILE.value, "--profile_dir", probe=True)
         variants = benchmark.parse_variants(_VARIANTS.value) if _VARIANTS.value else None
         report = benchmark.run(
             config,

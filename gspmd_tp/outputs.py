@@ -1,6 +1,6 @@
 """Output paths, checked before any work: a command that computes for minutes must not fail when it
-comes to write its result. The checks write nothing; `make_parent` creates a file's directory at
-write time.
+comes to write its result. The checks write nothing, unless asked to probe by writing (and then
+leave nothing behind, no directory created); `make_parent` creates a file's directory at write time.
 
 No jax import here, so entry points can check their flags first.
 """
@@ -10,6 +10,7 @@ import fcntl
 import os
 import secrets
 import socket
+import tempfile
 import time
 
 from gspmd_tp.errors import UserError
@@ -19,12 +20,16 @@ _JOB = "job "  # the lock file's second line: a number drawn by process 0 of the
 _created: list[str] = []  # workdirs that a workdir_lock of this process created and still holds
 
 
+def _nearest_existing(path: str) -> str:
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def _not_creatable(directory: str) -> str | None:
     """Why directory `directory` could not be written to or created, or None where it could: the
     nearest existing path at or above it must be a writable directory."""
-    existing = directory
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = _nearest_existing(directory)
     if not os.path.isdir(existing):
         return f"{existing} is a file, not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -36,19 +41,46 @@ def _not_creatable(directory: str) -> str | None:
     return None
 
 
-def check_dir(path: str, flag: str) -> None:
+def write_refused(path: str, directory: bool = False) -> OSError | None:
+    """The error the filesystem gives a write at `path`, found by writing, else None: os.access,
+    which the checks ask, says yes to root where the filesystem refuses (/proc, a read-only mount).
+    An existing file is opened for appending (its bytes untouched); otherwise a temporary file is
+    made and removed at once in the directory that would hold `path` (with `directory`, `path`
+    itself) or, where that does not exist yet, in its nearest existing ancestor. No directory is
+    created, nothing is left behind. The error's filename is the path that refused."""
+    full = os.path.abspath(path)
+    if not directory and os.path.isfile(full):
+        try:
+            open(full, "a").close()
+        except OSError as e:
+            return e
+        return None
+    where = _nearest_existing(full if directory else os.path.dirname(full))
+    try:
+        tempfile.TemporaryFile(dir=where).close()
+    except OSError as e:
+        return type(e)(e.errno, e.strerror, where)  # not the temporary file's random name
+    return None
+
+
+def check_dir(path: str, flag: str, probe: bool = False) -> None:
     """Raises UserError ("FLAG=PATH: why") unless directory `path` exists and is writable, or can be
-    created (its nearest existing ancestor is a writable directory)."""
+    created (its nearest existing ancestor is a writable directory). With `probe`, found so by
+    writing there too (write_refused): "FLAG=PATH: cannot write there (why)"."""
     if not path:
         raise UserError(f"{flag} is empty")  # an unset shell variable, say: not the current directory
     reason = _not_creatable(os.path.abspath(path))
     if reason:
         raise UserError(f"{flag}={path}: {reason}")
+    refused = probe and write_refused(path, directory=True)
+    if refused:
+        raise UserError(f"{flag}={path}: cannot write there ({refused.strerror})")
 
 
-def check_file(path: str, flag: str) -> None:
+def check_file(path: str, flag: str, probe: bool = False) -> None:
     """Raises UserError ("FLAG=PATH: why") unless file `path` can be written: not a directory, not
-    a read-only file, and in a directory that exists and is writable or can be created."""
+    a read-only file, and in a directory that exists and is writable or can be created. With
+    `probe`, found so by writing too (write_refused): "FLAG=PATH: cannot write it (why)"."""
     if not path:
         raise UserError(f"{flag} is empty")
     full = os.path.abspath(path)
@@ -59,6 +91,9 @@ def check_file(path: str, flag: str) -> None:
     reason = _not_creatable(os.path.dirname(full))
     if reason:
         raise UserError(f"{flag}={path}: {reason}")
+    refused = probe and write_refused(path)
+    if refused:
+        raise UserError(f"{flag}={path}: cannot write it ({refused.strerror})")
 
 
 def check_image(path: str, flag: str) -> None:
@@ -100,7 +135,12 @@ def workdir_lock(workdir: str, warn=print):
     unwritable = None
     if jax.process_index() == 0:
         created = not os.path.exists(workdir)
-        try:  # check_dir's os.access says yes to root even where the filesystem refuses (/proc)
+        # check_dir's os.access says yes to root even where the filesystem refuses (/proc): probed
+        # first, so that a refusal leaves no directory that makedirs made on the way to the workdir.
+        refused = write_refused(workdir, directory=True)
+        try:
+            if refused:
+                raise refused
             os.makedirs(workdir, exist_ok=True)
             lock = open(path, "a+")
             if created:

@@ -33,6 +33,29 @@ def test_a_file_in_the_way_is_named(tmp_path):
         outputs.check_file(str(blocker / "a" / "c.png"), "--chart")
 
 
+def test_a_probe_writes_but_leaves_nothing_behind_and_creates_no_directory(tmp_path):
+    kept = tmp_path / "report.json"
+    kept.write_text("kept")
+    outputs.check_file(str(kept), "--json_out", probe=True)
+    outputs.check_file(str(tmp_path / "new" / "bench.json"), "--json_out", probe=True)
+    outputs.check_dir(str(tmp_path / "profiles" / "a"), "--profile_dir", probe=True)
+    outputs.check_dir(str(tmp_path), "--profile_dir", probe=True)
+    assert list(tmp_path.iterdir()) == [kept] and kept.read_text() == "kept"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="os.access already refuses /proc to a user other than root")
+def test_a_probe_finds_what_the_filesystem_refuses_though_os_access_allows_it():
+    for path in ("/proc/bench.json", "/proc/gspmd_tp_none/bench.json"):  # where it would be created
+        outputs.check_file(path, "--json_out")  # os.access says yes to root
+        with pytest.raises(
+            UserError, match=_whole(f"--json_out={path}: cannot write it (No such file or directory)")
+        ):
+            outputs.check_file(path, "--json_out", probe=True)
+    with pytest.raises(UserError, match=r"^--profile_dir=/proc/gspmd_tp_none/p: cannot write there \("):
+        outputs.check_dir("/proc/gspmd_tp_none/p", "--profile_dir", probe=True)
+    assert not os.path.exists("/proc/gspmd_tp_none")
+
+
 def test_a_directory_where_a_file_goes_is_refused(tmp_path):
     with pytest.raises(UserError, match=_whole(f"OUT={tmp_path}: is a directory, not a file")):
         outputs.check_file(str(tmp_path), "OUT")
