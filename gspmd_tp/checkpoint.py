@@ -571,7 +571,7 @@ def main(argv=None) -> int:
         if args.command == "info":
             print(info(args.dir, args.step))
         else:
-            outputs.check_file(args.out, "OUT")
+            outputs.check_file(args.out, "OUT", probe=True)
             shapes = export_params(args.dir, args.out, args.step)
             n = sum(int(np.prod(s)) for s in shapes.values())
             print(f"wrote {len(shapes)} parameters ({n:,} values) to {args.out}")

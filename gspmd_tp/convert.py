@@ -219,7 +219,7 @@ def main(argv) -> None:
             print(f"wrote step 0 to {checkpoint_files.checkpoint_dir(flags_.workdir)}; fine-tune with:")
             print(_resume_command(s, flags_.workdir, flags_["config"].config_filename, sys.argv))
         else:
-            outputs.check_dir(flags_.hf_dir, "--hf_dir")
+            outputs.check_dir(flags_.hf_dir, "--hf_dir", probe=True)
             check_empty(flags_.hf_dir)
             count = flags_.host_device_count
             if count is not None and count < 1:

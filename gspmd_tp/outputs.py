@@ -97,11 +97,12 @@ def check_file(path: str, flag: str, probe: bool = False) -> None:
 
 
 def check_image(path: str, flag: str) -> None:
-    """check_file, and the extension must name an image format matplotlib writes: a name without one
-    would be written as NAME.png, one it does not know would fail after the work is done."""
+    """check_file (probing by writing), and the extension must name an image format matplotlib
+    writes: a name without one would be written as NAME.png, one it does not know would fail after
+    the work is done."""
     from matplotlib.backend_bases import FigureCanvasBase
 
-    check_file(path, flag)
+    check_file(path, flag, probe=True)
     extension = os.path.splitext(path)[1].lstrip(".").lower()
     if extension not in FigureCanvasBase.get_supported_filetypes():
         what = f"the extension .{extension} is not an image format" if extension else "no file extension"

@@ -377,7 +377,7 @@ def main(argv) -> None:
         if _CHART.value:
             outputs.check_image(_CHART.value, "--chart")
         if _DUMP_HLO.value:
-            outputs.check_dir(_DUMP_HLO.value, "--dump_hlo")
+            outputs.check_dir(_DUMP_HLO.value, "--dump_hlo", probe=True)
         if _COMPARE.value:
             rules_list = [r.strip() for r in _COMPARE.value.split(",")]
             if not all(rules_list):

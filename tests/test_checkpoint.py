@@ -1,6 +1,7 @@
 """Checkpoint round trips: same mesh and rules, and onto another mesh and rule file."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -315,3 +316,11 @@ def test_keys_that_do_not_change_the_parameters_may_differ_on_resume():
         checkpoint.check_model_matches(saved, model(key, value), "run")
     with pytest.raises(UserError, match="different model"):
         checkpoint.check_model_matches(saved, model("mlp_dim", 256), "run")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="os.access already refuses /proc to a user other than root")
+def test_export_to_a_path_the_filesystem_refuses_is_one_line_before_reading(tmp_path, capsys):
+    # As root os.access says /proc is writable: np.savez failed with a traceback after the read.
+    assert checkpoint.main(["export", str(tmp_path), "/proc/gspmd_tp_none.npz"]) == 1
+    error = "error: OUT=/proc/gspmd_tp_none.npz: cannot write it (No such file or directory)\n"
+    assert capsys.readouterr().err == error

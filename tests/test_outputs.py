@@ -53,6 +53,9 @@ def test_a_probe_finds_what_the_filesystem_refuses_though_os_access_allows_it():
             outputs.check_file(path, "--json_out", probe=True)
     with pytest.raises(UserError, match=r"^--profile_dir=/proc/gspmd_tp_none/p: cannot write there \("):
         outputs.check_dir("/proc/gspmd_tp_none/p", "--profile_dir", probe=True)
+    # A chart is written after the work: always probed.
+    with pytest.raises(UserError, match=r"^--plot=/proc/loss.png: cannot write it \("):
+        outputs.check_image("/proc/loss.png", "--plot")
     assert not os.path.exists("/proc/gspmd_tp_none")
 
 
