@@ -88,6 +88,7 @@ def test_a_trace_cut_short_ends_at_the_last_step_dispatched(tmp_path):
         trace.before(step)
         x = f(x)
         assert trace.after(step, x) == 0.0  # the window runs to step 6
+    jax.block_until_ready(x)  # as the loop's stop does, saving the state before the trace closes
     trace.close()
     [line] = lines
     assert line.startswith("profile: steps 2..3 traced in ")
