@@ -184,7 +184,7 @@ def parse_rules(text: str, source: str) -> Rules:
         raise UserError(f"{source}: mesh_axes must be a list of distinct names, got {mesh_axes!r}")
     if not isinstance(data["rules"], list):
         raise UserError(f"{source}: rules must be a list of [logical_axis, mesh_axes] pairs")
-    rules = []
+    rules, labels = [], []
     lines = _rule_lines(node)
     for i, item in enumerate(data["rules"]):
         # Rules are counted from 1, with the line they are on, as YAML errors count lines.
@@ -209,7 +209,11 @@ def parse_rules(text: str, source: str) -> Rules:
         if repeated:
             # A tensor dimension can be split over a mesh axis once; JAX rejects the spec later.
             raise UserError(f"{source}: {rule} ({name}) names mesh axis {repeated[0]!r} twice")
+        _check_reachable(
+            source, rule, name, value, [(r, n) for r, n in zip(rules, labels, strict=True) if r[0] == name]
+        )
         rules.append((name, tuple(value) if isinstance(value, list) else value))
+        labels.append(rule)
     return Rules(
         source=source,
         description=str(data.get("description", "")),
@@ -217,6 +221,30 @@ def parse_rules(text: str, source: str) -> Rules:
         rules=tuple(rules),
         text=text,
     )
+
+
+def _show(value) -> str:
+    """A rule's mesh axes as a file writes them: null, mp or [dp, mp]."""
+    if not value:
+        return "null"
+    return f"[{', '.join(value)}]" if isinstance(value, list) else value
+
+
+def _check_reachable(source: str, rule: str, name: str, value, earlier: list) -> None:
+    """A rule that can never apply is an error: an earlier rule for the same logical axis whose
+    mesh axes are all among this one's (null has none) takes every dimension this one could, since
+    a dimension keeps the first rule that applies and a mesh axis once taken in a tensor stays taken.
+    [mlp, null] then [mlp, mp] would otherwise leave mlp replicated with no word said."""
+    mine = set(axes_of(tuple(value) if isinstance(value, list) else value))
+    for (_, before), label in earlier:
+        theirs = set(axes_of(before))
+        if theirs <= mine:
+            how = "applies wherever this one could" if theirs else "always applies"
+            raise UserError(
+                f"{source}: {rule} [{name}, {_show(value)}] never applies: {label} "
+                f"[{name}, {_show(list(before) if isinstance(before, tuple) else before)}] comes first and "
+                f"{how} (each dimension takes the first rule that applies)"
+            )
 
 
 def check_coverage(rules: Rules, used: Iterable[str]) -> None:

@@ -108,6 +108,17 @@ rules:
         (GOOD + "rules:\n  - [batch, dp]\n", r"bad\.yaml: key 'rules' given twice \(again at line 13\)"),
         (GOOD.replace("[mlp, mp]", "{mlp: mp, mlp: dp}"), r"key 'mlp' given twice \(again at line 7\)"),
         ("- 1\n", r"bad\.yaml: expected a mapping"),
+        # A rule shadowed by an earlier one for its logical axis would be dropped without a word.
+        (
+            GOOD.replace("  - [vocab, mp]\n", "  - [mlp, null]\n  - [vocab, mp]\n"),
+            r"bad\.yaml: rule 6 \(line 8\) \[mlp, mp\] never applies: rule 2 \(line 4\) \[mlp, null\] "
+            r"comes first and always applies",
+        ),
+        (
+            GOOD.replace("  - [mlp, mp]\n", "  - [mlp, mp]\n  - [mlp, [dp, mp]]\n"),
+            r"rule 6 \(line 8\) \[mlp, \[dp, mp\]\] never applies: rule 5 \(line 7\) \[mlp, mp\] comes first "
+            r"and applies wherever this one could",
+        ),
     ],
 )
 def test_rule_file_errors(text, message):
