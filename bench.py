@@ -14,8 +14,8 @@ from gspmd_tp import host_devices
 from gspmd_tp.errors import UserError, define_config, no_positional_arguments, parse_flags
 
 _CONFIG = define_config("configs/bench_cpu.py", "A configs/*.py file.")
-_RULES = flags.DEFINE_string("rules", "", "Comma-separated rule files (default: config.rules).")
-_MESHES = flags.DEFINE_string("meshes", "", "Space-separated meshes (default: config.mesh).")
+_RULES = flags.DEFINE_string("rules", "", "Comma-separated rule files, each once (default: config.rules).")
+_MESHES = flags.DEFINE_string("meshes", "", "Space-separated meshes, each once (default: config.mesh).")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (median, min and max are reported).")
 _WARMUP = flags.DEFINE_integer(
     "warmup", 15, "Untimed steps after compiling (CPU: the tuned malloc heap settles in ~10 to 15)."

@@ -207,6 +207,37 @@ def test_bad_input_stops_the_benchmark_before_anything_is_measured(
         benchmark.run(small_config(), ["megatron_1d"], meshes, steps, warmup)
 
 
+@pytest.mark.parametrize(
+    "rules, meshes, message",
+    [
+        (["megatron_1d"], ["dp=8,mp=1", "dp=8,mp=1"], r"^--meshes: mesh 'dp=8,mp=1' is given twice \("),
+        (
+            ["megatron_1d"],
+            ["dp=8,mp=1", "mp=1, dp=-1"],
+            r"^--meshes: mesh 'mp=1, dp=-1' is 'dp=8,mp=1' again",
+        ),
+        (
+            ["megatron_1d", "dp", "megatron_1d"],
+            ["dp=8,mp=1"],
+            r"^--rules: rule file 'megatron_1d' is given twice",
+        ),
+        (
+            ["megatron_1d", str(ROOT / "rules" / "megatron_1d.yaml")],
+            ["dp=8,mp=1"],
+            r"^--rules: rule file '/.*/rules/megatron_1d.yaml' is 'megatron_1d' again",
+        ),
+    ],
+)
+def test_a_rule_file_or_mesh_given_twice_is_an_error_before_anything_is_measured(
+    monkeypatch, rules, meshes, message
+):
+    # Timed twice, the two rows would carry the same rules and mesh and nothing to tell them apart.
+    monkeypatch.setattr(benchmark, "matmul_rate", lambda *a: pytest.fail("measured before checking"))
+    monkeypatch.setattr(benchmark, "_compiled", lambda *a: pytest.fail("compiled before checking"))
+    with pytest.raises(UserError, match=message):
+        benchmark.run(small_config(), rules, meshes, 1, 0)
+
+
 def test_cli_unwritable_json_out_is_one_line_error_before_any_work(tmp_path):
     blocker = tmp_path / "results"
     blocker.write_text("a file where the report's directory would go")
