@@ -87,14 +87,20 @@ def validate(model_cfg: ModelConfig, rules: Rules, mesh: Mesh, micro_batch: int,
     check_divisible(rules, dict(mesh.shape), _tensors(model_cfg, micro_batch, seq_len))
 
 
-def idle_mesh_axes(model_cfg: ModelConfig, rules: Rules, mesh: Mesh) -> list[str]:
-    """Mesh axes of more than one device that shard no parameter and no key activation: the
-    devices along them all compute the same thing."""
-    used = set()
-    for _, names in _tensors(model_cfg, 1, 1).values():
+def idle_mesh_axes(model_cfg: ModelConfig, rules: Rules, mesh: Mesh) -> dict[str, str]:
+    """Mesh axes of more than one device along which every device computes the same thing, each
+    with what it does shard: "" (nothing at all) or "parameters" (it shards parameters but no key
+    activation, as fsdp.yaml with [batch, dp] does on mp: each device holds a slice of the weights,
+    gathers them and repeats its neighbours' work)."""
+    in_params, in_activations = set(), set()
+    for name, (_, names) in _tensors(model_cfg, 1, 1).items():
         for entry in rules.spec(names):
-            used.update(axes_of(entry))
-    return [a for a, n in mesh.shape.items() if n > 1 and a not in used]
+            (in_activations if name.startswith("activation ") else in_params).update(axes_of(entry))
+    return {
+        a: "parameters" if a in in_params else ""
+        for a, n in mesh.shape.items()
+        if n > 1 and a not in in_activations
+    }
 
 
 def _tensors(model_cfg: ModelConfig, micro_batch: int, seq_len: int):

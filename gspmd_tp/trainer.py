@@ -163,11 +163,19 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
             f"{rules.source}: the token batch (config.batch_size={config.batch_size}) is not divisible by "
             f"its mesh axes {sizes}"
         )
-    for axis in state_lib.idle_mesh_axes(model_cfg, rules, mesh):
-        warn(
-            f"warning: mesh axis {axis} ({mesh.shape[axis]} devices) shards no parameter and no activation "
-            f"under {rules.source}: its devices all compute the same thing"
-        )
+    for axis, shards in state_lib.idle_mesh_axes(model_cfg, rules, mesh).items():
+        where = f"mesh axis {axis} ({mesh.shape[axis]} devices)"
+        if shards:
+            warn(
+                f"warning: {where} shards parameters but no activation under {rules.source}: its devices "
+                f"hold a slice of the parameters each but all compute the same thing "
+                f"(map batch or a hidden axis such as mlp to {axis})"
+            )
+        else:
+            warn(
+                f"warning: {where} shards no parameter and no activation under {rules.source}: "
+                "its devices all compute the same thing"
+            )
     tx, schedule = optim.make_optimizer(config.optim, config.steps)
     abstract, shardings = state_lib.state_shardings(model_cfg, tx, mesh, rules, config.seq_len)
     return Setup(

@@ -173,6 +173,20 @@ def test_a_mesh_axis_that_shards_nothing_is_named_in_a_warning(tmp_path, capsys)
     assert capsys.readouterr().err == ""
 
 
+def test_a_mesh_axis_that_shards_parameters_but_no_activation_is_named_in_a_warning(tmp_path, capsys):
+    # fsdp.yaml with the batch on dp alone: [embed, [dp, mp]] cannot apply in an activation (the
+    # batch holds dp), so mp shards the weights only and its devices all repeat the same step.
+    path = tmp_path / "fsdp_batch_dp.yaml"
+    path.write_text((RULES_DIR / "fsdp.yaml").read_text().replace("[batch, [dp, mp]]", "[batch, dp]"))
+    trainer.setup(small_config(rules=str(path), mesh="dp=2,mp=4"))
+    err = capsys.readouterr().err
+    assert err.startswith("warning: mesh axis mp (4 devices) shards parameters but no activation under ")
+    assert "all compute the same thing (map batch or a hidden axis such as mlp to mp)" in err
+    assert "\n" not in err.strip()
+    trainer.setup(small_config(rules="fsdp", mesh="dp=2,mp=4"))
+    assert capsys.readouterr().err == ""
+
+
 def test_mesh_of_wrong_size_is_an_error():
     with pytest.raises(UserError, match=r"mesh 'dp=2,mp=2' has 4 devices but 8 are available"):
         trainer.setup(small_config(mesh="dp=2,mp=2"))
