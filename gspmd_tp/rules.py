@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -24,6 +25,7 @@ RULES_DIR = Path(__file__).resolve().parent.parent / "rules"
 # axis away from the others (flax passes it through unchanged).
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 _KEYS = {"description", "mesh_axes", "rules"}
+_AXIS_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -182,6 +184,14 @@ def parse_rules(text: str, source: str) -> Rules:
         or len(set(mesh_axes)) != len(mesh_axes)
     ):
         raise UserError(f"{source}: mesh_axes must be a list of distinct names, got {mesh_axes!r}")
+    for axis in mesh_axes:
+        # The run names each axis's size in a mesh string ("dp=2,mp=4"), where a space, comma or
+        # "=" cannot stand in a name: such an axis could never be given a size.
+        if not _AXIS_NAME.fullmatch(axis):
+            raise UserError(
+                f"{source}: mesh axis {axis!r} in mesh_axes cannot be named in a mesh string "
+                "(--config.mesh=NAME=SIZE,...); use letters, digits and _, starting with a letter"
+            )
     if not isinstance(data["rules"], list):
         raise UserError(f"{source}: rules must be a list of [logical_axis, mesh_axes] pairs")
     rules, labels = [], []

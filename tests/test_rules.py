@@ -104,6 +104,15 @@ rules:
             r"bad\.yaml: rule 2 \(line 3\) maps 'vocab' to mesh axis 'tp'",
         ),
         ("rules: []\n", r"bad\.yaml: missing key 'mesh_axes'"),
+        # No mesh string could give such an axis its size ("dp=2,m,p=4" is three items).
+        (
+            GOOD.replace("mesh_axes: [dp, mp]", "mesh_axes: [dp, 'm,p']"),
+            r"bad\.yaml: mesh axis 'm,p' in mesh_axes cannot be named in a mesh string",
+        ),
+        (
+            GOOD.replace("mesh_axes: [dp, mp]", "mesh_axes: [dp, 'm p']"),
+            r"mesh axis 'm p' in mesh_axes cannot",
+        ),
         # A second rules: block pasted below the first would silently replace it.
         (GOOD + "rules:\n  - [batch, dp]\n", r"bad\.yaml: key 'rules' given twice \(again at line 13\)"),
         (GOOD.replace("[mlp, mp]", "{mlp: mp, mlp: dp}"), r"key 'mlp' given twice \(again at line 7\)"),
