@@ -176,6 +176,14 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
                 f"warning: {where} shards no parameter and no activation under {rules.source}: "
                 "its devices all compute the same thing"
             )
+    for path, name, mine, theirs in state_lib.misaligned_params(model_cfg, rules):
+        better = theirs + tuple(a for a in mine if a not in theirs)
+        warn(
+            f"warning: {rules.source}: {path} splits {name} over [{', '.join(mine)}] but the activations "
+            f"over [{', '.join(theirs)}]: give [{name}, [{', '.join(better)}]], the activations' axes "
+            "first, so that each device's slice of the weight lies in its slice of the activations "
+            "(as written, every step shuffles the weight between devices and reduces its gradient whole)"
+        )
     tx, schedule = optim.make_optimizer(config.optim, config.steps)
     abstract, shardings = state_lib.state_shardings(model_cfg, tx, mesh, rules, config.seq_len)
     return Setup(

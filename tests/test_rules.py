@@ -196,6 +196,24 @@ def test_a_mesh_axis_that_shards_parameters_but_no_activation_is_named_in_a_warn
     assert capsys.readouterr().err == ""
 
 
+def test_a_weight_split_across_its_activations_slices_is_named_in_a_warning(tmp_path, capsys):
+    # [mlp, [dp, mp]] then [mlp, mp]: the activations split mlp over mp, the weights over (dp, mp),
+    # so a device's block of the weight (dp*4+mp of 8) is not inside its activations' (mp of 4).
+    path = tmp_path / "mlp_both.yaml"
+    text = (RULES_DIR / "megatron_1d.yaml").read_text()
+    path.write_text(text.replace("  - [mlp, mp]\n", "  - [mlp, [dp, mp]]\n  - [mlp, mp]\n"))
+    trainer.setup(small_config(rules=str(path), mesh="dp=2,mp=4"))
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"warning: {path}: params/layers/mlp/down splits mlp over [dp, mp] but the activations over [mp]: "
+        "give [mlp, [mp, dp]], the activations' axes first,"
+    )
+    assert err.count("\n") == 1  # once for the logical axis, not once per weight
+    path.write_text(text.replace("  - [mlp, mp]\n", "  - [mlp, [mp, dp]]\n  - [mlp, mp]\n"))
+    trainer.setup(small_config(rules=str(path), mesh="dp=2,mp=4"))
+    assert capsys.readouterr().err == ""
+
+
 def test_mesh_of_wrong_size_is_an_error():
     with pytest.raises(UserError, match=r"mesh 'dp=2,mp=2' has 4 devices but 8 are available"):
         trainer.setup(small_config(mesh="dp=2,mp=2"))
