@@ -87,19 +87,32 @@ def validate(model_cfg: ModelConfig, rules: Rules, mesh: Mesh, micro_batch: int,
     check_divisible(rules, dict(mesh.shape), _tensors(model_cfg, micro_batch, seq_len))
 
 
-def idle_mesh_axes(model_cfg: ModelConfig, rules: Rules, mesh: Mesh) -> dict[str, str]:
-    """Mesh axes of more than one device along which every device computes the same thing, each
-    with what it does shard: "" (nothing at all) or "parameters" (it shards parameters but no key
-    activation, as fsdp.yaml with [batch, dp] does on mp: each device holds a slice of the weights,
-    gathers them and repeats its neighbours' work)."""
-    in_params, in_activations = set(), set()
+# The activations of the products that make up a step's compute (attention, MLP, output layer): a
+# mesh axis that splits none of them leaves its devices all computing the same products.
+_PRODUCT_ACTIVATIONS = (
+    "activation queries",
+    "activation attention scores",
+    "activation mlp hidden",
+    "activation logits",
+)
+
+
+def idle_mesh_axes(model_cfg: ModelConfig, rules: Rules, mesh: Mesh) -> dict[str, list[str]]:
+    """Mesh axes of more than one device along which every device computes the same products,
+    each with what it does shard: [] (nothing at all), or some of "parameters" and "the residual
+    stream" (fsdp.yaml with [batch, dp] shards parameters only on mp; [norm_length, sp] on a mesh
+    axis of its own the residual stream only, which is gathered whole for attention and the MLP)."""
+    found: dict[str, set[str]] = {}
     for name, (_, names) in _tensors(model_cfg, 1, 1).items():
+        kind = name if name in _PRODUCT_ACTIVATIONS else "the residual stream"
+        kind = kind if name.startswith("activation ") else "parameters"
         for entry in rules.spec(names):
-            (in_activations if name.startswith("activation ") else in_params).update(axes_of(entry))
+            for a in axes_of(entry):
+                found.setdefault(a, set()).add(kind)
     return {
-        a: "parameters" if a in in_params else ""
+        a: sorted(found.get(a, set()) & {"parameters", "the residual stream"})
         for a, n in mesh.shape.items()
-        if n > 1 and a not in in_activations
+        if n > 1 and not found.get(a, set()) & set(_PRODUCT_ACTIVATIONS)
     }
 
 

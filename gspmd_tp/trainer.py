@@ -167,8 +167,8 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
         where = f"mesh axis {axis} ({mesh.shape[axis]} devices)"
         if shards:
             warn(
-                f"warning: {where} shards parameters but no activation under {rules.source}: its devices "
-                f"hold a slice of the parameters each but all compute the same thing "
+                f"warning: {where} shards {' and '.join(shards)} but no activation of the attention, MLP "
+                f"or output layer under {rules.source}: its devices all compute the same products "
                 f"(map batch or a hidden axis such as mlp to {axis})"
             )
         else:

@@ -189,10 +189,30 @@ def test_a_mesh_axis_that_shards_parameters_but_no_activation_is_named_in_a_warn
     path.write_text((RULES_DIR / "fsdp.yaml").read_text().replace("[batch, [dp, mp]]", "[batch, dp]"))
     trainer.setup(small_config(rules=str(path), mesh="dp=2,mp=4"))
     err = capsys.readouterr().err
-    assert err.startswith("warning: mesh axis mp (4 devices) shards parameters but no activation under ")
-    assert "all compute the same thing (map batch or a hidden axis such as mlp to mp)" in err
+    assert err.startswith(
+        "warning: mesh axis mp (4 devices) shards parameters but no activation of the attention, MLP or "
+        "output layer under "
+    )
+    assert err.strip().endswith(
+        "all compute the same products (map batch or a hidden axis such as mlp to mp)"
+    )
     assert "\n" not in err.strip()
     trainer.setup(small_config(rules="fsdp", mesh="dp=2,mp=4"))
+    assert capsys.readouterr().err == ""
+
+
+def test_a_mesh_axis_that_shards_the_residual_stream_alone_is_named_in_a_warning(tmp_path, capsys):
+    # Sequence parallelism on an axis of its own: the residual stream is split over sp and gathered
+    # whole for attention and the MLP, which every sp device then computes alike (the compiled step
+    # does 1.8x megatron_1d's FLOPs per device on the same 8 devices).
+    path = tmp_path / "sp.yaml"
+    text = (RULES_DIR / "megatron_1d.yaml").read_text().replace("[dp, mp]", "[dp, mp, sp]")
+    path.write_text(text.replace("[norm_length, null]", "[norm_length, sp]"))
+    trainer.setup(small_config(rules=str(path), mesh="dp=2,mp=2,sp=2"))
+    assert capsys.readouterr().err.startswith(
+        "warning: mesh axis sp (2 devices) shards the residual stream but no activation of the attention"
+    )
+    trainer.setup(small_config(rules="megatron_1d_sp", mesh="dp=2,mp=4"))  # sp on the heads' axis
     assert capsys.readouterr().err == ""
 
 
