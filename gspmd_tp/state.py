@@ -116,32 +116,39 @@ def idle_mesh_axes(model_cfg: ModelConfig, rules: Rules, mesh: Mesh) -> dict[str
     }
 
 
-def misaligned_params(model_cfg: ModelConfig, rules: Rules) -> list[tuple[str, str, tuple, tuple]]:
+def misaligned_params(
+    model_cfg: ModelConfig, rules: Rules, mesh: Mesh
+) -> list[tuple[str, str, tuple, tuple]]:
     """(parameter path, logical name, its mesh axes, the activations' mesh axes) where a parameter
     dimension is split over the mesh axes that split that name in the activations and more, but
     not with those axes first: [mlp, [dp, mp]] then [mlp, mp] puts block dp*4+mp of the weight on
     a device whose activations hold blocks 2mp and 2mp+1, so GSPMD shuffles the weight between
     devices and reduces its whole gradient (1.73 of the analysis on dp=2,mp=4); [mlp, [mp, dp]]
     nests each device's slice of the weight inside its slice of the activations. One entry per
-    logical name and pair of layouts, with the first parameter that has it."""
+    logical name and pair of layouts, with the first parameter that has it. Mesh axes of one
+    device split nothing and are left out ([dp, mp] on dp=1 is [mp])."""
     tensors = _tensors(model_cfg, 1, 1)
+
+    def split_by(entry) -> tuple[str, ...]:
+        return tuple(a for a in axes_of(entry) if mesh.shape[a] > 1)
+
     in_activations: dict[str, set[tuple]] = {}
     for name, (_, names) in tensors.items():
         if name.startswith("activation "):
             for logical, entry in zip(names, rules.spec(names), strict=False):
-                if logical and axes_of(entry):
-                    in_activations.setdefault(logical, set()).add(axes_of(entry))
+                if logical and split_by(entry):
+                    in_activations.setdefault(logical, set()).add(split_by(entry))
     found, seen = [], set()
     for name, (_, names) in tensors.items():
         if name.startswith("activation "):
             continue
         for logical, entry in zip(names, rules.spec(names), strict=False):
-            mine = axes_of(entry)
+            mine = split_by(entry)
             for theirs in sorted(in_activations.get(logical, ())):
                 key = (logical, mine, theirs)
                 if set(theirs) <= set(mine) and mine[: len(theirs)] != theirs and key not in seen:
                     seen.add(key)
-                    found.append((name, logical, mine, theirs))
+                    found.append((name, logical, axes_of(entry), theirs))
     return found
 
 

@@ -176,7 +176,7 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
                 f"warning: {where} shards no parameter and no activation under {rules.source}: "
                 "its devices all compute the same thing"
             )
-    for path, name, mine, theirs in state_lib.misaligned_params(model_cfg, rules):
+    for path, name, mine, theirs in state_lib.misaligned_params(model_cfg, rules, mesh):
         better = theirs + tuple(a for a in mine if a not in theirs)
         warn(
             f"warning: {rules.source}: {path} splits {name} over [{', '.join(mine)}] but the activations "

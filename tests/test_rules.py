@@ -229,6 +229,8 @@ def test_a_weight_split_across_its_activations_slices_is_named_in_a_warning(tmp_
         "give [mlp, [mp, dp]], the activations' axes first,"
     )
     assert err.count("\n") == 1  # once for the logical axis, not once per weight
+    trainer.setup(small_config(rules=str(path), mesh="dp=1,mp=8"))  # a dp of one device splits nothing
+    assert capsys.readouterr().err == ""
     path.write_text(text.replace("  - [mlp, mp]\n", "  - [mlp, [mp, dp]]\n  - [mlp, mp]\n"))
     trainer.setup(small_config(rules=str(path), mesh="dp=2,mp=4"))
     assert capsys.readouterr().err == ""
