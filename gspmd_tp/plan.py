@@ -287,8 +287,12 @@ def compare(
 
 def format_compare(results: list[dict]) -> str:
     """A table: one row per rule file x mesh."""
+    # Columns as wide as the longest label and mesh (a path's file name, data=2,model=4), at least
+    # as wide as the shipped ones need, so that the figures stay under their headings.
+    nw = max([14] + [len(r["label"]) for r in results])
+    mw = max([12] + [len(r["mesh"]) for r in results])
     head = (
-        f"{'rules':<14} {'mesh':<12} {'params+opt/dev':>15} {'temps/dev':>12} {'comm/dev':>12} "
+        f"{'rules':<{nw}} {'mesh':<{mw}} {'params+opt/dev':>15} {'temps/dev':>12} {'comm/dev':>12} "
         f"{'analytical':>12} {'ratio':>6}"
     )
     lines = [head]
@@ -299,11 +303,12 @@ def format_compare(results: list[dict]) -> str:
     for r in results:
         name = r["label"]
         if "error" in r:
-            lines.append(f"{name:<14} {r['mesh']:<12} {r['error']}")
+            lines.append(f"{name:<{nw}} {r['mesh']:<{mw}} {r['error']}")
             continue
         m = r["memory"]
         lines.append(
-            f"{name:<14} {r['mesh']:<12} {_mb(m['params'] + m['opt_state']):>15} {_mb(m['temporaries']):>12} "
+            f"{name:<{nw}} {r['mesh']:<{mw}} {_mb(m['params'] + m['opt_state']):>15} "
+            f"{_mb(m['temporaries']):>12} "
             f"{_mb(r['bytes_per_device']):>12} {_mb(r['analytical_bytes_per_device']):>12} "
             f"{_ratio(r).split(':')[0]:>6}"
         )

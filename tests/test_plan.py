@@ -344,6 +344,19 @@ def test_compare_labels_two_rule_files_of_one_name_apart(tmp_path, monkeypatch):
     assert "megatron_1d    dp=2,mp=4" in table and "megatron_1d_2  dp=2,mp=4" in table
 
 
+def test_compare_columns_stay_under_their_headings_with_long_labels_and_meshes(tmp_path, monkeypatch):
+    monkeypatch.setattr(step_lib, "compile_train_step", lambda s: _FakeCompiled())
+    renamed = tmp_path / "megatron_1d_renamed_axes.yaml"
+    renamed.write_text(
+        (RULES_DIR / "megatron_1d.yaml").read_text().replace("dp", "data").replace("mp", "model")
+    )
+    rows = plan.compare(small_config(), ["megatron_1d", str(renamed)], ["dp=2,mp=4", "data=2,model=4"])
+    head, *table = plan.format_compare(rows).splitlines()
+    end = head.index("params+opt/dev") + len("params+opt/dev")
+    for line in table:  # each figure ends where its heading does
+        assert line.index(" MiB", end - 12) + len(" MiB") == end, line
+
+
 def test_compare_plans_a_rule_file_and_mesh_given_twice_once(monkeypatch):
     monkeypatch.setattr(step_lib, "compile_train_step", lambda s: _FakeCompiled())
     rows = plan.compare(small_config(), ["dp", str(RULES_DIR / "dp.yaml"), "dp"], ["dp=8,mp=1", "dp=-1,mp=1"])
