@@ -104,15 +104,17 @@ def idle_mesh_axes(model_cfg: ModelConfig, rules: Rules, mesh: Mesh) -> dict[str
     axis of its own the residual stream only, which is gathered whole for attention and the MLP)."""
     found: dict[str, set[str]] = {}
     for name, (_, names) in _tensors(model_cfg, 1, 1).items():
-        kind = name if name in _PRODUCT_ACTIVATIONS else "the residual stream"
-        kind = kind if name.startswith("activation ") else "parameters"
+        if name in _PRODUCT_ACTIVATIONS:
+            kind = "products"
+        else:  # the tokens and the residual stream, or a parameter
+            kind = "the residual stream" if name.startswith("activation ") else "parameters"
         for entry in rules.spec(names):
             for a in axes_of(entry):
                 found.setdefault(a, set()).add(kind)
     return {
-        a: sorted(found.get(a, set()) & {"parameters", "the residual stream"})
+        a: sorted(found.get(a, set()))
         for a, n in mesh.shape.items()
-        if n > 1 and not found.get(a, set()) & set(_PRODUCT_ACTIVATIONS)
+        if n > 1 and "products" not in found.get(a, set())
     }
 
 
