@@ -357,11 +357,16 @@ def _percent(fraction: float | None) -> str:
     return f"{100 * fraction:.1f}%" if fraction is not None else "n/a"
 
 
-def _timing(row: dict) -> str:
+def _lead(rules: str, mesh: str, widths: tuple[int, int]) -> str:
+    """The rules and mesh columns of a table line, `widths` wide (format_table's)."""
+    return f"{rules:<{widths[0]}} {mesh:<{widths[1]}}"
+
+
+def _timing(row: dict, widths: tuple[int, int]) -> str:
     """The columns every table row starts with: rules, mesh, tokens/s, median / min / max step ms."""
     return (
-        f"{row['rules']:<16} {row['mesh']:<12} {row['tokens_per_sec']:>10,.0f} {row['step_s'] * 1e3:>9.1f} "
-        f"{row['step_s_min'] * 1e3:>7.1f} {row['step_s_max'] * 1e3:>7.1f}"
+        f"{_lead(row['rules'], row['mesh'], widths)} {row['tokens_per_sec']:>10,.0f} "
+        f"{row['step_s'] * 1e3:>9.1f} {row['step_s_min'] * 1e3:>7.1f} {row['step_s_max'] * 1e3:>7.1f}"
     )
 
 
@@ -370,13 +375,19 @@ def format_table(report: dict) -> str:
     lines = [f"{report['devices']} {report['device_kind']} devices"]
     for dtype, rate in report["matmul_flops_per_sec"].items():
         lines.append(f"jit matmul 2048^3 {dtype}: {rate / 1e9:,.1f} GFLOP/s")
-    head = f"{'rules':<16} {'mesh':<12} {'tokens/s':>10} {'step ms':>9} {'min':>7} {'max':>7}"
+    # The rules column holds the rule file as given (a path, perhaps) and the mesh one the mesh: as
+    # wide as the longest, so that the figures stay under their headings.
+    widths = (
+        max([16] + [len(r["rules"]) for r in report["results"]]),
+        max([12] + [len(r["mesh"]) for r in report["results"]]),
+    )
+    head = f"{_lead('rules', 'mesh', widths)} {'tokens/s':>10} {'step ms':>9} {'min':>7} {'max':>7}"
     compared = [r for r in report["results"] if "variant" in r]
     if compared:
         lines.append(f"{head} {'change':>7} {'roofline':>8}  variant (alternating rounds)")
         for r in compared:
             roof = _percent(r["roofline_fraction"])
-            lines.append(f"{_timing(r)} {100 * r['change']:>+6.1f}% {roof:>8}  {r['variant']}")
+            lines.append(f"{_timing(r, widths)} {100 * r['change']:>+6.1f}% {roof:>8}  {r['variant']}")
         return "\n".join(lines)
     lines.append(
         f"{head} {'compile s':>9} {'MFU':>6} {'roofline':>8} {'args MiB':>9} {'temp MiB':>9} {'comm MiB':>9} "
@@ -385,7 +396,7 @@ def format_table(report: dict) -> str:
     for r in report["results"]:
         mem = r["memory_per_device"]  # the compiled step's, per device, as plan reports them
         lines.append(
-            f"{_timing(r)} {r['compile_s']:>9.2f} {_percent(r['mfu']):>6} "
+            f"{_timing(r, widths)} {r['compile_s']:>9.2f} {_percent(r['mfu']):>6} "
             f"{_percent(r['roofline_fraction']):>8} {mem['arguments'] / 2**20:>9.2f} "
             f"{mem['temporaries'] / 2**20:>9.2f} {r['collective_bytes_per_device'] / 2**20:>9.2f} "
             f"{r['host_cpu_busy_cores']:>8.2f}"
@@ -394,13 +405,13 @@ def format_table(report: dict) -> str:
     if split:
         lines.append("the step split (the step, loss and gradient, forward alone; interleaved medians):")
         lines.append(
-            f"{'rules':<16} {'mesh':<12} {'step ms':>9} {'forward ms':>10} {'roofline':>8} "
+            f"{_lead('rules', 'mesh', widths)} {'step ms':>9} {'forward ms':>10} {'roofline':>8} "
             f"{'backward ms':>11} {'roofline':>8} {'optimizer ms':>12}"
         )
         for r in split:
             fwd, bwd = r.get("forward_roofline_fraction"), r.get("backward_roofline_fraction")
             lines.append(
-                f"{r['rules']:<16} {r['mesh']:<12} {r['phase_step_s'] * 1e3:>9.1f} "
+                f"{_lead(r['rules'], r['mesh'], widths)} {r['phase_step_s'] * 1e3:>9.1f} "
                 f"{r['forward_s'] * 1e3:>10.1f} {_percent(fwd):>8} {r['backward_s'] * 1e3:>11.1f} "
                 f"{_percent(bwd):>8} {r['optimizer_s'] * 1e3:>12.1f}"
             )
@@ -408,13 +419,13 @@ def format_table(report: dict) -> str:
     if profiled:
         lines.append("share of the profiled step's device time (traced ms: that step, profiler included):")
         lines.append(
-            f"{'rules':<16} {'mesh':<12} {'traced ms':>9} " + " ".join(f"{g:>18}" for g in hlo.GROUPS)
+            f"{_lead('rules', 'mesh', widths)} {'traced ms':>9} " + " ".join(f"{g:>18}" for g in hlo.GROUPS)
         )
         for r in profiled:
             shares = [r["profile"].get(g, {}).get("share", 0.0) for g in hlo.GROUPS]
             traced = r.get("profiled_step_s")
             lines.append(
-                f"{r['rules']:<16} {r['mesh']:<12} "
+                f"{_lead(r['rules'], r['mesh'], widths)} "
                 + (f"{traced * 1e3:>9.1f} " if traced is not None else f"{'n/a':>9} ")
                 + " ".join(f"{100 * x:>17.1f}%" for x in shares)
             )

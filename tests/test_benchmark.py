@@ -273,6 +273,15 @@ def test_table_shows_the_per_device_memory():
     assert columns["comm_MiB"] == "5.00" and columns["MFU"] == "n/a"
 
 
+def test_table_columns_stay_under_their_headings_with_a_rule_file_path():
+    rows = [_row(rules="/home/me/sharding/mlp_over_both_axes.yaml", mesh="data=2,model=4"), _row()]
+    report = {"devices": 8, "device_kind": "cpu", "matmul_flops_per_sec": {}, "results": rows}
+    head, *table = benchmark.format_table(report).splitlines()[-3:]
+    end = head.index("tokens/s") + len("tokens/s")
+    for line in table:  # each figure ends where its heading does
+        assert line[:end].endswith("2,000"), line
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="os.access already refuses /proc to a user other than root")
 @pytest.mark.parametrize(
     "flag, message",
