@@ -136,13 +136,14 @@ def check_device_counts() -> None:
         )
 
 
-def check_same_everywhere(config: dict, rules_text: str | None = None) -> None:
+def check_same_everywhere(config: dict | None, rules_text: str | None = None) -> None:
     """UserError, on every process, naming the first config key (or the rule file, where its text is
     given) that some process of the job was given otherwise: processes started with other values
-    would train apart."""
+    would train apart. `config` None compares the rule file's text alone (the config compared
+    before)."""
     if jax.process_count() == 1:
         return
-    items = sorted(_flat(config).items())
+    items = sorted(_flat(config or {}).items())
     if rules_text is not None:
         items.append(("the rule file's text", rules_text))
     found = first_disagreement([[k for k, _ in items], *(v for _, v in items)])

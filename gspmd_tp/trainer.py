@@ -342,7 +342,8 @@ def train(config, workdir: str) -> dict:
     s = distributed.agreed(_checked_setup, config, workdir)
     checkpoint_dir = checkpoint_files.checkpoint_dir(workdir)
     c = s.config
-    distributed.check_same_everywhere(c.to_dict(), s.rules.text)
+    # The config was compared above; what setup read from the rule file is all that is new.
+    distributed.check_same_everywhere(None, s.rules.text)
     workdir = os.path.abspath(workdir)
     # Saved absolute, so that evaluate, generate and a resume find the files from any directory.
     c.data.train_files = data.absolute_patterns(c.data.train_files)

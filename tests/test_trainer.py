@@ -292,3 +292,13 @@ def test_a_resume_warns_when_the_data_files_changed_in_place(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "warning: the training corpus changed since step 3 was saved (2,301 tokens, now 2,401; " in out
     assert "held-out split changed" not in out
+
+
+def test_processes_compare_the_config_once_and_the_rule_file_after_setup(tmp_path, monkeypatch):
+    """The comparison after setup carries the rule file's text alone: the config is the one
+    compared before (each comparison is an exchange between every process of the job)."""
+    compared = []
+    monkeypatch.setattr(trainer.distributed, "check_same_everywhere", lambda *a: compared.append(a))
+    monkeypatch.setattr(trainer, "_train", lambda *a: {})
+    trainer.train(small_config(), str(tmp_path / "run"))
+    assert compared == [(small_config().to_dict(),), (None, trainer.setup(small_config()).rules.text)]
