@@ -452,10 +452,13 @@ def export_params(path: str, out: str, step: int | None = None) -> dict[str, tup
     return {k: v.shape for k, v in flat.items()}
 
 
-def import_params(path: str, abstract_params):
+def import_params(path: str, abstract_params, digest=None):
     """Parameters from an exported .npz, each placed straight into its target sharding.
 
     Raises UserError naming every missing, extra or differently shaped parameter before placing any.
+    `digest` (a hashlib object), where given, takes in every parameter as the check reads it (name,
+    dtype, shape, values): files that give other parameters give another digest, without a read of
+    its own.
     """
     if not os.path.isfile(path):
         raise UserError(f"config.init_from: no file {path}")
@@ -471,6 +474,9 @@ def import_params(path: str, abstract_params):
             for k in npz.files:  # each member read once, one at a time
                 value = npz[k]
                 have[k] = value.shape
+                if digest is not None:
+                    digest.update(repr((k, value.dtype.str, value.shape)).encode())
+                    digest.update(np.ascontiguousarray(value).data)
                 if value.dtype.kind in "fc" and not np.isfinite(value).all():
                     non_finite.append(k)
     except (OSError, ValueError, EOFError, AttributeError, zipfile.BadZipFile) as e:

@@ -369,30 +369,23 @@ def _checked_setup(config, workdir: str) -> Setup:
 
 
 def _read_inputs(s: Setup, resuming: bool):
-    """(corpus fingerprints, train dataset, eval dataset, imported parameters or None, the imported
-    file's sha256 or ""): what the run reads from files, on every process (the digest in a
-    multi-process job only)."""
+    """(corpus fingerprints, train dataset, eval dataset, imported parameters or None, the sha256
+    of the imported parameters or ""): what the run reads from files, on every process (the digest
+    in a multi-process job only)."""
     c = s.config
     train_tokens, eval_tokens = data.load_corpus(c.data)
     corpus = {"train": data.fingerprint(train_tokens), "held_out": data.fingerprint(eval_tokens)}
     rows = data.process_rows(s.batch_sharding, c.batch_size)
     train_ds = data.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, rows)
     eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
-    imported = None
+    imported, digest = None, None
     if not resuming and c.init_from:  # read only by a fresh run: a resumed one may have lost the file
         if not os.path.isfile(c.init_from):
             raise UserError(f"config.init_from: no file {c.init_from}")
-        imported = checkpoint.import_params(c.init_from, s.abstract_state.params)
-    digest = _file_sha256(c.init_from) if imported is not None and jax.process_count() > 1 else ""
-    return corpus, train_ds, eval_ds, imported, digest
-
-
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+        # Compared between processes only: one digest of what the import reads anyway.
+        digest = hashlib.sha256() if jax.process_count() > 1 else None
+        imported = checkpoint.import_params(c.init_from, s.abstract_state.params, digest)
+    return corpus, train_ds, eval_ds, imported, digest.hexdigest() if digest else ""
 
 
 def _check_same_inputs(corpus: dict, init_from: str, init_digest: str) -> None:

@@ -305,6 +305,25 @@ def test_init_from_with_nan_or_inf_is_named_before_anything_is_placed(tmp_path):
     assert str(e.value) == f"config.init_from={path}: NaN or Inf values in embedding, lm_head"
 
 
+def test_import_digests_the_parameters_as_it_reads_them(tmp_path):
+    """The processes of a job compare this digest of config.init_from: it comes from the import's own
+    read, and follows the parameters (not how the file packs them)."""
+    import hashlib
+
+    s = trainer.setup(small_config())
+    params = {k: np.zeros(v.shape, np.float32) for k, v in checkpoint._flat(s.abstract_state.params).items()}
+    np.savez(tmp_path / "a.npz", **params)
+    np.savez_compressed(tmp_path / "packed.npz", **params)
+    params["embedding"][1, 1] = 1.0
+    np.savez(tmp_path / "b.npz", **params)
+    digests = []
+    for name in ("a", "packed", "b"):
+        digest = hashlib.sha256()
+        checkpoint.import_params(str(tmp_path / f"{name}.npz"), s.abstract_state.params, digest)
+        digests.append(digest.hexdigest())
+    assert digests[0] == digests[1] != digests[2]
+
+
 def test_keys_that_do_not_change_the_parameters_may_differ_on_resume():
     saved = trainer.model_config(small_config()).__dict__.copy()
 
