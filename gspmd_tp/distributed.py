@@ -13,6 +13,7 @@ import threading
 import jax
 import numpy as np
 
+from gspmd_tp import handshake
 from gspmd_tp.errors import UserError
 
 
@@ -42,9 +43,11 @@ def initialize(
     SLURM (`auto`). No arguments and no `auto`: a single process. A second call is harmless.
 
     A process whose peer stops answering for `heartbeat_timeout_s` exits with an error instead of
-    waiting forever in a collective. One whose job has not all joined in `join_timeout_s` (a process
-    not started, or started with another --num_processes, --process_id or address) exits with one
-    line, status 1 (JAX itself would abort with a stack trace, blaming a dead task)."""
+    waiting forever in a collective. Process 0 checks the other processes' --num_processes and
+    --process_id before JAX joins them (handshake.py): flags that disagree are one line on every
+    process that came. One whose job has not all joined in `join_timeout_s` (a process not started,
+    or started with another address) exits with one line, status 1 (JAX itself would abort with a
+    stack trace, blaming a dead task)."""
     if jax.distributed.is_initialized():
         return
     if num_processes < 1:
@@ -88,12 +91,18 @@ def initialize(
     how = given if explicit else "--distributed"
     threading.Thread(target=_give_up_unless, args=(joined, join_timeout_s, how), daemon=True).start()
     try:
+        if explicit and process_id == 0:
+            handshake.gather(int(port), num_processes, coordinator_address)
+        elif explicit:
+            handshake.report(host, int(port), process_id, num_processes, coordinator_address)
         if explicit:
             jax.distributed.initialize(
                 coordinator_address, num_processes=num_processes, process_id=process_id, **timeouts
             )
         else:
             jax.distributed.initialize(**timeouts)
+    except UserError:
+        raise
     except (ValueError, RuntimeError) as e:
         # No cluster environment for --distributed, a coordinator port already taken, ...
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -57,10 +57,10 @@ def start(workdir, steps, *extra, processes=2, only=((), ()), cwd=(ROOT, ROOT), 
         subprocess.Popen(
             [
                 *args,
-                *only[i],
                 f"--coordinator_address=127.0.0.1:{port}",
                 "--num_processes=2",
                 f"--process_id={i}",
+                *only[i],  # last: a job flag given here wins
             ],
             cwd=cwd[i],
             env=env(devices[i]),
@@ -363,6 +363,51 @@ def test_a_job_that_never_fully_joins_is_one_line_after_join_timeout_s(tmp_path)
         "address and process count and its own process id from 0"
     )
     assert time.time() - t < 60
+    assert not (tmp_path / "run").exists()
+
+
+def test_processes_given_other_job_flags_are_refused_on_joining(tmp_path):
+    """Process 1 started with --num_processes=3: before, JAX let it join process 0's job of 2 without
+    a word, and both trained."""
+    procs = start(tmp_path / "run", 4, only=((), ("--num_processes=3",)))
+    for last in refused(procs):
+        assert re.fullmatch(
+            r"error: process 1 was started with --num_processes=3 and process 0 \(the coordinator, "
+            r"127\.0\.0\.1:\d+\) with --num_processes=2: start every process with the same count",
+            last,
+        ), last
+    assert not (tmp_path / "run").exists()
+
+
+def test_two_processes_with_one_id_are_refused_on_joining(tmp_path):
+    """Processes 0, 1 and 1 of 3: before, JAX's coordination service took the second process 1 for
+    the first restarted, and every process waited out the join timeout for a line that named no
+    cause. (Of 2, a second process 1 that came once the job had joined aborted the running job.)"""
+    address = f"127.0.0.1:{free_port()}"
+    args = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *SMALL,
+        f"--workdir={tmp_path / 'run'}",
+        "--config.steps=4",
+    ]
+    job = [f"--coordinator_address={address}", "--num_processes=3", "--join_timeout_s=60"]
+    procs = [
+        subprocess.Popen([*args, *job, f"--process_id={i}"], cwd=ROOT, env=env(4), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for i in (0, 1, 1)
+    ]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    want = (
+        f"error: two processes of the job at {address} were started with --process_id=1: give each its own "
+        "id, from 0 to 2"
+    )
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert (p.returncode, err.strip().splitlines()[-1:]) == (1, [want]), err[-2000:]
     assert not (tmp_path / "run").exists()
 
 

@@ -1,0 +1,122 @@
+"""The job flags of every process, checked by process 0 before jax.distributed joins them.
+
+Over a plain socket on the coordinator's port, before JAX's coordination service binds it: each
+other process sends its --process_id and --num_processes, and process 0 answers every one of them
+once all have come, or as soon as two disagree. JAX itself accepts another --num_processes on a
+process other than 0 without a word (the job runs with process 0's count), aborts with a stack
+trace where a process's id is one process 0 does not expect, and where a second process joins
+with an id already taken, aborts every process of the running job.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from gspmd_tp.errors import UserError
+
+_HELLO = b"gspmd_tp job flags: "
+_OK = b"ok"
+_REFUSED = b"error: "
+_READ_S = 5  # for a line from a peer that connected: a stray connection must not stall the join
+
+
+def gather(port: int, num_processes: int, address: str) -> None:
+    """Process 0: waits on `port` for every other process's flags and answers each. UserError,
+    on every process that came and on this one, naming the first disagreement: another process
+    count, or two processes with one id."""
+    if socket.has_dualstack_ipv6():  # JAX's service listens on [::]: IPv4 and IPv6 clients alike
+        server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    else:
+        server = socket.create_server(("", port))
+    came: list[tuple[socket.socket, int]] = []  # (connection, process id)
+    problem = None
+    with server:
+        while problem is None and len({pid for _, pid in came}) < num_processes - 1:
+            conn, _ = server.accept()
+            flags = _read_flags(conn)
+            if flags is None:  # not one of ours (a port scan): the job's processes still come
+                conn.close()
+                continue
+            pid, count = flags
+            if count != num_processes:
+                problem = (
+                    f"process {pid} was started with --num_processes={count} and process 0 (the "
+                    f"coordinator, {address}) with --num_processes={num_processes}: start every process "
+                    "with the same count"
+                )
+            elif pid == 0 or pid in {p for _, p in came}:
+                problem = (
+                    f"two processes of the job at {address} were started with --process_id={pid}: give each "
+                    f"its own id, from 0 to {num_processes - 1}"
+                )
+            came.append((conn, pid))
+    answer = _OK if problem is None else _REFUSED + problem.encode()
+    for conn, _ in came:
+        with conn:
+            try:
+                conn.sendall(answer + b"\n")
+                conn.recv(1)  # the peer closes first: the port's next owner finds no connection of ours
+            except OSError:
+                pass  # a peer gone meanwhile: JAX's join names it
+    if problem is not None:
+        raise UserError(problem)
+
+
+def report(host: str, port: int, process_id: int, num_processes: int, address: str) -> None:
+    """Every process but 0: sends its flags to process 0 (waiting for it to listen) and returns
+    once process 0 answers that they agree; UserError with process 0's reason where not."""
+    unanswered = 0
+    while True:
+        try:
+            conn = socket.create_connection((host.strip("[]"), port), timeout=_READ_S)
+        except OSError:  # process 0 not started yet (the join timeout bounds the wait)
+            time.sleep(0.2)
+            continue
+        with conn:
+            try:
+                conn.sendall(_HELLO + f"{process_id} {num_processes}\n".encode())
+                conn.settimeout(None)  # process 0 answers once every process came
+                answer = _read_line(conn)
+            except OSError:
+                answer = b""
+        if answer == _OK:
+            return
+        if answer.startswith(_REFUSED):
+            raise UserError(answer.removeprefix(_REFUSED).decode(errors="replace"))
+        if answer:  # another protocol answered: JAX's service, up once the job all joined
+            break
+        # Cut without an answer: process 0 closed its socket with this connection still queued.
+        unanswered += 1
+        if unanswered == 3:
+            break
+        time.sleep(0.2)
+    raise UserError(
+        f"--coordinator_address={address}: process 0 there takes no more processes (its job has all "
+        f"joined: is this a second process with --process_id={process_id}?), or another program "
+        "listens on that port"
+    )
+
+
+def _read_flags(conn: socket.socket) -> tuple[int, int] | None:
+    conn.settimeout(_READ_S)
+    try:
+        line = _read_line(conn)
+    except OSError:
+        return None
+    fields = line.removeprefix(_HELLO).split() if line.startswith(_HELLO) else []
+    if len(fields) != 2 or not all(f.isdigit() for f in fields):
+        return None
+    conn.settimeout(None)
+    return int(fields[0]), int(fields[1])
+
+
+def _read_line(conn: socket.socket, limit: int = 4096) -> bytes:
+    """Bytes up to a newline (without it), or what came before the peer closed."""
+    data = b""
+    while b"\n" not in data and len(data) < limit:
+        chunk = conn.recv(limit)
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\n", 1)[0]
