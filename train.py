@@ -6,6 +6,8 @@ python train.py --config=configs/tiny.py --workdir=runs/tiny [--config.KEY=VALUE
 import os
 import signal
 import sys
+import threading
+import time
 
 from absl import app, flags, logging
 
@@ -35,7 +37,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported
-    from gspmd_tp import distributed
+    from gspmd_tp import distributed, handshake
     from gspmd_tp.trainer import train
 
     try:
@@ -50,8 +52,11 @@ def main(argv):
         # Until the training loop's own handler takes over (and after it), SIGTERM and Ctrl-C stop
         # the run at once: one line, no traceback. Set after jax.distributed.initialize, whose
         # preemption notifier takes SIGTERM over (and only logs it) in a multi-process job.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _stop_outside_the_loop)
+        _take_stop_signals()
+        _count_own_signals()
+        # Another process stopped so before training began: this one stops too, at once, instead of
+        # waiting for it in a collective until the heartbeat timeout.
+        handshake.follow_stops(_peer_stopped)
         train(config, _WORKDIR.value)
         # What is left is the exit, which in a multi-process job waits at jax.distributed's
         # shutdown barrier for the slowest peer.
@@ -88,7 +93,27 @@ def main(argv):
 
 
 # What a stop outside the training loop means, said in the one line it prints.
-_OUTSIDE_THE_LOOP = "before training began; no checkpoint was written"
+_BEFORE = "before training began; no checkpoint was written"
+_OUTSIDE_THE_LOOP = _BEFORE
+# One stop prints its line and exits: a signal's handler on the main thread, or a peer's stop on
+# the thread that follows them. Reentrant: a second signal may run its handler inside the first's.
+_STOPPING = threading.RLock()
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_OWN_SIGNALS = None  # the read end of Python's wakeup fd: a byte per signal, written on delivery
+
+
+def _take_stop_signals():
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, _stop_outside_the_loop)
+
+
+def _count_own_signals():
+    global _OWN_SIGNALS
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    _OWN_SIGNALS = read
 
 
 def _stop_outside_the_loop(signum, frame):
@@ -98,13 +123,48 @@ def _stop_outside_the_loop(signum, frame):
     _stopped(signal.Signals(signum))
 
 
-def _stopped(sig: signal.Signals):
+def _stopped(sig: signal.Signals, process: int | None = None):
     """Outside the training run (whose signals save and stop): compiling, restoring, exiting. One line,
-    and out at once: a normal exit while XLA's compiler threads still run can end in a segfault."""
-    name = "Ctrl-C" if sig == signal.SIGINT else sig.name
-    print(f"stopped by {name} {_OUTSIDE_THE_LOOP}", file=sys.stderr, flush=True)
-    outputs.remove_created_workdirs()  # a new workdir holding only the lock: gone, as on an error
-    os._exit(128 + sig)
+    and out at once: a normal exit while XLA's compiler threads still run can end in a segfault.
+
+    Before training began, the job's other processes are told (handshake.tell_stop) and stop too;
+    `process`: the one signalled, where it is another."""
+    with _STOPPING:
+        name = "Ctrl-C" if sig == signal.SIGINT else sig.name
+        if process is None and _OUTSIDE_THE_LOOP == _BEFORE:
+            from gspmd_tp import handshake
+
+            handshake.tell_stop(sig)
+        where = "" if process is None else f" on process {process}"
+        print(f"stopped by {name}{where} {_OUTSIDE_THE_LOOP}", file=sys.stderr, flush=True)
+        outputs.remove_created_workdirs()  # a new workdir holding only the lock: gone, as on an error
+        os._exit(128 + sig)
+
+
+def _peer_stopped(signum: int, process: int):
+    # Signalled too (a job stopped as a whole) while its handler still waits for the main thread
+    # (busy compiling): this process's own line, as where its handler came first.
+    own = _own_signal()
+    _stopped(own or signal.Signals(signum), None if own else process)
+
+
+def _own_signal() -> signal.Signals | None:
+    """A stop signal this process received, its handler run or not, or None. On the thread that
+    follows the peers' stops."""
+    # A signal sent before the peer's stop may not be delivered yet (the kernel hands it to the
+    # main thread, which may be waiting for a core): pending, seen where this thread blocks it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    for wait in (0, 0.2):  # and a handler that took it may be writing its byte right now
+        time.sleep(wait)
+        try:
+            received = os.read(_OWN_SIGNALS, 4096) if _OWN_SIGNALS is not None else b""
+        except BlockingIOError:
+            received = b""
+        own = [signal.Signals(b) for b in received if b in _STOP_SIGNALS]
+        own += sorted(signal.sigpending() & set(_STOP_SIGNALS))
+        if own:
+            return own[0]
+    return None
 
 
 if __name__ == "__main__":

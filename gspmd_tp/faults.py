@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspmd_tp import distributed, outputs
+from gspmd_tp import distributed, handshake, outputs
 from gspmd_tp.errors import UserError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -33,6 +33,7 @@ class StopSignal:
         self.stopped_by: str | None = None  # what stopped the run: this process's signal, or a peer's
         self._previous: dict = {}
         self._wakeup: tuple[int, int] | None = None  # a pipe that counts deliveries
+        self._previous_wakeup = -1
         self._shared = None  # multi-process: every process's signal as of the last check, on device
         self._agreed = False
         self._finishing = False  # the loop is over; the run waits for its last save
@@ -40,6 +41,7 @@ class StopSignal:
     def __enter__(self) -> StopSignal:
         # signal.signal only works on the main thread; elsewhere (a library caller's worker thread)
         # the process keeps its own handlers and stops the way it always did.
+        handshake.training_began()  # a stop from here on is seen by every process at a step boundary
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -53,19 +55,17 @@ class StopSignal:
         read, write = os.pipe()
         os.set_blocking(read, False)
         os.set_blocking(write, False)
-        if signal.set_wakeup_fd(write, warn_on_full_buffer=False) == -1:
-            self._wakeup = (read, write)
-        else:  # someone else's (an event loop's): leave it to them
-            signal.set_wakeup_fd(-1)
-            os.close(read)
-            os.close(write)
+        # Another's (train.py's, which tells a stop before the loop to the job's other processes)
+        # is given back on exit: this handler's count is the one that matters meanwhile.
+        self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self._wakeup = (read, write)
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
         if self._wakeup:
-            signal.set_wakeup_fd(-1)
+            signal.set_wakeup_fd(self._previous_wakeup, warn_on_full_buffer=False)
             for fd in self._wakeup:
                 os.close(fd)
             self._wakeup = None

@@ -1,16 +1,23 @@
-"""The job flags of every process, checked by process 0 before jax.distributed joins them.
+"""A plain socket between process 0 and each other process of a job, beside jax.distributed's.
 
-Over a plain socket on the coordinator's port, before JAX's coordination service binds it: each
-other process sends its --process_id and --num_processes, and process 0 answers every one of them
-once all have come, or as soon as two disagree. JAX itself accepts another --num_processes on a
-process other than 0 without a word (the job runs with process 0's count), aborts with a stack
-trace where a process's id is one process 0 does not expect, and where a second process joins
-with an id already taken, aborts every process of the running job.
+Made on the coordinator's port before JAX's coordination service binds it, it first carries the
+job flags: each other process sends its --process_id and --num_processes, and process 0 answers
+every one of them once all have come, or as soon as two disagree. JAX itself accepts another
+--num_processes on a process other than 0 without a word (the job runs with process 0's count),
+aborts with a stack trace where a process's id is one process 0 does not expect, and where a
+second process joins with an id already taken, aborts every process of the running job.
+
+Then, until the training loop begins, it carries a stop: a process stopped by a signal tells the
+others (through process 0), which would otherwise wait for it in a collective until JAX's
+heartbeat timeout. Not through JAX's coordination service: a call into its client while a peer
+that hosts it exits makes the client abort the process.
 """
 
 from __future__ import annotations
 
+import select
 import socket
+import threading
 import time
 
 from gspmd_tp.errors import UserError
@@ -19,6 +26,13 @@ _HELLO = b"gspmd_tp job flags: "
 _OK = b"ok"
 _REFUSED = b"error: "
 _READ_S = 5  # for a line from a peer that connected: a stray connection must not stall the join
+_STOP = b"stop "
+
+# This process's connections once the job's flags agreed (process 0: one per other process), and
+# whether a stop of this process is still to be told (until its training loop begins).
+_peers: list[socket.socket] = []
+_process_id = 0
+_telling = threading.Event()
 
 
 def gather(port: int, num_processes: int, address: str) -> None:
@@ -53,14 +67,15 @@ def gather(port: int, num_processes: int, address: str) -> None:
             came.append((conn, pid))
     answer = _OK if problem is None else _REFUSED + problem.encode()
     for conn, _ in came:
-        with conn:
-            try:
-                conn.sendall(answer + b"\n")
-                conn.recv(1)  # the peer closes first: the port's next owner finds no connection of ours
-            except OSError:
-                pass  # a peer gone meanwhile: JAX's join names it
+        try:
+            conn.sendall(answer + b"\n")
+        except OSError:
+            pass  # a peer gone meanwhile: JAX's join names it
     if problem is not None:
+        for conn, _ in came:
+            conn.close()
         raise UserError(problem)
+    _keep([conn for conn, _ in came], 0)  # JAX's service binds the port beside them
 
 
 def report(host: str, port: int, process_id: int, num_processes: int, address: str) -> None:
@@ -73,15 +88,16 @@ def report(host: str, port: int, process_id: int, num_processes: int, address: s
         except OSError:  # process 0 not started yet (the join timeout bounds the wait)
             time.sleep(0.2)
             continue
-        with conn:
-            try:
-                conn.sendall(_HELLO + f"{process_id} {num_processes}\n".encode())
-                conn.settimeout(None)  # process 0 answers once every process came
-                answer = _read_line(conn)
-            except OSError:
-                answer = b""
+        try:
+            conn.sendall(_HELLO + f"{process_id} {num_processes}\n".encode())
+            conn.settimeout(None)  # process 0 answers once every process came
+            answer = _read_line(conn)
+        except OSError:
+            answer = b""
         if answer == _OK:
+            _keep([conn], process_id)
             return
+        conn.close()
         if answer.startswith(_REFUSED):
             raise UserError(answer.removeprefix(_REFUSED).decode(errors="replace"))
         if answer:  # another protocol answered: JAX's service, up once the job all joined
@@ -96,6 +112,59 @@ def report(host: str, port: int, process_id: int, num_processes: int, address: s
         f"joined: is this a second process with --process_id={process_id}?), or another program "
         "listens on that port"
     )
+
+
+def _keep(conns: list[socket.socket], process_id: int) -> None:
+    global _process_id
+    _peers[:] = conns
+    _process_id = process_id
+    _telling.set()
+
+
+def tell_stop(signum: int) -> None:
+    """Tells the other processes of the job that this one stops by signal `signum` before its
+    training loop began (they would wait for it in a collective). Nothing in a one-process job,
+    before the job's flags agreed, once training_began(), or where a peer is gone."""
+    if _telling.is_set():
+        _send(_peers, _STOP + f"{signum} {_process_id}\n".encode())
+
+
+def training_began() -> None:
+    """From now on this process's stops are the training loop's (which every process sees)."""
+    _telling.clear()
+
+
+def follow_stops(on_stop) -> None:
+    """Calls on_stop(signum, process) on a background thread once another process of the job told
+    its stop (tell_stop); process 0 first passes it on to the others. Nothing in a one-process job."""
+    if not _peers:
+        return
+
+    def run():
+        waiting = list(_peers)
+        while waiting:
+            ready, _, _ = select.select(waiting, [], [])
+            for conn in ready:
+                try:
+                    line = _read_line(conn)
+                except OSError:
+                    line = b""
+                fields = line.removeprefix(_STOP).split() if line.startswith(_STOP) else []
+                if len(fields) == 2 and all(f.isdigit() for f in fields):
+                    _send([c for c in _peers if c is not conn], line + b"\n")
+                    on_stop(int(fields[0]), int(fields[1]))
+                    return
+                waiting.remove(conn)  # closed: that process exited (its own way)
+
+    threading.Thread(target=run, name="peer-stops", daemon=True).start()
+
+
+def _send(conns: list[socket.socket], message: bytes) -> None:
+    for conn in conns:
+        try:
+            conn.sendall(message)
+        except OSError:
+            pass  # that process is gone already
 
 
 def _read_flags(conn: socket.socket) -> tuple[int, int] | None:

@@ -329,6 +329,31 @@ def test_sigterm_while_compiling_is_one_line_on_every_process(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("signalled", [1, 0])
+def test_sigterm_to_one_process_before_training_stops_every_process_at_once(tmp_path, signalled):
+    """Before, the others waited for the signalled process in a collective until the heartbeat
+    timeout (100 s) and JAX aborted them with a stack trace."""
+    procs = start(tmp_path / "run", 100_000)
+    try:
+        for line in procs[0].stdout:  # every process joined and compared configs; compiling now
+            if line.startswith("gspmd_tp: "):
+                break
+        procs[signalled].send_signal(signal.SIGTERM)
+        sent = time.time()
+        errs = [p.communicate(timeout=60)[1] for p in procs]
+        assert time.time() - sent < 30
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, err) in enumerate(zip(procs, errs, strict=True)):
+        where = "" if i == signalled else f" on process {signalled}"
+        assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+        assert err.strip().splitlines()[-1] == (
+            f"stopped by SIGTERM{where} before training began; no checkpoint was written"
+        )
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_a_silent_peer_ends_the_job_after_the_heartbeat_timeout(tmp_path):
     # A stopped process keeps its sockets open: only --heartbeat_timeout_s (default 100 s) ends this.
     procs = start(tmp_path / "run", 100_000, "--config.checkpoint_every=100000", "--heartbeat_timeout_s=5")
