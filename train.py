@@ -40,6 +40,10 @@ def main(argv):
     from gspmd_tp import distributed, handshake
     from gspmd_tp.trainer import train
 
+    # Until the training loop's own handler takes over (and after it), SIGTERM and Ctrl-C stop the
+    # run at once: one line, no traceback; from the start, while the job's processes join, too.
+    _take_stop_signals()
+    _count_own_signals()
     try:
         distributed.initialize(
             _COORDINATOR.value,
@@ -49,11 +53,9 @@ def main(argv):
             _HEARTBEAT.value,
             _JOIN.value,
         )
-        # Until the training loop's own handler takes over (and after it), SIGTERM and Ctrl-C stop
-        # the run at once: one line, no traceback. Set after jax.distributed.initialize, whose
-        # preemption notifier takes SIGTERM over (and only logs it) in a multi-process job.
+        # Again: jax.distributed.initialize's preemption notifier takes SIGTERM over (and only logs
+        # it) in a multi-process job.
         _take_stop_signals()
-        _count_own_signals()
         # Another process stopped so before training began: this one stops too, at once, instead of
         # waiting for it in a collective until the heartbeat timeout.
         handshake.follow_stops(_peer_stopped)
@@ -65,7 +67,7 @@ def main(argv):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C before the handler above was set (joining the job)
+    except KeyboardInterrupt:  # Ctrl-C before the handler above was set
         _stopped(signal.SIGINT)
     except Exception as e:
         import jax

@@ -391,6 +391,31 @@ def test_a_job_that_never_fully_joins_is_one_line_after_join_timeout_s(tmp_path)
     assert not (tmp_path / "run").exists()
 
 
+def test_a_stop_signal_while_the_job_joins_is_one_line(tmp_path):
+    """Process 0 waits for process 1, never started: before, SIGTERM ended it without a word (-15)."""
+    port = free_port()
+    job = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", "--process_id=0"]
+    args = [sys.executable, str(ROOT / "train.py"), *SMALL, f"--workdir={tmp_path / 'run'}", *job]
+    p = subprocess.Popen(args, env=env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:  # until process 0 listens for the other processes
+            try:
+                socket.create_connection(("127.0.0.1", port)).close()
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert (
+        err.strip().splitlines()[-1] == "stopped by SIGTERM before training began; no checkpoint was written"
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_processes_given_other_job_flags_are_refused_on_joining(tmp_path):
     """Process 1 started with --num_processes=3: before, JAX let it join process 0's job of 2 without
     a word, and both trained."""
