@@ -75,6 +75,7 @@ def initialize(
     if not explicit and not auto:
         return
     if explicit and process_id == 0 and _port_taken(int(port)):
+        handshake.ask_the_first_process_0(host, int(port), num_processes)
         raise UserError(
             f"--coordinator_address={coordinator_address}: port {port} is already in use on this host "
             "(another job's coordinator?); choose a free port for process 0"

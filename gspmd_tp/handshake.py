@@ -53,16 +53,16 @@ def gather(port: int, num_processes: int, address: str) -> None:
                 conn.close()
                 continue
             pid, count = flags
-            if count != num_processes:
+            if pid == 0 or pid in {p for _, p in came}:
+                problem = (
+                    f"two processes of the job at {address} were started with --process_id={pid}: give each "
+                    f"its own id, from 0 to {num_processes - 1}"
+                )
+            elif count != num_processes:
                 problem = (
                     f"process {pid} was started with --num_processes={count} and process 0 (the "
                     f"coordinator, {address}) with --num_processes={num_processes}: start every process "
                     "with the same count"
-                )
-            elif pid == 0 or pid in {p for _, p in came}:
-                problem = (
-                    f"two processes of the job at {address} were started with --process_id={pid}: give each "
-                    f"its own id, from 0 to {num_processes - 1}"
                 )
             came.append((conn, pid))
     answer = _OK if problem is None else _REFUSED + problem.encode()
@@ -112,6 +112,20 @@ def report(host: str, port: int, process_id: int, num_processes: int, address: s
         f"joined: is this a second process with --process_id={process_id}?), or another program "
         "listens on that port"
     )
+
+
+def ask_the_first_process_0(host: str, port: int, num_processes: int) -> None:
+    """A process 0 that finds the coordinator's port taken on its host: where another process 0
+    holds it, still waiting for its job's processes (one started twice), both are refused with a
+    line naming the two (UserError here). Returns where something else holds the port."""
+    try:
+        with socket.create_connection((host.strip("[]"), port), timeout=_READ_S) as conn:
+            conn.sendall(_HELLO + f"0 {num_processes}\n".encode())
+            answer = _read_line(conn)
+    except OSError:  # no answer within _READ_S: not a process 0 waiting for its job
+        return
+    if answer.startswith(_REFUSED):
+        raise UserError(answer.removeprefix(_REFUSED).decode(errors="replace"))
 
 
 def _keep(conns: list[socket.socket], process_id: int) -> None:

@@ -101,3 +101,34 @@ def test_a_process_that_finds_another_program_on_the_port_is_one_line():
         f"--coordinator_address=127.0.0.1:{port}: process 0 there takes no more processes (its job has all "
         "joined: is this a second process with --process_id=1?), or another program listens on that port"
     )
+
+
+def test_a_second_process_0_is_named_on_both():
+    """Before, the second found the port taken ('another job's coordinator?') and the first waited
+    out the join timeout for a line that named no cause."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    outcomes = {}
+
+    def first():
+        try:
+            handshake.gather(port, 2, address)
+        except UserError as e:
+            outcomes["first"] = str(e)
+
+    t = threading.Thread(target=first, daemon=True)
+    t.start()
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port)).close()  # listening: a stray, dropped
+            break
+        except ConnectionRefusedError:
+            pass
+    with pytest.raises(UserError) as e:
+        handshake.ask_the_first_process_0("127.0.0.1", port, 2)
+    t.join(20)
+    want = (
+        f"two processes of the job at {address} were started with --process_id=0: give each its own id, "
+        "from 0 to 1"
+    )
+    assert outcomes == {"first": want} and str(e.value) == want
