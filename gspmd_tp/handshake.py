@@ -195,11 +195,12 @@ def _read_flags(conn: socket.socket) -> tuple[int, int] | None:
 
 
 def _read_line(conn: socket.socket, limit: int = 4096) -> bytes:
-    """Bytes up to a newline (without it), or what came before the peer closed."""
+    """Bytes up to a newline (without it), or what came before the peer closed. A byte at a time:
+    what follows the line (process 0's stop right after its answer) stays for the next read."""
     data = b""
-    while b"\n" not in data and len(data) < limit:
-        chunk = conn.recv(limit)
-        if not chunk:
+    while len(data) < limit:
+        byte = conn.recv(1)
+        if byte in (b"", b"\n"):
             break
-        data += chunk
-    return data.split(b"\n", 1)[0]
+        data += byte
+    return data

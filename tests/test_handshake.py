@@ -132,3 +132,28 @@ def test_a_second_process_0_is_named_on_both():
         "from 0 to 1"
     )
     assert outcomes == {"first": want} and str(e.value) == want
+
+
+def test_a_stop_right_behind_the_answer_is_not_lost(monkeypatch):
+    """Process 0, signalled as the job's flags agreed, sends its stop right behind its answer: the
+    answer's read left it for the thread that follows the stops (it took both, and the stop was lost)."""
+    monkeypatch.setattr(handshake, "_peers", [])
+    monkeypatch.setattr(handshake, "_telling", threading.Event())
+    with socket.create_server(("127.0.0.1", 0)) as zero:
+        port = zero.getsockname()[1]
+
+        def answer_and_stop():
+            conn, _ = zero.accept()
+            conn.recv(100)
+            conn.sendall(b"ok\nstop 15 0\n")
+            conn.recv(1)  # until the other end closes
+
+        threading.Thread(target=answer_and_stop, daemon=True).start()
+        handshake.report("127.0.0.1", port, 1, 2, f"127.0.0.1:{port}")
+        told = threading.Event()
+        stops = []
+        handshake.follow_stops(lambda signum, process: (stops.append((signum, process)), told.set()))
+        told.wait(10)
+        for conn in handshake._peers:
+            conn.close()
+    assert stops == [(15, 0)]
