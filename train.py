@@ -67,7 +67,7 @@ def main(argv):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C before the handler above was set
+    except KeyboardInterrupt:  # Ctrl-C where a library put Python's own handler back
         _stopped(signal.SIGINT)
     except Exception as e:
         import jax
