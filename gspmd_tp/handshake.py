@@ -141,6 +141,7 @@ def tell_stop(signum: int) -> None:
     before the job's flags agreed, once training_began(), or where a peer is gone."""
     if _telling.is_set():
         _send(_peers, _STOP + f"{signum} {_process_id}\n".encode())
+        _leave_last(_peers)
 
 
 def training_began() -> None:
@@ -165,12 +166,30 @@ def follow_stops(on_stop) -> None:
                     line = b""
                 fields = line.removeprefix(_STOP).split() if line.startswith(_STOP) else []
                 if len(fields) == 2 and all(f.isdigit() for f in fields):
-                    _send([c for c in _peers if c is not conn], line + b"\n")
+                    others = [c for c in _peers if c is not conn]
+                    _send(others, line + b"\n")
+                    _leave_last(others)
                     on_stop(int(fields[0]), int(fields[1]))
                     return
                 waiting.remove(conn)  # closed: that process exited (its own way)
 
     threading.Thread(target=run, name="peer-stops", daemon=True).start()
+
+
+def _leave_last(conns: list[socket.socket], seconds: float = 10) -> None:
+    """On process 0, returns once every one of `conns` is closed (those processes exited), or after
+    `seconds`: process 0 hosts JAX's coordination service, and a process whose JAX client loses it
+    is aborted with a stack trace."""
+    waiting, deadline = [c for c in conns if _process_id == 0], time.monotonic() + seconds
+    while waiting and (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select(waiting, [], [], left)
+        for conn in ready:
+            try:
+                closed = not conn.recv(4096)  # what a peer still says here no longer matters
+            except OSError:
+                closed = True
+            if closed:
+                waiting.remove(conn)
 
 
 def _send(conns: list[socket.socket], message: bytes) -> None:
