@@ -403,8 +403,8 @@ def _check_same_inputs(corpus: dict, init_from: str, init_digest: str) -> None:
     if column == len(splits):
         raise UserError(
             f"config.init_from={init_from} read by process {other} of this job differs from process 0's "
-            f"(here: sha256 {init_digest[:16]}): every process must read the same file (a relative path "
-            "from each process's own directory)"
+            f"(here: parameters digest {init_digest[:16]}): every process must read the same file (a "
+            "relative path from each process's own directory)"
         )
     mine = corpus[splits[column]]
     raise UserError(
