@@ -132,7 +132,9 @@ def _jsonl_documents(path: str, field: str) -> list[tuple[int, bytes]]:
 
 
 def _held_out(name: str, fraction: float) -> bool:
-    digest = int.from_bytes(hashlib.sha1(name.encode()).digest()[:4], "little")
+    # surrogateescape: a file name that is not UTF-8 hashes as its bytes on disk (os.fsencode), where
+    # strict encoding would fail; a UTF-8 name hashes as before.
+    digest = int.from_bytes(hashlib.sha1(name.encode("utf-8", "surrogateescape")).digest()[:4], "little")
     return digest % 100_000 < fraction * 100_000
 
 

@@ -1,6 +1,7 @@
 """The input pipeline: corpus split, user files and their errors, windows, shuffling, sharding."""
 
 import json
+import os
 import re
 import time
 
@@ -213,6 +214,18 @@ def test_load_corpus_errors(tmp_path, files, key, pattern, message):
     cfg[key] = str(tmp_path / pattern)
     with pytest.raises(UserError, match=message):
         data.load_corpus(cfg)
+
+
+def test_a_file_name_that_is_not_utf8_is_split_by_its_bytes(tmp_path):
+    # Linux names are bytes; Python gives a non-UTF-8 one as a str with surrogates, which the held-out
+    # hash could not encode (a traceback from load_corpus).
+    name = os.fsdecode(b"caf\xe9.txt")
+    for i in range(20):
+        write(tmp_path / f"doc{i}.txt", f"text {i}")
+    write(tmp_path / name, "latin-1 name")
+    train, held = data.load_corpus(data_config(train_files=str(tmp_path / "*.txt"), eval_fraction=0.3))
+    assert b"latin-1 name" in documents(train) + documents(held)
+    assert data._held_out(name, 0.3) == data._held_out(name, 0.3)  # the same split on every run
 
 
 def test_corpus_smaller_than_one_batch(tmp_path):
