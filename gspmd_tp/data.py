@@ -63,24 +63,57 @@ def _name_under_pattern(pattern: str, path: str) -> str:
     return os.path.relpath(path, os.path.join(*literal) if literal else ".")
 
 
-def _file_documents(patterns: str, field: str, what: str) -> list[tuple[str, bytes]]:
-    docs, paths = [], []
+def _is_pattern(text: str) -> bool:
+    return any(ch in text for ch in "*?[")
+
+
+def _matched_files(patterns: str, what: str) -> list[tuple[str, str]]:
+    """(pattern, path) of every file the comma-separated globs match, in order; UserError for a glob
+    that matches no file and for a match that is no readable document."""
+    found = []
     for pattern in [p.strip() for p in patterns.split(",") if p.strip()]:
         matched = sorted(glob.glob(pattern, recursive=True))
         if not matched:
             raise UserError(f"config.data.{what}: no file matches {pattern!r}")
+        files = []
         for path in matched:
+            if os.path.isdir(path):
+                if _is_pattern(pattern):  # `data/**` also matches the directories it walks through
+                    continue
+                raise UserError(
+                    f"config.data.{what}: {path} is a directory; give a glob of its files, "
+                    f"e.g. {os.path.join(path, '**', '*.txt')}"
+                )
             if not path.endswith((".jsonl", ".txt")):
                 raise UserError(f"config.data.{what}: {path} is neither .txt nor .jsonl")
-            name = _name_under_pattern(pattern, path)
-            try:
-                if path.endswith(".jsonl"):
-                    docs += [(f"{name}:{line}", text) for line, text in _jsonl_documents(path, field)]
-                else:
-                    docs.append((name, Path(path).read_bytes()))  # tokens are bytes: any encoding trains
-            except OSError as e:
-                raise UserError(f"config.data.{what}: cannot read {path}: {e.strerror or e}") from None
-            paths.append(path)
+            if os.path.islink(path) and not os.path.exists(path):
+                raise UserError(
+                    f"config.data.{what}: {path} is a symbolic link to {os.readlink(path)}, which is missing"
+                )
+            if os.path.exists(path) and not os.path.isfile(path):
+                # A named pipe would block the run in its first read until some other process wrote it.
+                raise UserError(
+                    f"config.data.{what}: {path} is not a regular file (a pipe, socket or device)"
+                )
+            files.append((pattern, path))
+        if not files:
+            raise UserError(f"config.data.{what}: {pattern!r} matches directories only, no file")
+        found += files
+    return found
+
+
+def _file_documents(patterns: str, field: str, what: str) -> list[tuple[str, bytes]]:
+    docs, paths = [], []
+    for pattern, path in _matched_files(patterns, what):
+        name = _name_under_pattern(pattern, path)
+        try:
+            if path.endswith(".jsonl"):
+                docs += [(f"{name}:{line}", text) for line, text in _jsonl_documents(path, field)]
+            else:
+                docs.append((name, Path(path).read_bytes()))  # tokens are bytes: any encoding trains
+        except OSError as e:
+            raise UserError(f"config.data.{what}: cannot read {path}: {e.strerror or e}") from None
+        paths.append(path)
     if not docs:
         # Only .jsonl files of blank lines get here: a .txt file is a document even when empty.
         raise UserError(

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import threading
 import time
 
 import jax
@@ -186,12 +187,19 @@ ERRORS = [  # files to write, the config key, its glob, what the message must sa
         r"train_files: 1 file but no document \(a \.jsonl file holds one per non-blank line\)$",
         id="blank-jsonl",
     ),
-    pytest.param(
-        {"dir.txt/inner.txt": "x"},
+    pytest.param(  # was "dir is neither .txt nor .jsonl"
+        {"dir/inner.txt": "x"},
+        "train_files",
+        "dir",
+        r"train_files: .*/dir is a directory; give a glob of its files, e.g. .*/dir/\*\*/\*\.txt$",
+        id="directory",
+    ),
+    pytest.param(  # was "cannot read .../dir.txt: Is a directory"
+        {"dir.txt/inner.md": "x"},
         "train_files",
         "*.txt",
-        r"train_files: cannot read .*dir\.txt: Is a directory$",
-        id="directory",
+        r"train_files: '.*\*\.txt' matches directories only, no file$",
+        id="directories-only",
     ),
     pytest.param(
         {"d.jsonl": '["a"]\n'},
@@ -214,6 +222,48 @@ def test_load_corpus_errors(tmp_path, files, key, pattern, message):
     cfg[key] = str(tmp_path / pattern)
     with pytest.raises(UserError, match=message):
         data.load_corpus(cfg)
+
+
+def test_a_recursive_glob_reads_the_files_below_the_directories_it_matches(tmp_path):
+    # `data/**` matches data/ and data/sub/ too: they are walked through, not refused as documents.
+    write(tmp_path / "data" / "a.txt", "a")
+    write(tmp_path / "data" / "sub" / "b.txt", "b")
+    write(tmp_path / "eval.txt", "e")
+    cfg = data_config(train_files=str(tmp_path / "data" / "**"), eval_files=str(tmp_path / "eval.txt"))
+    train, held = data.load_corpus(cfg)
+    assert documents(train) == [b"a", b"b"] and documents(held) == [b"e"]
+
+
+def test_a_broken_symbolic_link_is_named_as_one(tmp_path):
+    (tmp_path / "gone.txt").symlink_to(tmp_path / "moved" / "gone.txt")
+    with pytest.raises(
+        UserError, match=r"gone\.txt is a symbolic link to .*moved/gone\.txt, which is missing$"
+    ):
+        data.load_corpus(data_config(train_files=str(tmp_path / "*.txt")))
+
+
+def test_a_named_pipe_is_refused_not_read_until_someone_writes_it(tmp_path):
+    write(tmp_path / "a.txt", "a")
+    pipe = tmp_path / "pipe.txt"
+    os.mkfifo(pipe)
+    outcome = {}
+
+    def load():
+        try:
+            data.load_corpus(
+                data_config(train_files=str(tmp_path / "*.txt"), eval_files=str(tmp_path / "a.txt"))
+            )
+        except UserError as e:
+            outcome["error"] = str(e)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(timeout=20)
+    if reader.is_alive():  # blocked opening the pipe: let it go (a writer that opens and closes it)
+        os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+    assert re.search(
+        r"pipe\.txt is not a regular file \(a pipe, socket or device\)$", outcome.get("error", "")
+    )
 
 
 def test_a_file_name_that_is_not_utf8_is_split_by_its_bytes(tmp_path):
