@@ -225,6 +225,16 @@ def load_corpus(data) -> tuple[np.ndarray, np.ndarray]:
     return _pack(train), _pack(held)
 
 
+def files_in_both(data) -> list[str]:
+    """Real paths of the files that config.data.train_files and eval_files both match (a held-out
+    loss measured on text the run trains on); [] without eval_files."""
+    if not data.train_files or not data.eval_files:
+        return []
+    train = {os.path.realpath(path) for _, path in _matched_files(data.train_files, "train_files")}
+    held = {os.path.realpath(path) for _, path in _matched_files(data.eval_files, "eval_files")}
+    return sorted(train & held)
+
+
 def fingerprint(tokens: np.ndarray) -> dict:
     """{"tokens": count, "sha256": 16 hex digits of their bytes}: a token stream's identity, saved
     with checkpoints so that a resume sees files changed in place."""

@@ -373,6 +373,16 @@ def _read_inputs(s: Setup, resuming: bool):
     of the imported parameters or ""): what the run reads from files, on every process (the digest
     in a multi-process job only)."""
     c = s.config
+    shared = data.files_in_both(c.data)
+    if shared:
+        overlap = (
+            f"config.data.eval_files and train_files both match {_plural_files(shared)}: the held-out loss "
+            "is measured on text the run trains on"
+        )
+        if not resuming:
+            raise UserError(f"{overlap}; take them out of one of the two")
+        # A run that began so cannot change eval_files (another run) and must stay resumable.
+        log(f"warning: {overlap}")
     train_tokens, eval_tokens = data.load_corpus(c.data)
     corpus = {"train": data.fingerprint(train_tokens), "held_out": data.fingerprint(eval_tokens)}
     rows = data.process_rows(s.batch_sharding, c.batch_size)
@@ -386,6 +396,11 @@ def _read_inputs(s: Setup, resuming: bool):
         digest = hashlib.sha256() if jax.process_count() > 1 else None
         imported = checkpoint.import_params(c.init_from, s.abstract_state.params, digest)
     return corpus, train_ds, eval_ds, imported, digest.hexdigest() if digest else ""
+
+
+def _plural_files(paths: list[str]) -> str:
+    more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+    return f"{paths[0]}{more}"
 
 
 def _check_same_inputs(corpus: dict, init_from: str, init_digest: str) -> None:

@@ -278,6 +278,35 @@ def test_a_file_name_that_is_not_utf8_is_split_by_its_bytes(tmp_path):
     assert data._held_out(name, 0.3) == data._held_out(name, 0.3)  # the same split on every run
 
 
+def test_files_in_both_train_and_eval_files(tmp_path):
+    for name in ("a.txt", "b.txt", "c.txt"):
+        write(tmp_path / name, name)
+    (tmp_path / "link.txt").symlink_to(tmp_path / "b.txt")
+    cfg = data_config(train_files=str(tmp_path / "[ab].txt"), eval_files=str(tmp_path / "c.txt"))
+    assert data.files_in_both(cfg) == []
+    cfg.eval_files = f"{tmp_path / 'c.txt'},{tmp_path / 'link.txt'}"  # b.txt by another name
+    assert data.files_in_both(cfg) == [str(tmp_path / "b.txt")]
+    assert data.files_in_both(data_config(eval_files=str(tmp_path / "c.txt"))) == []  # the default corpus
+
+
+def test_a_fresh_run_whose_eval_files_are_training_files_is_refused(tmp_path):
+    from gspmd_tp import trainer
+
+    write(tmp_path / "train" / "a.txt", "x" * 3000)
+    write(tmp_path / "train" / "b.txt", "y" * 3000)
+    cfg = small_config()
+    cfg.data.train_files = str(tmp_path / "train" / "*.txt")
+    cfg.data.eval_files = str(tmp_path / "train" / "b.txt")
+    workdir = tmp_path / "run"
+    with pytest.raises(
+        UserError,
+        match=r"^config\.data\.eval_files and train_files both match .*train/b\.txt: the held-out loss is "
+        r"measured on text the run trains on; take them out of one of the two$",
+    ):
+        trainer.train(cfg, str(workdir))
+    assert not workdir.exists()  # nothing written
+
+
 def test_corpus_smaller_than_one_batch(tmp_path):
     write(tmp_path / "small.txt", "x" * 40)
     write(tmp_path / "eval.txt", "y" * 40)  # no hash split: it would hold this one file out 1 time in 20
