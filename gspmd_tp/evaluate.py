@@ -46,13 +46,21 @@ def compiled_eval_step(s: trainer.Setup):
     return eval_step
 
 
-def evaluate_params(s: trainer.Setup, params, eval_step=None) -> dict:
-    """Loss and perplexities of `params` over config.eval_batches held-out batches (at most one
-    pass over them), with `eval_step` (compiled_eval_step) or one compiled on first use."""
+def held_out_batches(s: trainer.Setup) -> tuple[data.BatchStream, dict]:
+    """(held-out batches, their tokens' fingerprint) of s.config.data, read from the files now:
+    UserError where they are missing or too short, before anything compiles."""
     c = s.config
     eval_tokens = data.held_out_tokens(c.data)
     rows = data.process_rows(s.batch_sharding, c.batch_size)
-    eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
+    return data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows), data.fingerprint(eval_tokens)
+
+
+def evaluate_params(s: trainer.Setup, params, eval_step=None, eval_ds=None) -> dict:
+    """Loss and perplexities of `params` over config.eval_batches held-out batches (at most one
+    pass over them), with `eval_step` (compiled_eval_step) or one compiled on first use, and
+    `eval_ds` (held_out_batches) or the batches read now."""
+    if eval_ds is None:
+        eval_ds = held_out_batches(s)[0]
     with state_lib.sharding_context(s.mesh, s.rules):
         nats, tokens = trainer.held_out_sums(s, eval_step or step_lib.make_eval_step(s), params, eval_ds)
     batches = trainer.eval_batch_count(s, eval_ds)
@@ -173,10 +181,12 @@ def main(argv=None) -> int:
         result = None
         if not args.plot_only:
             step, _, s = restore.load_setup(args.workdir, overrides, args.step)
+            # The data files first: one that is gone or too short is found before the compile and the read.
+            eval_ds = held_out_batches(s)[0]
             eval_step = compiled_eval_step(s)
             step, params = restore.params_for(args.workdir, step, s, exact=args.step is not None)
             result = {"step": step, "mesh": mesh_string(s.mesh), "rules": s.rules.source}
-            result.update(evaluate_params(s, params, eval_step))
+            result.update(evaluate_params(s, params, eval_step, eval_ds))
         if args.plot and jax.process_index() == 0:
             plot_losses(rows, args.plot, f"{os.path.abspath(args.workdir)}", result)
     except UserError as e:

@@ -166,3 +166,17 @@ def test_an_evaluation_step_too_large_for_memory_is_one_line_before_any_read(
         err.startswith("error: the compiled evaluation step needs 8 CPU devices x ") and err.count("\n") == 1
     )
     assert "more than this host's 0.0 GiB of RAM; shrink --config.batch_size or --config.seq_len" in err
+
+
+def test_held_out_files_that_are_gone_are_one_line_before_compiling_or_reading(
+    trained_workdir, tmp_path, monkeypatch, capsys
+):
+    # Before, the eval step compiled and the parameters were read (minutes on a large model) first.
+    monkeypatch.setattr(
+        evaluate, "compiled_eval_step", lambda *_: pytest.fail("compiled before reading data")
+    )
+    monkeypatch.setattr(restore, "params_for", lambda *a, **k: pytest.fail("read parameters before data"))
+    gone = tmp_path / "moved" / "*.txt"
+    assert evaluate.main(["--workdir", str(trained_workdir), f"--config.data.eval_files={gone}"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: config.data.eval_files: no file matches '{gone}'\n"
