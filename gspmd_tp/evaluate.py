@@ -28,7 +28,7 @@ import jax
 from gspmd_tp import data, outputs, restore, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
-from gspmd_tp.errors import ArgumentParser, UserError
+from gspmd_tp.errors import ArgumentParser, UserError, warn
 from gspmd_tp.mesh import mesh_string
 
 # data.py's tokens are bytes: each target is one byte of the packed corpus (the separator is the
@@ -53,6 +53,18 @@ def held_out_batches(s: trainer.Setup) -> tuple[data.BatchStream, dict]:
     eval_tokens = data.held_out_tokens(c.data)
     rows = data.process_rows(s.batch_sharding, c.batch_size)
     return data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows), data.fingerprint(eval_tokens)
+
+
+def note_held_out_change(saved: dict, now: dict, step: int) -> None:
+    """A note on stderr where the held-out tokens differ from those checkpoint `step` recorded
+    (files edited since): the loss then does not compare with the eval_loss training logged."""
+    before = saved.get("held_out")
+    if before and before != now:
+        warn(
+            f"note: the held-out split changed since step {step} was saved ({before['tokens']:,} tokens, "
+            f"now {now['tokens']:,}; its files were edited): this loss does not compare with the run's "
+            "eval_loss"
+        )
 
 
 def evaluate_params(s: trainer.Setup, params, eval_step=None, eval_ds=None) -> dict:
@@ -180,9 +192,11 @@ def main(argv=None) -> int:
         rows = read_metrics(args.workdir) if args.plot else None
         result = None
         if not args.plot_only:
-            step, _, s = restore.load_setup(args.workdir, overrides, args.step)
+            step, meta, s = restore.load_setup(args.workdir, overrides, args.step)
             # The data files first: one that is gone or too short is found before the compile and the read.
-            eval_ds = held_out_batches(s)[0]
+            eval_ds, held_out = held_out_batches(s)
+            if not any(key.startswith("data.") for key in overrides):  # not other data asked for
+                note_held_out_change(meta.get("corpus", {}), held_out, step)
             eval_step = compiled_eval_step(s)
             step, params = restore.params_for(args.workdir, step, s, exact=args.step is not None)
             result = {"step": step, "mesh": mesh_string(s.mesh), "rules": s.rules.source}

@@ -180,3 +180,27 @@ def test_held_out_files_that_are_gone_are_one_line_before_compiling_or_reading(
     assert evaluate.main(["--workdir", str(trained_workdir), f"--config.data.eval_files={gone}"]) == 1
     err = capsys.readouterr().err
     assert err == f"error: config.data.eval_files: no file matches '{gone}'\n"
+
+
+def test_a_held_out_split_edited_since_the_checkpoint_is_noted(trained_workdir, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained_workdir, run)
+    assert evaluate.main(["--workdir", str(run), "--json"]) == 0
+    assert capsys.readouterr().err == ""  # the same held-out tokens as at step 4
+    meta_file = run / "checkpoints" / "4" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    saved = meta["corpus"]["held_out"]
+    meta["corpus"]["held_out"] = {"tokens": saved["tokens"] - 7, "sha256": "0" * 16}  # as if edited since
+    meta_file.write_text(json.dumps(meta))
+    assert evaluate.main(["--workdir", str(run), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["step"] == 4
+    assert captured.err == (
+        f"note: the held-out split changed since step 4 was saved ({saved['tokens'] - 7:,} tokens, now "
+        f"{saved['tokens']:,}; its files were edited): this loss does not compare with the run's eval_loss\n"
+    )
+    # Other held-out data asked for on purpose is no change to note.
+    other = tmp_path / "other.txt"
+    other.write_text("x" * 100)
+    assert evaluate.main(["--workdir", str(run), "--json", f"--config.data.eval_files={other}"]) == 0
+    assert capsys.readouterr().err == ""
