@@ -44,7 +44,9 @@ DEFAULT_TEMPERATURE = 0.8  # a little sharper than the model's distribution, as 
 
 def encode(prompt: str) -> list[int]:
     """Byte tokens of a prompt, after the separator that starts every training document."""
-    return [data.SEPARATOR, *prompt.encode("utf-8").replace(b"\0", b"")]  # training text has no NUL
+    # surrogateescape: bytes that are not UTF-8 (Python keeps them so in argv and in read_prompts)
+    # are the prompt's own bytes, as any bytes of a training file are tokens.
+    return [data.SEPARATOR, *prompt.encode("utf-8", "surrogateescape").replace(b"\0", b"")]  # no NUL
 
 
 def decode(tokens) -> str:
@@ -67,9 +69,9 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
             raise UserError("--prompt is empty: give some text to continue")
         return [prompt]
     try:
-        with open(prompts_file, encoding="utf-8") as f:
+        with open(prompts_file, encoding="utf-8", errors="surrogateescape") as f:  # any bytes: encode()
             lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise UserError(f"--prompts_file={prompts_file}: {e}") from None
     if not lines:
         raise UserError(f"--prompts_file={prompts_file} has no prompts")
@@ -331,7 +333,7 @@ def main(argv=None) -> int:
         for i, (prompt, tokens) in enumerate(zip(prompts, new, strict=True)):
             if len(prompts) > 1:
                 print(f"--- {i + 1}/{len(prompts)} ---")
-            print(prompt + decode(tokens))
+            print(decode(encode(prompt)[1:] + list(tokens)))  # bytes not UTF-8 print as U+FFFD
     return 0
 
 

@@ -2,6 +2,7 @@
 tokens, the command line end to end, and one-line errors raised before anything compiles."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -125,6 +126,21 @@ def test_cli_prints_the_continued_prompts(trained_workdir, tmp_path, capsys):
     out, _ = capsys.readouterr()
     lines = out.splitlines()
     assert lines[0] == "--- 1/2 ---" and lines[1].startswith("class ") and "--- 2/2 ---" in lines
+
+
+def test_prompt_bytes_that_are_not_utf8_are_the_prompts_own_tokens(trained_workdir, tmp_path, capsys):
+    # Training reads any bytes; a prompt's bytes that are not UTF-8 (kept by Python as surrogates in
+    # argv) were a UnicodeEncodeError traceback, and such a --prompts_file was refused.
+    latin = os.fsdecode(b"caf\xe9")
+    assert generate.encode(latin) == [0, *b"caf\xe9"]
+    argv = ["--workdir", str(trained_workdir), "--max_new_tokens=3", "--temperature=0"]
+    assert generate.main([*argv, f"--prompt={latin}"]) == 0
+    assert capsys.readouterr().out.startswith("caf\ufffd")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"caf\xe9\nna\xefve\n")
+    assert generate.main([*argv, f"--prompts_file={prompts}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("caf\ufffd") and lines[3].startswith("na\ufffdve")
 
 
 def test_decode_stops_at_the_document_separator_and_replaces_bad_bytes():
