@@ -87,8 +87,8 @@ def check_sampling(max_new_tokens: int | None, temperature: float, top_k: int, s
         raise UserError(f"--seed must be in [0, 2**31), got {seed}")
     if max_new_tokens is not None and max_new_tokens <= 0:
         raise UserError(f"--max_new_tokens must be positive, got {max_new_tokens}")
-    if not temperature >= 0:  # also NaN
-        raise UserError(f"--temperature must be >= 0 (0: greedy), got {temperature}")
+    if not 0 <= temperature < math.inf:  # also NaN; inf would divide the masked logits into NaN
+        raise UserError(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature}")
     if not 0 <= top_k <= data.BYTE_VOCAB:
         raise UserError(f"--top_k must be in 0..{data.BYTE_VOCAB} (0: no limit), got {top_k}")
 
@@ -171,7 +171,11 @@ def _choose(logits_bv, key, temperature: float, top_k: int):
     logits_bv = jnp.where(ids < data.BYTE_VOCAB, logits_bv, -jnp.inf)
     if temperature == 0:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-    logits_bv = logits_bv / temperature
+    # From the row's largest logit, so that a small temperature cannot overflow the leaders to inf
+    # (argmax over the ties would take the first, not the likeliest), and by no less than the smallest
+    # normal float32: the CPU flushes a subnormal one to 0, and 0 / 0 is NaN.
+    temperature = max(temperature, float(np.finfo(np.float32).tiny))
+    logits_bv = (logits_bv - logits_bv.max(axis=-1, keepdims=True)) / temperature
     if top_k:
         kth = jax.lax.top_k(logits_bv, top_k)[0][:, -1:]
         logits_bv = jnp.where(logits_bv >= kth, logits_bv, -jnp.inf)

@@ -143,6 +143,15 @@ def test_prompt_bytes_that_are_not_utf8_are_the_prompts_own_tokens(trained_workd
     assert lines[1].startswith("caf\ufffd") and lines[3].startswith("na\ufffdve")
 
 
+def test_a_tiny_temperature_samples_the_likeliest_token():
+    # logits / 1e-40 overflowed every positive logit to inf, and argmax took the first of the ties.
+    logits = jnp.array([[0.5, 2.0, *[-1.0] * 254]])
+    assert int(generate._choose(logits, jax.random.key(0), 1e-40, 0)[0]) == 1
+    assert int(generate._choose(logits, jax.random.key(0), 1e-40, 2)[0]) == 1
+    large = jnp.array([[50.0, 60.0, *[-1.0] * 254]])  # / 1e-37: both past float32's largest
+    assert int(generate._choose(large, jax.random.key(0), 1e-37, 0)[0]) == 1
+
+
 def test_decode_stops_at_the_document_separator_and_replaces_bad_bytes():
     assert generate.decode([104, 105, 0, 120]) == "hi"
     assert generate.decode([0xE2, 0x82]) == "\ufffd"  # a cut multi-byte character
@@ -160,7 +169,9 @@ def test_decode_stops_at_the_document_separator_and_replaces_bad_bytes():
         (["--prompt=x", "--top_k=-1"], "--top_k must be in 0..256"),
         (["--prompt=x", "--step=3"], "checkpoints: no step 3 (have 2, 4)"),
         (["--prompt=x", "--seed=4294967296"], "--seed must be in [0, 2**31), got 4294967296"),
-        (["--prompt=x", "--temperature=-1"], "--temperature must be >= 0"),
+        (["--prompt=x", "--temperature=-1"], "--temperature must be a finite number >= 0"),
+        # Divides the padded vocabulary's masked logits into NaN, which argmax takes: a non-byte token.
+        (["--prompt=x", "--temperature=inf"], "--temperature must be a finite number >= 0"),
         (["--prompt=x", "--config.nope=1"], "the run's config has no key 'nope'"),
         (
             ["--prompt=x", "--config.optim.beta1=0.8"],
