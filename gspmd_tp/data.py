@@ -48,7 +48,7 @@ def _stdlib_documents() -> list[tuple[str, bytes]]:
 def absolute_patterns(patterns: str) -> str:
     """Comma-separated file patterns made absolute, so that a saved run's data is found from any
     working directory and one file spelled two ways is one run's data."""
-    return ",".join(os.path.abspath(p.strip()) for p in patterns.split(",") if p.strip())
+    return ",".join(os.path.abspath(os.path.expanduser(p.strip())) for p in patterns.split(",") if p.strip())
 
 
 def _name_under_pattern(pattern: str, path: str) -> str:
@@ -71,7 +71,9 @@ def _matched_files(patterns: str, what: str) -> list[tuple[str, str]]:
     """(pattern, path) of every file the comma-separated globs match, in order; UserError for a glob
     that matches no file and for a match that is no readable document."""
     found = []
-    for pattern in [p.strip() for p in patterns.split(",") if p.strip()]:
+    # ~ as the shell would have expanded it: `--config.data.train_files=~/data/*.txt` is left as it is
+    # by bash (the word is no assignment), and glob does not expand it.
+    for pattern in [os.path.expanduser(p.strip()) for p in patterns.split(",") if p.strip()]:
         matched = sorted(glob.glob(pattern, recursive=True))
         if not matched:
             raise UserError(f"config.data.{what}: no file matches {pattern!r}")

@@ -224,6 +224,19 @@ def test_load_corpus_errors(tmp_path, files, key, pattern, message):
         data.load_corpus(cfg)
 
 
+def test_a_glob_from_the_home_directory(tmp_path, monkeypatch):
+    # bash leaves ~ in --config.data.train_files=~/... as it is; it was made absolute under the cwd.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    write(tmp_path / "home" / "data" / "a.txt", "a")
+    write(tmp_path / "home" / "eval.txt", "e")
+    assert (
+        data.absolute_patterns("~/data/*.txt, x.txt")
+        == f"{tmp_path}/home/data/*.txt,{os.path.abspath('x.txt')}"
+    )
+    train, held = data.load_corpus(data_config(train_files="~/data/*.txt", eval_files="~/eval.txt"))
+    assert documents(train) == [b"a"] and documents(held) == [b"e"]
+
+
 def test_a_recursive_glob_reads_the_files_below_the_directories_it_matches(tmp_path):
     # `data/**` matches data/ and data/sub/ too: they are walked through, not refused as documents.
     write(tmp_path / "data" / "a.txt", "a")
