@@ -157,8 +157,15 @@ def _jsonl_documents(path: str, field: str) -> list[tuple[int, bytes]]:
                 elif not isinstance(value[field], str):  # str() would train on "None", "5", "['a']"
                     problem = f"got {json.dumps(value[field])[:40]}"
                 else:
-                    docs.append((i + 1, value[field].encode("utf-8")))
-                    continue
+                    try:
+                        docs.append((i + 1, value[field].encode("utf-8")))
+                        continue
+                    except UnicodeEncodeError as e:  # JSON may escape half a UTF-16 pair: "\ud83d"
+                        raise UserError(
+                            f"{path}:{i + 1}: field {field!r} holds a lone surrogate "
+                            f"{json.dumps(value[field][e.start])} (half of a UTF-16 pair, no character); "
+                            "remove it or give its pair"
+                        ) from None
             raise UserError(
                 f"{path}:{i + 1}: expected a JSON object with a string field {field!r} "
                 f"(config.data.jsonl_field); {problem}"

@@ -180,6 +180,14 @@ ERRORS = [  # files to write, the config key, its glob, what the message must sa
         r"d\.jsonl:2: not UTF-8 \(byte 0xe9 at column 14\); re-encode it as UTF-8$",
         id="jsonl-not-utf8",
     ),
+    pytest.param(  # valid JSON, but no UTF-8 text: it was a UnicodeEncodeError traceback
+        {"d.jsonl": '{"text": "a"}\n{"text": "half \\ud83d an emoji"}\n'},
+        "train_files",
+        "d.jsonl",
+        r"d\.jsonl:2: field 'text' holds a lone surrogate \"\\ud83d\" "
+        r"\(half of a UTF-16 pair, no character\); remove it or give its pair$",
+        id="jsonl-lone-surrogate",
+    ),
     pytest.param(
         {"d.jsonl": "\n  \n"},
         "train_files",
