@@ -91,7 +91,8 @@ def evaluate_params(s: trainer.Setup, params, eval_step=None, eval_ds=None) -> d
 
 def read_metrics(workdir: str) -> list[dict]:
     """The rows of workdir/metrics.jsonl, one per step in step order; UserError if there is none or a
-    line is not JSON.
+    line is not JSON (but for a last line cut short by a kill, which the next training start moves
+    aside too: left out, with a note).
 
     A run resumed from a checkpoint older than its last logged step logs the steps after it again;
     the later row of a step is the one the run went on from, so it replaces the earlier.
@@ -106,6 +107,9 @@ def read_metrics(workdir: str) -> list[dict]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError:
+                    if not line.endswith("\n"):  # the last line, cut short by a kill mid-write
+                        warn(f"note: {path}:{i + 1} was cut short (the run was killed writing it); left out")
+                        continue
                     raise UserError(f"{path}:{i + 1}: not a JSON object") from None
     if not any("loss" in r for r in rows):
         raise UserError(f"{path}: no row has a loss")

@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from gspmd_tp import checkpoint, evaluate, generate, restore, trainer
+from gspmd_tp.errors import UserError
 
 
 def test_loss_equals_the_trainers_eval_loss(trained_workdir, capsys):
@@ -204,3 +205,19 @@ def test_a_held_out_split_edited_since_the_checkpoint_is_noted(trained_workdir, 
     other.write_text("x" * 100)
     assert evaluate.main(["--workdir", str(run), "--json", f"--config.data.eval_files={other}"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_last_metrics_line_cut_short_by_a_kill_is_left_out(tmp_path, capsys):
+    # A run killed while writing a row leaves no newline after it; --plot refused the whole file.
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n{"step": 3, "lo'
+    )
+    assert [r["step"] for r in evaluate.read_metrics(str(tmp_path))] == [1, 2]
+    assert capsys.readouterr().err == (
+        f"note: {tmp_path / 'metrics.jsonl'}:3 was cut short (the run was killed writing it); left out\n"
+    )
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 5.0}\n{"step": 2, "lo\n{"step": 3, "loss": 3.0}\n'
+    )
+    with pytest.raises(UserError, match=r"metrics\.jsonl:2: not a JSON object$"):  # not the last line
+        evaluate.read_metrics(str(tmp_path))
