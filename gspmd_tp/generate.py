@@ -100,17 +100,19 @@ def fit_length(token_lists: list[list[int]], max_new_tokens: int | None, seq_len
     """
     longest = max(len(t) for t in token_lists)
     room = seq_len - longest
+    which = "the longest prompt" if len(token_lists) > 1 else "the prompt"
+    prompt = f"{which} ({longest - 1} byte{'' if longest == 2 else 's'} and the document separator)"
     hint = "or pass --config.seq_len=N to sample past the trained context"
     if max_new_tokens is None:
         if room <= 0:
             raise UserError(
-                f"the prompt ({longest - 1} bytes and the document separator) fills the {seq_len} "
-                f"positions the model was trained on (config.seq_len); shorten it, {hint}"
+                f"{prompt} fills the {seq_len} positions the model was trained on (config.seq_len); "
+                f"shorten it, {hint}"
             )
         return min(DEFAULT_MAX_NEW_TOKENS, room)
     if max_new_tokens > room:
         raise UserError(
-            f"the prompt ({longest - 1} bytes and the document separator) plus --max_new_tokens="
+            f"{prompt} plus --max_new_tokens="
             f"{max_new_tokens} is longer than the {seq_len} positions the model was trained on "
             f"(config.seq_len); ask for at most {max(room, 0)} new tokens, {hint}"
         )

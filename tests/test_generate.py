@@ -163,7 +163,11 @@ def test_decode_stops_at_the_document_separator_and_replaces_bad_bytes():
     [
         (["--prompt="], "--prompt is empty"),
         (["--prompt=x", "--max_new_tokens=0"], "--max_new_tokens must be positive, got 0"),
-        (["--prompt=x", "--max_new_tokens=40"], "plus --max_new_tokens=40 is longer than the 32 positions"),
+        (
+            ["--prompt=x", "--max_new_tokens=40"],
+            "the prompt (1 byte and the document separator) plus --max_new_tokens=40 is longer than the 32 "
+            "positions",
+        ),
         (["--prompt=" + "y" * 40], "fills the 32 positions the model was trained on"),
         (["--prompt=x", "--top_k=257"], "--top_k must be in 0..256"),
         (["--prompt=x", "--top_k=-1"], "--top_k must be in 0..256"),
