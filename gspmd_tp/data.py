@@ -149,6 +149,8 @@ def _jsonl_documents(path: str, field: str) -> list[tuple[int, bytes]]:
                 value = json.loads(line_text)
             except json.JSONDecodeError:
                 problem = "not valid JSON"
+            except RecursionError:  # Python's parser recurses once per [ or {
+                problem = "nested too deeply to parse"
             else:
                 if not isinstance(value, dict):
                     problem = "not an object"

@@ -180,6 +180,13 @@ ERRORS = [  # files to write, the config key, its glob, what the message must sa
         r"d\.jsonl:2: not UTF-8 \(byte 0xe9 at column 14\); re-encode it as UTF-8$",
         id="jsonl-not-utf8",
     ),
+    pytest.param(  # was a RecursionError traceback from json.loads
+        {"d.jsonl": '{"text": "a"}\n{"text": "b", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}\n"},
+        "train_files",
+        "d.jsonl",
+        r"d\.jsonl:2: expected a JSON object with a string field 'text' .*; nested too deeply to parse$",
+        id="jsonl-too-deep",
+    ),
     pytest.param(  # valid JSON, but no UTF-8 text: it was a UnicodeEncodeError traceback
         {"d.jsonl": '{"text": "a"}\n{"text": "half \\ud83d an emoji"}\n'},
         "train_files",
