@@ -67,9 +67,17 @@ def _is_pattern(text: str) -> bool:
     return any(ch in text for ch in "*?[")
 
 
-def _matched_files(patterns: str, what: str) -> list[tuple[str, str]]:
-    """(pattern, path) of every file the comma-separated globs match, in order; UserError for a glob
-    that matches no file and for a match that is no readable document."""
+def _inside(path: str, directory: str | None) -> bool:
+    if not directory:
+        return False
+    directory = os.path.realpath(directory)
+    return os.path.commonpath([os.path.realpath(path), directory]) == directory
+
+
+def _matched_files(patterns: str, what: str, workdir: str | None = None) -> list[tuple[str, str]]:
+    """(pattern, path) of every file the comma-separated globs match, in order, but for those inside
+    the run's `workdir`; UserError for a glob that matches no file and for a match that is no
+    readable document."""
     found = []
     # ~ as the shell would have expanded it: `--config.data.train_files=~/data/*.txt` is left as it is
     # by bash (the word is no assignment), and glob does not expand it.
@@ -78,6 +86,11 @@ def _matched_files(patterns: str, what: str) -> list[tuple[str, str]]:
         if not matched:
             raise UserError(f"config.data.{what}: no file matches {pattern!r}")
         files = []
+        # The run's own metrics.jsonl is no document: a glob such as **/*.jsonl would take it from
+        # the second start on, and the run (whose train_files may not change) could not resume.
+        matched = [path for path in matched if not _inside(path, workdir)]
+        if not matched:
+            raise UserError(f"config.data.{what}: no file matches {pattern!r} outside the run's {workdir}")
         for path in matched:
             if os.path.isdir(path):
                 if _is_pattern(pattern):  # `data/**` also matches the directories it walks through
@@ -104,9 +117,9 @@ def _matched_files(patterns: str, what: str) -> list[tuple[str, str]]:
     return found
 
 
-def _file_documents(patterns: str, field: str, what: str) -> list[tuple[str, bytes]]:
+def _file_documents(patterns: str, field: str, what: str, workdir: str | None) -> list[tuple[str, bytes]]:
     docs, paths = [], []
-    for pattern, path in _matched_files(patterns, what):
+    for pattern, path in _matched_files(patterns, what, workdir):
         name = _name_under_pattern(pattern, path)
         try:
             if path.endswith(".jsonl"):
@@ -209,17 +222,18 @@ def check(data) -> None:
         raise UserError(f"config.data.eval_fraction must be in (0, 1), got {data.eval_fraction}")
 
 
-def load_corpus(data) -> tuple[np.ndarray, np.ndarray]:
-    """(train tokens, held-out tokens) as uint8 streams, per config.data."""
+def load_corpus(data, workdir: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(train tokens, held-out tokens) as uint8 streams, per config.data; files inside the run's
+    `workdir` are left out."""
     check(data)
     if data.train_files:
-        docs = _file_documents(data.train_files, data.jsonl_field, "train_files")
+        docs = _file_documents(data.train_files, data.jsonl_field, "train_files", workdir)
         source = "config.data.train_files"
     else:
         docs = _stdlib_documents()
         source = "the default corpus (config.data.train_files is empty)"
     if data.eval_files:
-        return _pack(docs), held_out_tokens(data)
+        return _pack(docs), held_out_tokens(data, workdir)
     train = [d for d in docs if not _held_out(d[0], data.eval_fraction)]
     held = [d for d in docs if _held_out(d[0], data.eval_fraction)]
     if not train or not held:
@@ -236,13 +250,13 @@ def load_corpus(data) -> tuple[np.ndarray, np.ndarray]:
     return _pack(train), _pack(held)
 
 
-def files_in_both(data) -> list[str]:
+def files_in_both(data, workdir: str | None = None) -> list[str]:
     """Real paths of the files that config.data.train_files and eval_files both match (a held-out
     loss measured on text the run trains on); [] without eval_files."""
     if not data.train_files or not data.eval_files:
         return []
-    train = {os.path.realpath(path) for _, path in _matched_files(data.train_files, "train_files")}
-    held = {os.path.realpath(path) for _, path in _matched_files(data.eval_files, "eval_files")}
+    train = {os.path.realpath(path) for _, path in _matched_files(data.train_files, "train_files", workdir)}
+    held = {os.path.realpath(path) for _, path in _matched_files(data.eval_files, "eval_files", workdir)}
     return sorted(train & held)
 
 
@@ -252,12 +266,13 @@ def fingerprint(tokens: np.ndarray) -> dict:
     return {"tokens": len(tokens), "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()[:16]}
 
 
-def held_out_tokens(data) -> np.ndarray:
-    """The held-out token stream alone; with config.data.eval_files only those files are read."""
+def held_out_tokens(data, workdir: str | None = None) -> np.ndarray:
+    """The held-out token stream alone; with config.data.eval_files only those files are read (none
+    inside the run's `workdir`)."""
     if data.eval_files:
         check(data)
-        return _pack(_file_documents(data.eval_files, data.jsonl_field, "eval_files"))
-    return load_corpus(data)[1]
+        return _pack(_file_documents(data.eval_files, data.jsonl_field, "eval_files", workdir))
+    return load_corpus(data, workdir)[1]
 
 
 class PackedWindows:

@@ -46,11 +46,11 @@ def compiled_eval_step(s: trainer.Setup):
     return eval_step
 
 
-def held_out_batches(s: trainer.Setup) -> tuple[data.BatchStream, dict]:
-    """(held-out batches, their tokens' fingerprint) of s.config.data, read from the files now:
-    UserError where they are missing or too short, before anything compiles."""
+def held_out_batches(s: trainer.Setup, workdir: str | None = None) -> tuple[data.BatchStream, dict]:
+    """(held-out batches, their tokens' fingerprint) of s.config.data, read from the files now (none
+    inside the run's `workdir`, as in training): UserError where they are missing or too short."""
     c = s.config
-    eval_tokens = data.held_out_tokens(c.data)
+    eval_tokens = data.held_out_tokens(c.data, workdir)
     rows = data.process_rows(s.batch_sharding, c.batch_size)
     return data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows), data.fingerprint(eval_tokens)
 
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
         if not args.plot_only:
             step, meta, s = restore.load_setup(args.workdir, overrides, args.step)
             # The data files first: one that is gone or too short is found before the compile and the read.
-            eval_ds, held_out = held_out_batches(s)
+            eval_ds, held_out = held_out_batches(s, args.workdir)
             if not any(key.startswith("data.") for key in overrides):  # not other data asked for
                 note_held_out_change(meta.get("corpus", {}), held_out, step)
             eval_step = compiled_eval_step(s)

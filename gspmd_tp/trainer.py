@@ -368,12 +368,12 @@ def _checked_setup(config, workdir: str) -> Setup:
     return setup(config)
 
 
-def _read_inputs(s: Setup, resuming: bool):
+def _read_inputs(s: Setup, resuming: bool, workdir: str):
     """(corpus fingerprints, train dataset, eval dataset, imported parameters or None, the sha256
     of the imported parameters or ""): what the run reads from files, on every process (the digest
     in a multi-process job only)."""
     c = s.config
-    shared = data.files_in_both(c.data)
+    shared = data.files_in_both(c.data, workdir)
     if shared:
         overlap = (
             f"config.data.eval_files and train_files both match {_plural_files(shared)}: the held-out loss "
@@ -383,7 +383,7 @@ def _read_inputs(s: Setup, resuming: bool):
             raise UserError(f"{overlap}; take them out of one of the two")
         # A run that began so cannot change eval_files (another run) and must stay resumable.
         log(f"warning: {overlap}")
-    train_tokens, eval_tokens = data.load_corpus(c.data)
+    train_tokens, eval_tokens = data.load_corpus(c.data, workdir)  # not the run's own files
     corpus = {"train": data.fingerprint(train_tokens), "held_out": data.fingerprint(eval_tokens)}
     rows = data.process_rows(s.batch_sharding, c.batch_size)
     train_ds = data.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, rows)
@@ -459,7 +459,9 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
     )
 
     # A file one host lacks or reads otherwise stops every process (one line each), not that one alone.
-    corpus, train_ds, eval_ds, imported, init_digest = distributed.agreed(_read_inputs, s, bool(found))
+    corpus, train_ds, eval_ds, imported, init_digest = distributed.agreed(
+        _read_inputs, s, bool(found), workdir
+    )
     _check_same_inputs(corpus, c.init_from, init_digest)
     if eval_batch_count(s, eval_ds) < c.eval_batches:
         log(

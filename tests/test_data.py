@@ -239,6 +239,32 @@ def test_load_corpus_errors(tmp_path, files, key, pattern, message):
         data.load_corpus(cfg)
 
 
+def test_files_inside_the_runs_workdir_are_no_data(tmp_path):
+    # A glob like **/*.jsonl took the run's own metrics.jsonl from its second start on: "no such field".
+    write(tmp_path / "data" / "a.jsonl", '{"text": "a"}\n')
+    write(tmp_path / "eval.txt", "e")
+    write(tmp_path / "runs" / "x" / "metrics.jsonl", '{"step": 2, "loss": 5.0}\n')
+    cfg = data_config(train_files=str(tmp_path / "**" / "*.jsonl"), eval_files=str(tmp_path / "eval.txt"))
+    train, _ = data.load_corpus(cfg, workdir=str(tmp_path / "runs" / "x"))
+    assert documents(train) == [b"a"]
+    cfg.train_files = str(tmp_path / "runs" / "**" / "*.jsonl")
+    with pytest.raises(UserError, match=r"train_files: no file matches '.*' outside the run's .*/runs/x$"):
+        data.load_corpus(cfg, workdir=str(tmp_path / "runs" / "x"))
+
+
+def test_a_run_whose_glob_matches_its_own_metrics_starts_again(tmp_path, monkeypatch):
+    from gspmd_tp import trainer
+
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "data" / "a.jsonl", "".join(f'{{"text": "{"x" * 300}"}}\n' for _ in range(10)))
+    write(tmp_path / "eval.txt", "e" * 300)
+    # What a start that was stopped before its first checkpoint leaves behind.
+    write(tmp_path / "runs" / "x" / "metrics.jsonl", '{"step": 1, "loss": 5.0}\n')
+    cfg = small_config(steps=1)
+    cfg.data.train_files, cfg.data.eval_files = "**/*.jsonl", "eval.txt"
+    assert trainer.train(cfg, "runs/x")["step"] == 1
+
+
 def test_a_glob_from_the_home_directory(tmp_path, monkeypatch):
     # bash leaves ~ in --config.data.train_files=~/... as it is; it was made absolute under the cwd.
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
