@@ -260,6 +260,16 @@ def files_in_both(data, workdir: str | None = None) -> list[str]:
     return sorted(train & held)
 
 
+def files_matched_twice(data, workdir: str | None = None) -> list[str]:
+    """Real paths of the files that config.data.train_files' globs match more than once (read, and
+    trained on, as many times: `data/*.txt,data/**/*.txt` matches data/a.txt twice, since ** also
+    matches no directory)."""
+    if not data.train_files:
+        return []
+    paths = [os.path.realpath(path) for _, path in _matched_files(data.train_files, "train_files", workdir)]
+    return sorted({path for path in paths if paths.count(path) > 1})
+
+
 def fingerprint(tokens: np.ndarray) -> dict:
     """{"tokens": count, "sha256": 16 hex digits of their bytes}: a token stream's identity, saved
     with checkpoints so that a resume sees files changed in place."""

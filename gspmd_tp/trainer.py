@@ -383,6 +383,13 @@ def _read_inputs(s: Setup, resuming: bool, workdir: str):
             raise UserError(f"{overlap}; take them out of one of the two")
         # A run that began so cannot change eval_files (another run) and must stay resumable.
         log(f"warning: {overlap}")
+    twice = data.files_matched_twice(c.data, workdir)
+    if twice and not resuming:  # on purpose, it weights them; by mistake, a resume need not repeat it
+        files = f"{len(twice)} files" if len(twice) > 1 else "1 file"
+        log(
+            f"note: config.data.train_files matches {files} more than once ({twice[0]}"
+            f"{', ...' if len(twice) > 1 else ''}): each is read, and trained on, once per match"
+        )
     train_tokens, eval_tokens = data.load_corpus(c.data, workdir)  # not the run's own files
     corpus = {"train": data.fingerprint(train_tokens), "held_out": data.fingerprint(eval_tokens)}
     rows = data.process_rows(s.batch_sharding, c.batch_size)

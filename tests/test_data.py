@@ -343,6 +343,19 @@ def test_files_in_both_train_and_eval_files(tmp_path):
     assert data.files_in_both(data_config(eval_files=str(tmp_path / "c.txt"))) == []  # the default corpus
 
 
+def test_files_matched_twice_by_the_training_globs(tmp_path):
+    write(tmp_path / "data" / "a.txt", "a")
+    write(tmp_path / "data" / "sub" / "b.txt", "b")
+    (tmp_path / "data" / "link.txt").symlink_to(tmp_path / "data" / "sub" / "b.txt")
+    cfg = data_config(train_files=str(tmp_path / "data" / "**" / "*.txt"))
+    assert data.files_matched_twice(cfg) == [str(tmp_path / "data" / "sub" / "b.txt")]  # and by its link
+    cfg.train_files = f"{tmp_path}/data/a.txt,{tmp_path}/data/sub/*.txt"
+    assert data.files_matched_twice(cfg) == []
+    cfg.train_files = f"{tmp_path}/data/*.txt,{tmp_path}/data/**/*.txt"  # ** matches no directory too
+    assert data.files_matched_twice(cfg) == [str(tmp_path / "data" / name) for name in ("a.txt", "sub/b.txt")]
+    assert data.files_matched_twice(data_config()) == []  # the default corpus
+
+
 def test_a_fresh_run_whose_eval_files_are_training_files_is_refused(tmp_path):
     from gspmd_tp import trainer
 
