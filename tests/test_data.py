@@ -252,17 +252,16 @@ def test_files_inside_the_runs_workdir_are_no_data(tmp_path):
         data.load_corpus(cfg, workdir=str(tmp_path / "runs" / "x"))
 
 
-def test_a_run_whose_glob_matches_its_own_metrics_starts_again(tmp_path, monkeypatch):
+def test_the_trainer_reads_no_data_from_its_own_workdir(tmp_path):
     from gspmd_tp import trainer
 
-    monkeypatch.chdir(tmp_path)
     write(tmp_path / "data" / "a.jsonl", "".join(f'{{"text": "{"x" * 300}"}}\n' for _ in range(10)))
     write(tmp_path / "eval.txt", "e" * 300)
-    # What a start that was stopped before its first checkpoint leaves behind.
-    write(tmp_path / "runs" / "x" / "metrics.jsonl", '{"step": 1, "loss": 5.0}\n')
-    cfg = small_config(steps=1)
-    cfg.data.train_files, cfg.data.eval_files = "**/*.jsonl", "eval.txt"
-    assert trainer.train(cfg, "runs/x")["step"] == 1
+    write(tmp_path / "runs" / "x" / "metrics.jsonl", '{"step": 2, "loss": 5.0}\n')  # as a first start leaves
+    cfg = small_config()
+    cfg.data.train_files, cfg.data.eval_files = str(tmp_path / "**" / "*.jsonl"), str(tmp_path / "eval.txt")
+    corpus = trainer._read_inputs(trainer.setup(cfg), True, str(tmp_path / "runs" / "x"))[0]
+    assert corpus["train"]["tokens"] == 10 * 301
 
 
 def test_a_glob_from_the_home_directory(tmp_path, monkeypatch):
