@@ -11,6 +11,25 @@ class UserError(ValueError):
     """A one-line, user-fixable error. Entry points print it to stderr and exit non-zero."""
 
 
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+
+
+def interrupted() -> int:
+    """One line on stderr for a reader command (evaluate, generate) stopped by Ctrl-C, in place of
+    KeyboardInterrupt's traceback; returns INTERRUPTED. Such a command writes nothing in the workdir."""
+    print("stopped by Ctrl-C (nothing in the workdir was written)", file=sys.stderr, flush=True)
+    return INTERRUPTED
+
+
+def exit_from_main(code: int) -> None:
+    """sys.exit(code), but at once after Ctrl-C: a normal exit while XLA's compiler threads still run
+    can end in a segfault."""
+    if code == INTERRUPTED:
+        sys.stdout.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage mistakes (an unknown flag, --step=abc) are one line on stderr and exit
     1, as every other user error, instead of the usage block and exit 2."""

@@ -28,7 +28,7 @@ import jax
 from gspmd_tp import data, outputs, restore, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
-from gspmd_tp.errors import ArgumentParser, UserError, warn
+from gspmd_tp.errors import ArgumentParser, UserError, exit_from_main, interrupted, warn
 from gspmd_tp.mesh import mesh_string
 
 # data.py's tokens are bytes: each target is one byte of the packed corpus (the separator is the
@@ -210,6 +210,8 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return interrupted()
     if jax.process_index() == 0:
         if result is not None:
             print(json.dumps(result) if args.json else _report(result, args.workdir))
@@ -219,4 +221,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_from_main(main())

@@ -33,7 +33,7 @@ import numpy as np
 
 from gspmd_tp import axes, data, restore, trainer
 from gspmd_tp import state as state_lib
-from gspmd_tp.errors import ArgumentParser, UserError
+from gspmd_tp.errors import ArgumentParser, UserError, exit_from_main, interrupted
 from gspmd_tp.mesh import mesh_string
 from gspmd_tp.model import Decoding, Transformer
 from gspmd_tp.rules import axes_of, check_divisible
@@ -335,6 +335,8 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return interrupted()
     if jax.process_index() == 0:
         for i, (prompt, tokens) in enumerate(zip(prompts, new, strict=True)):
             if len(prompts) > 1:
@@ -344,4 +346,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_from_main(main())

@@ -221,3 +221,13 @@ def test_a_last_metrics_line_cut_short_by_a_kill_is_left_out(tmp_path, capsys):
     )
     with pytest.raises(UserError, match=r"metrics\.jsonl:2: not a JSON object$"):  # not the last line
         evaluate.read_metrics(str(tmp_path))
+
+
+def test_ctrl_c_is_one_line_and_status_130(trained_workdir, monkeypatch, capsys):
+    # Was KeyboardInterrupt's traceback from inside jax.
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(restore, "params_for", interrupted)
+    assert evaluate.main(["--workdir", str(trained_workdir)]) == 130
+    assert capsys.readouterr().err == "stopped by Ctrl-C (nothing in the workdir was written)\n"

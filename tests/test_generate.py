@@ -337,3 +337,13 @@ def test_the_training_batch_size_does_not_limit_the_meshes_generate_reads_on(
     argv = ["--workdir", str(run), "--prompt=def ", "--max_new_tokens=3", "--config.mesh=dp=8,mp=1"]
     assert generate.main(argv) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.startswith("def ")
+
+
+def test_ctrl_c_is_one_line_and_status_130(trained_workdir, monkeypatch, capsys):
+    # Was KeyboardInterrupt's traceback from inside jax.
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "sampler_for", interrupted)  # while compiling
+    assert generate.main(["--workdir", str(trained_workdir), "--prompt=x"]) == 130
+    assert capsys.readouterr().err == "stopped by Ctrl-C (nothing in the workdir was written)\n"
