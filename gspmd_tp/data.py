@@ -209,7 +209,11 @@ def _pack(docs: list[tuple[str, bytes]]) -> np.ndarray:
 
 
 def check(data) -> None:
-    """Checks config.data's held-out split keys; raises UserError naming the key."""
+    """Checks config.data's file lists and held-out split keys; raises UserError naming the key."""
+    for key in ("train_files", "eval_files"):
+        # Only commas or spaces would otherwise read as empty: the default corpus, or a split of it.
+        if data[key] and not any(p.strip() for p in data[key].split(",")):
+            raise UserError(f"config.data.{key}={data[key]!r} names no file; leave it empty for the default")
     if data.eval_files:
         return  # eval_fraction is not used
     if data.eval_fraction == 0:

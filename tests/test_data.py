@@ -447,6 +447,14 @@ def test_eval_fraction_zero_without_eval_files_is_an_error(tmp_path, monkeypatch
     data.check(data_config(eval_fraction=0.0, eval_files="eval.txt"))  # not used with eval_files
 
 
+@pytest.mark.parametrize("key, given", [("train_files", ",,"), ("train_files", " "), ("eval_files", ", ,")])
+def test_a_file_list_of_only_commas_or_spaces_is_an_error(key, given):
+    """It read as empty: the default corpus, or a held-out split of the training files, without a word."""
+    with pytest.raises(UserError, match=rf"^config\.data\.{key}='{given}' names no file; leave it empty"):
+        data.check(data_config(**{key: given}))
+    data.check(data_config(**{key: ""}))
+
+
 # --- windows -------------------------------------------------------------------------------------
 
 
