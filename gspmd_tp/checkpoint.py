@@ -402,6 +402,8 @@ def _locate(path: str, step: int | None) -> tuple[str, int | None]:
     """(checkpoints dir, step or None for the newest) for a workdir, its checkpoints dir or one step dir."""
     path = os.path.abspath(path)
     name = os.path.basename(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{path} is a file, not a run's directory, its checkpoints or one of their steps")
     if name.isdigit() and os.path.isdir(path) and not steps_on_disk(path):
         if step is not None and step != int(name):
             raise UserError(

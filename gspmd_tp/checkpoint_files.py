@@ -102,6 +102,8 @@ def check_workdir_given(workdir: str, flag: str = "--workdir") -> None:
     own checkpoints, metrics and lock inside the other run's, and a reader would find nothing."""
     path = os.path.abspath(workdir)
     parent = os.path.dirname(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag}={workdir} is a file, not a run's directory")
     if _is_step_dir(path):
         run = os.path.dirname(parent)
         raise UserError(

@@ -305,3 +305,18 @@ def test_a_run_directory_named_by_a_number_is_a_workdir(tmp_path):
         checkpoint_files.check_workdir_given(str(run / "checkpoints"))
     with pytest.raises(checkpoint_files.UserError, match="is step 2 of the checkpoints of "):
         checkpoint_files.check_workdir_given(str(run / "checkpoints" / "2"))
+
+
+def test_a_file_given_as_workdir_is_named_a_file(tmp_path):
+    """evaluate, generate and to-hf said 'no checkpoint found (looked in FILE/checkpoints)', and
+    the checkpoint tool the same, for a --workdir that is a file."""
+    from gspmd_tp import checkpoint, checkpoint_files
+
+    path = tmp_path / "notes.txt"
+    path.write_text("x")
+    with pytest.raises(
+        checkpoint_files.UserError, match=rf"^--workdir={path} is a file, not a run's directory$"
+    ):
+        checkpoint_files.check_workdir_given(str(path))
+    with pytest.raises(checkpoint_files.UserError, match=rf"^{path} is a file, not a run's directory, its "):
+        checkpoint.info(str(path))
