@@ -47,9 +47,11 @@ def main(argv):
     host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported
     from gspmd_tp import benchmark, outputs
 
-    rules = _RULES.value.split(",") if _RULES.value else [config.rules]
+    rules = [r.strip() for r in _RULES.value.split(",")] if _RULES.value else [config.rules]
     meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
     try:
+        if not all(rules):  # as plan's --compare: "a, b" is two names, "a,,b" a mistake
+            raise UserError(f"--rules={_RULES.value}: an empty rule file name (comma-separated names)")
         # Probed by writing: the file write, or the profiler, must not fail only after every rule
         # file x mesh has been timed.
         if _JSON_OUT.value:

@@ -238,6 +238,24 @@ def test_a_rule_file_or_mesh_given_twice_is_an_error_before_anything_is_measured
         benchmark.run(small_config(), rules, meshes, 1, 0)
 
 
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ("megatron_1d, nosuch", "rule file 'nosuch' not found (shipped rule files: dp, "),
+        ("megatron_1d,,dp", "--rules=megatron_1d,,dp: an empty rule file name (comma-separated names)"),
+    ],
+)
+def test_cli_rules_are_read_as_plan_reads_them(given, message):
+    """A space after a comma was part of the next name (`rule file ' megatron_1d' not found`),
+    where plan --compare strips it."""
+    run = subprocess.run(
+        [sys.executable, "bench.py", "--config=configs/bench_cpu.py", f"--rules={given}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1].startswith(f"error: {message}")
+
+
 def test_cli_unwritable_json_out_is_one_line_error_before_any_work(tmp_path):
     blocker = tmp_path / "results"
     blocker.write_text("a file where the report's directory would go")
