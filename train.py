@@ -59,7 +59,7 @@ def main(argv):
         # Another process stopped so before training began: this one stops too, at once, instead of
         # waiting for it in a collective until the heartbeat timeout.
         handshake.follow_stops(_peer_stopped)
-        train(config, _WORKDIR.value)
+        train(config, os.path.expanduser(_WORKDIR.value))  # bash leaves `--workdir=~/runs/x` as it is
         # What is left is the exit, which in a multi-process job waits at jax.distributed's
         # shutdown barrier for the slowest peer.
         global _OUTSIDE_THE_LOOP

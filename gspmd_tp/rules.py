@@ -92,7 +92,8 @@ def resolve_path(name_or_path: str) -> Path:
     """A path as given if it exists, else rules/NAME.yaml from the shipped rule files."""
     if not name_or_path.strip():
         raise UserError("config.rules is empty: name a rule file (dp, fsdp, megatron_1d, ...) or its path")
-    path = Path(name_or_path)
+    # ~ as the shell would have expanded it: bash leaves `--config.rules=~/x.yaml` as it is.
+    path = Path(name_or_path).expanduser()
     if path.is_file():
         return path
     if path.is_dir():

@@ -348,8 +348,10 @@ def train(config, workdir: str) -> dict:
     # Saved absolute, so that evaluate, generate and a resume find the files from any directory.
     c.data.train_files = data.absolute_patterns(c.data.train_files)
     c.data.eval_files = data.absolute_patterns(c.data.eval_files)
-    if os.path.isfile(c.rules):  # a rule file of the user's, not a shipped name: found from anywhere
-        c.rules = os.path.abspath(c.rules)
+    if os.path.isfile(os.path.expanduser(c.rules)):  # a rule file of the user's: found from anywhere
+        c.rules = os.path.abspath(os.path.expanduser(c.rules))
+    # ~ as the shell would have expanded it: bash leaves `--config.init_from=~/p.npz` as it is.
+    c.init_from = os.path.expanduser(c.init_from)
     with outputs.workdir_lock(workdir, log):  # one job at a time on a workdir
         return _train(s, workdir, checkpoint_dir)
 

@@ -320,3 +320,30 @@ def test_a_file_given_as_workdir_is_named_a_file(tmp_path):
         checkpoint_files.check_workdir_given(str(path))
     with pytest.raises(checkpoint_files.UserError, match=rf"^{path} is a file, not a run's directory, its "):
         checkpoint.info(str(path))
+
+
+def test_a_tilde_in_the_workdir_rule_file_and_init_from_is_the_home_directory(tmp_path):
+    """bash leaves `--workdir=~/x` and `--config.rules=~/r.yaml` as they are (the word is no
+    assignment): train.py made a directory named ~ in the working directory, and found no rule file."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("x")
+    (home / "mine.yaml").write_text((ROOT / "rules" / "megatron_1d.yaml").read_text())
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    train = [sys.executable, str(ROOT / "train.py"), "--config=" + str(ROOT / "configs" / "tiny.py"), *SMALL]
+    runs = [
+        (["--workdir=~/notes.txt"], f"error: --workdir={home}/notes.txt is a file, not a run's directory"),
+        (
+            [f"--workdir={tmp_path / 'run'}", "--config.rules=~/mine.yaml", "--config.init_from=~/p.npz"],
+            f"error: config.init_from: no file {home}/p.npz",  # read once the rule file was
+        ),
+    ]
+    for args, message in runs:
+        result = subprocess.run(
+            [*train, "--config.steps=1", *args],
+            cwd=cwd, env=child_env(HOME=str(home)), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 1, result.stderr[-2000:]
+        assert result.stderr.strip().splitlines()[-1] == message
+    assert os.listdir(cwd) == [] and not (tmp_path / "run").exists()
