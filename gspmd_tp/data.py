@@ -7,6 +7,7 @@ the held-out split by a hash of their name, so the split does not depend on file
 
 from __future__ import annotations
 
+import collections
 import glob
 import hashlib
 import json
@@ -270,8 +271,10 @@ def files_matched_twice(data, workdir: str | None = None) -> list[str]:
     matches no directory)."""
     if not data.train_files:
         return []
-    paths = [os.path.realpath(path) for _, path in _matched_files(data.train_files, "train_files", workdir)]
-    return sorted({path for path in paths if paths.count(path) > 1})
+    counts = collections.Counter(
+        os.path.realpath(path) for _, path in _matched_files(data.train_files, "train_files", workdir)
+    )
+    return sorted(path for path, n in counts.items() if n > 1)
 
 
 def fingerprint(tokens: np.ndarray) -> dict:
