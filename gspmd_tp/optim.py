@@ -7,10 +7,13 @@ import math
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from gspmd_tp.config_keys import laid_over
 from gspmd_tp.errors import UserError
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)  # the optimizer's rates and factors are float32 on the devices
 
 
 def _decays(path) -> bool:
@@ -30,6 +33,11 @@ def check(optim) -> None:
         if not 0 <= optim[key] < math.inf:  # nan and inf too: the first step would be non-finite
             finite = "" if math.isfinite(optim[key]) else " and finite"
             raise UserError(f"config.optim.{key} must be 0 or more{finite}, got {optim[key]}")
+        if optim[key] > _FLOAT32_MAX:  # inf on the devices: the first update would be NaN or Inf
+            raise UserError(
+                f"config.optim.{key}={optim[key]} is beyond float32's range ({_FLOAT32_MAX:.4g}), "
+                "in which the optimizer computes"
+            )
     if not 0 <= optim.min_lr_ratio <= 1:
         raise UserError(f"config.optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
     for key in ("b1", "b2"):

@@ -636,14 +636,14 @@ def test_skip_nonfinite_steps_keeps_the_old_state(tmp_path):
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["4"]
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # lr=1e39 in float32
 @pytest.mark.parametrize("skip", [False, True], ids=["stop", "skip"])
 def test_parameters_a_finite_step_overflowed_are_never_saved(tmp_path, skip):
-    """A rate beyond float32's range: step 3's loss and gradient are finite, its update is not. Its
-    checkpoint would be the newest, the one a resume picks, NaN from there on."""
+    """A rate near the top of float32's range times a large decay: step 3's loss and gradient are
+    finite, its update is not. Its checkpoint would be the newest, the one a resume picks, NaN from
+    there on."""
     workdir = tmp_path / "run"
     trainer.train(small_config(steps=2, checkpoint_every=1), str(workdir))
-    overflow = {**EXPLODE, "optim.lr": 1e39, "checkpoint_every": 1}
+    overflow = {**EXPLODE, "optim.lr": 3e38, "optim.weight_decay": 1e3, "checkpoint_every": 1}
     message = (
         r"non-finite parameters or optimizer state at step 3: an update since step 2 made them NaN or Inf "
         r"from a finite loss and gradient; stopped without saving \(the newest checkpoint is step 2\)"

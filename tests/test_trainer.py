@@ -90,6 +90,9 @@ def test_norm_scales_get_no_weight_decay():
         ("weight_decay", float("nan"), "config.optim.weight_decay must be 0 or more and finite, got nan"),
         ("eps", float("nan"), "config.optim.eps must be 0 or more and finite, got nan"),
         ("clip_norm", float("nan"), "config.optim.clip_norm must be 0 or more and finite, got nan"),
+        # Finite in Python, inf once float32 on the devices: the first update would overflow.
+        ("lr", 1e39, r"config.optim.lr=1e\+39 is beyond float32's range \(3\.403e\+38\), in which the opt"),
+        ("weight_decay", 4e38, r"config.optim.weight_decay=4e\+38 is beyond float32's range"),
     ],
 )
 def test_bad_optimizer_values_are_named(key, value, message):
