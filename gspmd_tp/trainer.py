@@ -282,6 +282,8 @@ def _initial_state(s: Setup, found: list, mngr, imported_params, damaged: dict):
         start, meta, state, data_state = checkpoint.restore_newest(
             mngr, found, s.abstract_state, warn=log, damaged=damaged
         )
+        older = sorted((step for step, _ in found if step < start), reverse=True)
+        faults.check_resumed(start, state, str(mngr.directory), older)
         log(f"resumed from step {start} (saved on mesh {meta['mesh']} with rules {meta['rules']['source']})")
         return state, data_state, start
     state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, c.seq_len, c.seed)

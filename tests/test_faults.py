@@ -655,6 +655,30 @@ def test_parameters_a_finite_step_overflowed_are_never_saved(tmp_path, skip):
     assert all(np.isfinite(saved[k]).all() for k in saved.files)
 
 
+def test_a_non_finite_checkpoint_is_not_resumed(tmp_path, monkeypatch):
+    """A NaN state saved before saves were checked (check_state off, as in earlier versions) is the
+    newest checkpoint: a resume names it and the older ones, and moves nothing."""
+    workdir = tmp_path / "run"
+    trainer.train(small_config(steps=2, checkpoint_every=1), str(workdir))
+    monkeypatch.setattr(faults.NonFiniteWatch, "check_state", lambda *args: None)
+    overflow = {**EXPLODE, "optim.lr": 3e38, "optim.weight_decay": 1e3, "checkpoint_every": 1}
+    with pytest.raises(UserError, match="non-finite"):  # step 4's loss; step 3 was saved NaN
+        trainer.train(small_config(steps=4, **overflow), str(workdir))
+    monkeypatch.undo()
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2", "3"]
+    ckpt_dir = workdir / "checkpoints"
+    message = (
+        rf"checkpoint step 3 in {ckpt_dir} holds NaN or Inf parameters or optimizer state; every step "
+        rf"resumed from it would be NaN: move {ckpt_dir}/3 out of {ckpt_dir} to resume from step 2, with a "
+        r"lower config.optim.lr"
+    )
+    with pytest.raises(UserError, match=message):
+        trainer.train(small_config(steps=6, checkpoint_every=1), str(workdir))
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2", "3"]
+    shutil.move(ckpt_dir / "3", tmp_path / "3")
+    assert trainer.train(small_config(steps=3, checkpoint_every=1), str(workdir))["step"] == 3
+
+
 def _export(workdir, step):
     out = str(workdir / f"params_{step}.npz")
     checkpoint.export_params(str(workdir), out, step)
