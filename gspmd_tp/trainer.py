@@ -604,14 +604,11 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
                     stopping = stop.requested()
                     if step % c.checkpoint_every == 0 or done or stopping:
                         watch.check(last_saved)  # never save a state that went through a non-finite step
+                        since = last_saved if last_saved is not None else start  # the last save or the start
                         if not stopping:  # skipping: an interval that moved nothing is not saved
-                            watch.check_diverged(
-                                step, last_saved if last_saved is not None else start, last_saved
-                            )
+                            watch.check_diverged(step, since, last_saved)
                         # An update may overflow the state from a finite loss: never saved.
-                        watch.check_state(
-                            step, state, last_saved if last_saved is not None else start, last_saved
-                        )
+                        watch.check_state(step, state, since, last_saved)
                         meta = {**s.meta(), "skipped_steps": watch.skipped, "eval_pending": step == eval_cut}
                         meta["corpus"] = corpus
                         checkpoint.save(mngr, step, state, batches.get_state(), meta)
