@@ -45,7 +45,7 @@ from gspmd_tp.checkpoint_files import (
     short_error,
     steps_on_disk,
 )
-from gspmd_tp.data import absolute_patterns
+from gspmd_tp.data_files import absolute_patterns
 from gspmd_tp.errors import ArgumentParser, UserError, warn
 from gspmd_tp.model import ModelConfig
 

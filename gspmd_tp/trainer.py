@@ -19,6 +19,7 @@ from gspmd_tp import (
     checkpoint,
     checkpoint_files,
     data,
+    data_files,
     distributed,
     faults,
     metrics,
@@ -348,8 +349,8 @@ def train(config, workdir: str) -> dict:
     distributed.check_same_everywhere(None, s.rules.text)
     workdir = os.path.abspath(workdir)
     # Saved absolute, so that evaluate, generate and a resume find the files from any directory.
-    c.data.train_files = data.absolute_patterns(c.data.train_files)
-    c.data.eval_files = data.absolute_patterns(c.data.eval_files)
+    c.data.train_files = data_files.absolute_patterns(c.data.train_files)
+    c.data.eval_files = data_files.absolute_patterns(c.data.eval_files)
     if os.path.isfile(os.path.expanduser(c.rules)):  # a rule file of the user's: found from anywhere
         c.rules = os.path.abspath(os.path.expanduser(c.rules))
     # ~ as the shell would have expanded it: bash leaves `--config.init_from=~/p.npz` as it is.
@@ -377,7 +378,7 @@ def _read_inputs(s: Setup, resuming: bool, workdir: str):
     of the imported parameters or ""): what the run reads from files, on every process (the digest
     in a multi-process job only)."""
     c = s.config
-    shared = data.files_in_both(c.data, workdir)
+    shared = data_files.files_in_both(c.data, workdir)
     if shared:
         overlap = (
             f"config.data.eval_files and train_files both match {_plural_files(shared)}: the held-out loss "
@@ -387,7 +388,7 @@ def _read_inputs(s: Setup, resuming: bool, workdir: str):
             raise UserError(f"{overlap}; take them out of one of the two")
         # A run that began so cannot change eval_files (another run) and must stay resumable.
         log(f"warning: {overlap}")
-    twice = data.files_matched_twice(c.data, workdir)
+    twice = data_files.files_matched_twice(c.data, workdir)
     if twice and not resuming:  # on purpose, it weights them; by mistake, a resume need not repeat it
         files = f"{len(twice)} files" if len(twice) > 1 else "1 file"
         log(

@@ -80,6 +80,29 @@ def small_config(**overrides):
     return c
 
 
+def documents(tokens) -> list[bytes]:
+    """Splits a packed stream back into its documents (each one ends with the separator)."""
+    from gspmd_tp import data
+
+    assert len(tokens) == 0 or tokens[-1] == data.SEPARATOR
+    return bytes(tokens).split(bytes([data.SEPARATOR]))[:-1]
+
+
+def data_config(**overrides):
+    """config.data of the small test config, with `overrides` applied."""
+    d = small_config().data
+    for key, value in overrides.items():
+        d[key] = value
+    return d
+
+
+def write(path, text: str | bytes):
+    """Writes `text` (as UTF-8) or bytes to `path` (parents created) and returns the path as a string."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
+    return str(path)
+
+
 @pytest.fixture
 def config():
     """A fresh small config per test."""

@@ -1,41 +1,16 @@
-"""The input pipeline: corpus split, user files and their errors, windows, shuffling, sharding."""
+"""The input pipeline: the corpus split, windows, shuffling, iterator state, prefetch, sharding."""
 
-import json
-import os
-import re
-import threading
 import time
 
 import jax
 import numpy as np
 import pytest
-from conftest import small_config
+from conftest import data_config, documents, write
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gspmd_tp import data
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import make_mesh
-
-
-def documents(tokens: np.ndarray) -> list[bytes]:
-    """Splits a packed stream back into its documents (each one ends with the separator)."""
-    assert len(tokens) == 0 or tokens[-1] == data.SEPARATOR
-    return bytes(tokens).split(bytes([data.SEPARATOR]))[:-1]
-
-
-def data_config(**overrides):
-    """config.data of the small test config, with `overrides` applied."""
-    d = small_config().data
-    for key, value in overrides.items():
-        d[key] = value
-    return d
-
-
-def write(path, text: str | bytes):
-    """Writes `text` (as UTF-8) or bytes to `path` (parents created) and returns the path as a string."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
-    return str(path)
 
 
 def windows_tokens(count: int, seq_len: int, seed: int = 0) -> np.ndarray:
@@ -91,22 +66,6 @@ def test_user_files_split_is_disjoint_and_complete(tmp_path):
     np.testing.assert_array_equal(again[1], held)
 
 
-def test_the_split_is_the_same_however_the_path_is_spelled(tmp_path, monkeypatch):
-    for i in range(60):
-        write(tmp_path / "data" / f"doc{i:02d}.txt", f"document {i}")
-    write(
-        tmp_path / "data" / "lines.jsonl",
-        "".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(60)),
-    )
-    monkeypatch.chdir(tmp_path)
-    spellings = ["data/*", "./data/*", f"{tmp_path}/data/*", "data/../data/*"]
-    splits = [data.load_corpus(data_config(train_files=p, eval_fraction=0.2)) for p in spellings]
-    for train, held in splits[1:]:
-        np.testing.assert_array_equal(train, splits[0][0])
-        np.testing.assert_array_equal(held, splits[0][1])
-    assert 0 < len(documents(splits[0][1])) < 120
-
-
 def test_evaluation_reads_only_the_eval_files(tmp_path):
     write(tmp_path / "e.txt", "held out")
     cfg = data_config(train_files=str(tmp_path / "moved_away" / "*.txt"), eval_files=str(tmp_path / "e.txt"))
@@ -114,23 +73,6 @@ def test_evaluation_reads_only_the_eval_files(tmp_path):
 
 
 # --- user files ----------------------------------------------------------------------------------
-
-
-def test_load_corpus_txt_and_jsonl_with_eval_files(tmp_path):
-    write(tmp_path / "txt" / "b.txt", "second\x00 file")  # the NUL is dropped: it is the separator
-    write(tmp_path / "txt" / "a.txt", "first file")
-    lines = [json.dumps({"content": "json one", "other": 1}), "", json.dumps({"content": "déjà vu"})]
-    write(tmp_path / "json" / "deep" / "c.jsonl", "\n".join(lines) + "\n")
-    write(tmp_path / "eval.jsonl", json.dumps({"content": "held out"}) + "\n")
-    cfg = data_config(
-        train_files=f"{tmp_path}/txt/*.txt, {tmp_path}/json/**/*.jsonl",
-        eval_files=str(tmp_path / "eval.jsonl"),
-        jsonl_field="content",
-    )
-    train, held = data.load_corpus(cfg)
-    # Globs are expanded in sorted order; every document is followed by one separator.
-    assert bytes(train) == "first file\0second file\0json one\0déjà vu\0".encode()
-    assert bytes(held) == b"held out\0"
 
 
 def test_eval_files_put_every_training_document_in_training(tmp_path):
@@ -141,236 +83,6 @@ def test_eval_files_put_every_training_document_in_training(tmp_path):
     train, held = data.load_corpus(cfg)
     assert len(documents(train)) == 40  # no hash split when eval_files is given
     assert documents(held) == [b"e"]
-
-
-ERRORS = [  # files to write, the config key, its glob, what the message must say
-    pytest.param(
-        {}, "train_files", "no/*.txt", r"train_files: no file matches '.*no/\*\.txt'", id="no-match"
-    ),
-    pytest.param({"t.txt": "x"}, "eval_files", "no*.txt", r"eval_files: no file matches", id="eval-no-match"),
-    pytest.param(
-        {"d.jsonl": '{"text": "a"}\n{"body": 2}\n'},
-        "train_files",
-        "d.jsonl",
-        r"d\.jsonl:2: .*'text' \(config\.data\.jsonl_field\); no such field$",
-        id="field",
-    ),
-    pytest.param(
-        {"d.jsonl": '{"text": "a"}\n\n[\n'},
-        "train_files",
-        "d.jsonl",
-        r"d\.jsonl:3: .*'text' .*; not valid JSON$",
-        id="bad-json",
-    ),
-    # A value that is not a string would be trained on as its Python str() ("None", "5", "['a']").
-    *[
-        pytest.param(
-            {"d.jsonl": f'{{"text": "a"}}\n{{"text": {value}}}\n'},
-            "train_files",
-            "d.jsonl",
-            rf"d\.jsonl:2: expected a JSON object with a string field 'text' .*; got {re.escape(value)}$",
-            id=f"not-a-string-{kind}",
-        )
-        for kind, value in [("null", "null"), ("number", "5"), ("list", '["a"]'), ("object", '{"b": "c"}')]
-    ],
-    pytest.param(
-        {"d.jsonl": '{"text": "ok"}\n{"text": "caf\xe9"}\n'.encode("latin-1")},
-        "train_files",
-        "d.jsonl",
-        r"d\.jsonl:2: not UTF-8 \(byte 0xe9 at column 14\); re-encode it as UTF-8$",
-        id="jsonl-not-utf8",
-    ),
-    pytest.param(  # was a RecursionError traceback from json.loads
-        {"d.jsonl": '{"text": "a"}\n{"text": "b", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}\n"},
-        "train_files",
-        "d.jsonl",
-        r"d\.jsonl:2: expected a JSON object with a string field 'text' .*; nested too deeply to parse$",
-        id="jsonl-too-deep",
-    ),
-    pytest.param(  # valid JSON, but no UTF-8 text: it was a UnicodeEncodeError traceback
-        {"d.jsonl": '{"text": "a"}\n{"text": "half \\ud83d an emoji"}\n'},
-        "train_files",
-        "d.jsonl",
-        r"d\.jsonl:2: field 'text' holds a lone surrogate \"\\ud83d\" "
-        r"\(half of a UTF-16 pair, no character\); remove it or give its pair$",
-        id="jsonl-lone-surrogate",
-    ),
-    pytest.param(
-        {"d.jsonl": "\n  \n"},
-        "train_files",
-        "*.jsonl",
-        r"train_files: 1 file but no document \(a \.jsonl file holds one per non-blank line\)$",
-        id="blank-jsonl",
-    ),
-    pytest.param(  # was "dir is neither .txt nor .jsonl"
-        {"dir/inner.txt": "x"},
-        "train_files",
-        "dir",
-        r"train_files: .*/dir is a directory; give a glob of its files, e.g. .*/dir/\*\*/\*\.txt$",
-        id="directory",
-    ),
-    pytest.param(  # was "cannot read .../dir.txt: Is a directory"
-        {"dir.txt/inner.md": "x"},
-        "train_files",
-        "*.txt",
-        r"train_files: '.*\*\.txt' matches directories only, no file$",
-        id="directories-only",
-    ),
-    pytest.param(
-        {"d.jsonl": '["a"]\n'},
-        "train_files",
-        "d.jsonl",
-        r"d\.jsonl:1: expected a JSON object.*; not an object$",
-        id="list",
-    ),
-    pytest.param(
-        {"n.md": "# hi"}, "train_files", "*.md", r"n\.md is neither \.txt nor \.jsonl", id="extension"
-    ),
-]
-
-
-@pytest.mark.parametrize("files, key, pattern, message", ERRORS)
-def test_load_corpus_errors(tmp_path, files, key, pattern, message):
-    for name, text in files.items():
-        write(tmp_path / name, text)
-    cfg = data_config(train_files=str(tmp_path / "t.txt") if key == "eval_files" else "")
-    cfg[key] = str(tmp_path / pattern)
-    with pytest.raises(UserError, match=message):
-        data.load_corpus(cfg)
-
-
-def test_files_inside_the_runs_workdir_are_no_data(tmp_path):
-    # A glob like **/*.jsonl took the run's own metrics.jsonl from its second start on: "no such field".
-    write(tmp_path / "data" / "a.jsonl", '{"text": "a"}\n')
-    write(tmp_path / "eval.txt", "e")
-    write(tmp_path / "runs" / "x" / "metrics.jsonl", '{"step": 2, "loss": 5.0}\n')
-    cfg = data_config(train_files=str(tmp_path / "**" / "*.jsonl"), eval_files=str(tmp_path / "eval.txt"))
-    train, _ = data.load_corpus(cfg, workdir=str(tmp_path / "runs" / "x"))
-    assert documents(train) == [b"a"]
-    cfg.train_files = str(tmp_path / "runs" / "**" / "*.jsonl")
-    with pytest.raises(UserError, match=r"train_files: no file matches '.*' outside the run's .*/runs/x$"):
-        data.load_corpus(cfg, workdir=str(tmp_path / "runs" / "x"))
-
-
-def test_the_trainer_reads_no_data_from_its_own_workdir(tmp_path):
-    from gspmd_tp import trainer
-
-    write(tmp_path / "data" / "a.jsonl", "".join(f'{{"text": "{"x" * 300}"}}\n' for _ in range(10)))
-    write(tmp_path / "eval.txt", "e" * 300)
-    write(tmp_path / "runs" / "x" / "metrics.jsonl", '{"step": 2, "loss": 5.0}\n')  # as a first start leaves
-    cfg = small_config()
-    cfg.data.train_files, cfg.data.eval_files = str(tmp_path / "**" / "*.jsonl"), str(tmp_path / "eval.txt")
-    corpus = trainer._read_inputs(trainer.setup(cfg), True, str(tmp_path / "runs" / "x"))[0]
-    assert corpus["train"]["tokens"] == 10 * 301
-
-
-def test_a_glob_from_the_home_directory(tmp_path, monkeypatch):
-    # bash leaves ~ in --config.data.train_files=~/... as it is; it was made absolute under the cwd.
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    write(tmp_path / "home" / "data" / "a.txt", "a")
-    write(tmp_path / "home" / "eval.txt", "e")
-    assert (
-        data.absolute_patterns("~/data/*.txt, x.txt")
-        == f"{tmp_path}/home/data/*.txt,{os.path.abspath('x.txt')}"
-    )
-    train, held = data.load_corpus(data_config(train_files="~/data/*.txt", eval_files="~/eval.txt"))
-    assert documents(train) == [b"a"] and documents(held) == [b"e"]
-
-
-def test_a_recursive_glob_reads_the_files_below_the_directories_it_matches(tmp_path):
-    # `data/**` matches data/ and data/sub/ too: they are walked through, not refused as documents.
-    write(tmp_path / "data" / "a.txt", "a")
-    write(tmp_path / "data" / "sub" / "b.txt", "b")
-    write(tmp_path / "eval.txt", "e")
-    cfg = data_config(train_files=str(tmp_path / "data" / "**"), eval_files=str(tmp_path / "eval.txt"))
-    train, held = data.load_corpus(cfg)
-    assert documents(train) == [b"a", b"b"] and documents(held) == [b"e"]
-
-
-def test_a_broken_symbolic_link_is_named_as_one(tmp_path):
-    (tmp_path / "gone.txt").symlink_to(tmp_path / "moved" / "gone.txt")
-    with pytest.raises(
-        UserError, match=r"gone\.txt is a symbolic link to .*moved/gone\.txt, which is missing$"
-    ):
-        data.load_corpus(data_config(train_files=str(tmp_path / "*.txt")))
-
-
-def test_a_named_pipe_is_refused_not_read_until_someone_writes_it(tmp_path):
-    write(tmp_path / "a.txt", "a")
-    pipe = tmp_path / "pipe.txt"
-    os.mkfifo(pipe)
-    outcome = {}
-
-    def load():
-        try:
-            data.load_corpus(
-                data_config(train_files=str(tmp_path / "*.txt"), eval_files=str(tmp_path / "a.txt"))
-            )
-        except UserError as e:
-            outcome["error"] = str(e)
-
-    reader = threading.Thread(target=load, daemon=True)
-    reader.start()
-    reader.join(timeout=20)
-    if reader.is_alive():  # blocked opening the pipe: let it go (a writer that opens and closes it)
-        os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
-    assert re.search(
-        r"pipe\.txt is not a regular file \(a pipe, socket or device\)$", outcome.get("error", "")
-    )
-
-
-def test_a_file_name_that_is_not_utf8_is_split_by_its_bytes(tmp_path):
-    # Linux names are bytes; Python gives a non-UTF-8 one as a str with surrogates, which the held-out
-    # hash could not encode (a traceback from load_corpus).
-    name = os.fsdecode(b"caf\xe9.txt")
-    for i in range(20):
-        write(tmp_path / f"doc{i}.txt", f"text {i}")
-    write(tmp_path / name, "latin-1 name")
-    train, held = data.load_corpus(data_config(train_files=str(tmp_path / "*.txt"), eval_fraction=0.3))
-    assert b"latin-1 name" in documents(train) + documents(held)
-    assert data._held_out(name, 0.3) == data._held_out(name, 0.3)  # the same split on every run
-
-
-def test_files_in_both_train_and_eval_files(tmp_path):
-    for name in ("a.txt", "b.txt", "c.txt"):
-        write(tmp_path / name, name)
-    (tmp_path / "link.txt").symlink_to(tmp_path / "b.txt")
-    cfg = data_config(train_files=str(tmp_path / "[ab].txt"), eval_files=str(tmp_path / "c.txt"))
-    assert data.files_in_both(cfg) == []
-    cfg.eval_files = f"{tmp_path / 'c.txt'},{tmp_path / 'link.txt'}"  # b.txt by another name
-    assert data.files_in_both(cfg) == [str(tmp_path / "b.txt")]
-    assert data.files_in_both(data_config(eval_files=str(tmp_path / "c.txt"))) == []  # the default corpus
-
-
-def test_files_matched_twice_by_the_training_globs(tmp_path):
-    write(tmp_path / "data" / "a.txt", "a")
-    write(tmp_path / "data" / "sub" / "b.txt", "b")
-    (tmp_path / "data" / "link.txt").symlink_to(tmp_path / "data" / "sub" / "b.txt")
-    cfg = data_config(train_files=str(tmp_path / "data" / "**" / "*.txt"))
-    assert data.files_matched_twice(cfg) == [str(tmp_path / "data" / "sub" / "b.txt")]  # and by its link
-    cfg.train_files = f"{tmp_path}/data/a.txt,{tmp_path}/data/sub/*.txt"
-    assert data.files_matched_twice(cfg) == []
-    cfg.train_files = f"{tmp_path}/data/*.txt,{tmp_path}/data/**/*.txt"  # ** matches no directory too
-    assert data.files_matched_twice(cfg) == [str(tmp_path / "data" / name) for name in ("a.txt", "sub/b.txt")]
-    assert data.files_matched_twice(data_config()) == []  # the default corpus
-
-
-def test_a_fresh_run_whose_eval_files_are_training_files_is_refused(tmp_path):
-    from gspmd_tp import trainer
-
-    write(tmp_path / "train" / "a.txt", "x" * 3000)
-    write(tmp_path / "train" / "b.txt", "y" * 3000)
-    cfg = small_config()
-    cfg.data.train_files = str(tmp_path / "train" / "*.txt")
-    cfg.data.eval_files = str(tmp_path / "train" / "b.txt")
-    workdir = tmp_path / "run"
-    with pytest.raises(
-        UserError,
-        match=r"^config\.data\.eval_files and train_files both match .*train/b\.txt: the held-out loss is "
-        r"measured on text the run trains on; take them out of one of the two$",
-    ):
-        trainer.train(cfg, str(workdir))
-    assert not workdir.exists()  # nothing written
 
 
 def test_corpus_smaller_than_one_batch(tmp_path):
