@@ -78,18 +78,22 @@ def check(data) -> None:
         raise UserError(f"config.data.eval_fraction must be in (0, 1), got {data.eval_fraction}")
 
 
-def load_corpus(data, workdir: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def load_corpus(
+    data, workdir: str | None = None, matches: data_files.Matches | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(train tokens, held-out tokens) as uint8 streams, per config.data; files inside the run's
-    `workdir` are left out."""
+    `workdir` are left out. `matches`: data_files.match(data, workdir) where the caller has it."""
     check(data)
+    if matches is None:
+        matches = data_files.match(data, workdir)
     if data.train_files:
-        docs = data_files.documents(data.train_files, data.jsonl_field, "train_files", workdir)
+        docs = data_files.documents(matches.train, data.jsonl_field, "train_files")
         source = "config.data.train_files"
     else:
         docs = _stdlib_documents()
         source = "the default corpus (config.data.train_files is empty)"
     if data.eval_files:
-        return _pack(docs), held_out_tokens(data, workdir)
+        return _pack(docs), _pack(data_files.documents(matches.eval, data.jsonl_field, "eval_files"))
     train = [d for d in docs if not _held_out(d[0], data.eval_fraction)]
     held = [d for d in docs if _held_out(d[0], data.eval_fraction)]
     if not train or not held:
@@ -117,7 +121,8 @@ def held_out_tokens(data, workdir: str | None = None) -> np.ndarray:
     inside the run's `workdir`)."""
     if data.eval_files:
         check(data)
-        return _pack(data_files.documents(data.eval_files, data.jsonl_field, "eval_files", workdir))
+        matched = data_files.matched_files(data.eval_files, "eval_files", workdir)  # train_files' unwalked
+        return _pack(data_files.documents(matched, data.jsonl_field, "eval_files"))
     return load_corpus(data, workdir)[1]
 
 

@@ -8,6 +8,7 @@ Documents are (name, bytes); data.py splits, packs and batches them.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -88,9 +89,29 @@ def matched_files(patterns: str, what: str, workdir: str | None = None) -> list[
     return found
 
 
-def documents(patterns: str, field: str, what: str, workdir: str | None) -> list[tuple[str, bytes]]:
+@dataclasses.dataclass(frozen=True)
+class Matches:
+    """The (pattern, path) pairs that config.data.train_files and eval_files match ([] for an empty
+    list): each glob walked once per start, by match(), and read by documents(), files_in_both() and
+    files_matched_twice() (a walk of many files costs seconds)."""
+
+    train: list[tuple[str, str]]
+    eval: list[tuple[str, str]]
+
+
+def match(data, workdir: str | None = None) -> Matches:
+    """config.data's train_files and eval_files globs matched, in that order (matched_files)."""
+    return Matches(
+        train=matched_files(data.train_files, "train_files", workdir) if data.train_files else [],
+        eval=matched_files(data.eval_files, "eval_files", workdir) if data.eval_files else [],
+    )
+
+
+def documents(matched: list[tuple[str, str]], field: str, what: str) -> list[tuple[str, bytes]]:
+    """(name, bytes) of the documents in matched_files' (pattern, path) pairs for config.data.`what`:
+    a .txt file is one, a .jsonl file one per non-blank line's `field`."""
     docs, paths = [], []
-    for pattern, path in matched_files(patterns, what, workdir):
+    for pattern, path in matched:
         name = _name_under_pattern(pattern, path)
         try:
             if path.endswith(".jsonl"):
@@ -163,23 +184,16 @@ def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def files_in_both(data, workdir: str | None = None) -> list[str]:
+def files_in_both(matches: Matches) -> list[str]:
     """Real paths of the files that config.data.train_files and eval_files both match (a held-out
     loss measured on text the run trains on); [] without eval_files."""
-    if not data.train_files or not data.eval_files:
-        return []
-    train = {os.path.realpath(path) for _, path in matched_files(data.train_files, "train_files", workdir)}
-    held = {os.path.realpath(path) for _, path in matched_files(data.eval_files, "eval_files", workdir)}
-    return sorted(train & held)
+    held = {os.path.realpath(path) for _, path in matches.eval}
+    return sorted({os.path.realpath(path) for _, path in matches.train} & held)
 
 
-def files_matched_twice(data, workdir: str | None = None) -> list[str]:
+def files_matched_twice(matches: Matches) -> list[str]:
     """Real paths of the files that config.data.train_files' globs match more than once (read, and
     trained on, as many times: `data/*.txt,data/**/*.txt` matches data/a.txt twice, since ** also
     matches no directory)."""
-    if not data.train_files:
-        return []
-    counts = collections.Counter(
-        os.path.realpath(path) for _, path in matched_files(data.train_files, "train_files", workdir)
-    )
+    counts = collections.Counter(os.path.realpath(path) for _, path in matches.train)
     return sorted(path for path, n in counts.items() if n > 1)

@@ -378,7 +378,9 @@ def _read_inputs(s: Setup, resuming: bool, workdir: str):
     of the imported parameters or ""): what the run reads from files, on every process (the digest
     in a multi-process job only)."""
     c = s.config
-    shared = data_files.files_in_both(c.data, workdir)
+    # Each glob walked once, its matches read by the three below (a walk of many files costs seconds).
+    matches = data_files.match(c.data, workdir)  # not the run's own files
+    shared = data_files.files_in_both(matches)
     if shared:
         overlap = (
             f"config.data.eval_files and train_files both match {_plural_files(shared)}: the held-out loss "
@@ -388,14 +390,14 @@ def _read_inputs(s: Setup, resuming: bool, workdir: str):
             raise UserError(f"{overlap}; take them out of one of the two")
         # A run that began so cannot change eval_files (another run) and must stay resumable.
         log(f"warning: {overlap}")
-    twice = data_files.files_matched_twice(c.data, workdir)
+    twice = data_files.files_matched_twice(matches)
     if twice and not resuming:  # on purpose, it weights them; by mistake, a resume need not repeat it
         files = f"{len(twice)} files" if len(twice) > 1 else "1 file"
         log(
             f"note: config.data.train_files matches {files} more than once ({twice[0]}"
             f"{', ...' if len(twice) > 1 else ''}): each is read, and trained on, once per match"
         )
-    train_tokens, eval_tokens = data.load_corpus(c.data, workdir)  # not the run's own files
+    train_tokens, eval_tokens = data.load_corpus(c.data, workdir, matches)
     corpus = {"train": data.fingerprint(train_tokens), "held_out": data.fingerprint(eval_tokens)}
     rows = data.process_rows(s.batch_sharding, c.batch_size)
     train_ds = data.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, rows)

@@ -1,5 +1,7 @@
 """A user's data files: globs matched and checked, .txt and .jsonl files read as documents."""
 
+import collections
+import glob
 import json
 import os
 import re
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import data_config, documents, small_config, write
 
-from gspmd_tp import data, data_files
+from gspmd_tp import data, data_files, evaluate, trainer
 from gspmd_tp.errors import UserError
 
 # --- names and globs: ~, recursive globs, spellings of a path, the run's own workdir -----------
@@ -68,8 +70,6 @@ def test_files_inside_the_runs_workdir_are_no_data(tmp_path):
 
 
 def test_the_trainer_reads_no_data_from_its_own_workdir(tmp_path):
-    from gspmd_tp import trainer
-
     write(tmp_path / "data" / "a.jsonl", "".join(f'{{"text": "{"x" * 300}"}}\n' for _ in range(10)))
     write(tmp_path / "eval.txt", "e" * 300)
     write(tmp_path / "runs" / "x" / "metrics.jsonl", '{"step": 2, "loss": 5.0}\n')  # as a first start leaves
@@ -247,11 +247,11 @@ def test_files_in_both_train_and_eval_files(tmp_path):
         write(tmp_path / name, name)
     (tmp_path / "link.txt").symlink_to(tmp_path / "b.txt")
     cfg = data_config(train_files=str(tmp_path / "[ab].txt"), eval_files=str(tmp_path / "c.txt"))
-    assert data_files.files_in_both(cfg) == []
+    assert data_files.files_in_both(data_files.match(cfg)) == []
     cfg.eval_files = f"{tmp_path / 'c.txt'},{tmp_path / 'link.txt'}"  # b.txt by another name
-    assert data_files.files_in_both(cfg) == [str(tmp_path / "b.txt")]
+    assert data_files.files_in_both(data_files.match(cfg)) == [str(tmp_path / "b.txt")]
     assert (
-        data_files.files_in_both(data_config(eval_files=str(tmp_path / "c.txt"))) == []
+        data_files.files_in_both(data_files.match(data_config(eval_files=str(tmp_path / "c.txt")))) == []
     )  # the default corpus
 
 
@@ -260,21 +260,19 @@ def test_files_matched_twice_by_the_training_globs(tmp_path):
     write(tmp_path / "data" / "sub" / "b.txt", "b")
     (tmp_path / "data" / "link.txt").symlink_to(tmp_path / "data" / "sub" / "b.txt")
     cfg = data_config(train_files=str(tmp_path / "data" / "**" / "*.txt"))
-    assert data_files.files_matched_twice(cfg) == [
+    assert data_files.files_matched_twice(data_files.match(cfg)) == [
         str(tmp_path / "data" / "sub" / "b.txt")
     ]  # and by its link
     cfg.train_files = f"{tmp_path}/data/a.txt,{tmp_path}/data/sub/*.txt"
-    assert data_files.files_matched_twice(cfg) == []
+    assert data_files.files_matched_twice(data_files.match(cfg)) == []
     cfg.train_files = f"{tmp_path}/data/*.txt,{tmp_path}/data/**/*.txt"  # ** matches no directory too
-    assert data_files.files_matched_twice(cfg) == [
+    assert data_files.files_matched_twice(data_files.match(cfg)) == [
         str(tmp_path / "data" / name) for name in ("a.txt", "sub/b.txt")
     ]
-    assert data_files.files_matched_twice(data_config()) == []  # the default corpus
+    assert data_files.files_matched_twice(data_files.match(data_config())) == []  # the default corpus
 
 
 def test_a_fresh_run_whose_eval_files_are_training_files_is_refused(tmp_path):
-    from gspmd_tp import trainer
-
     write(tmp_path / "train" / "a.txt", "x" * 3000)
     write(tmp_path / "train" / "b.txt", "y" * 3000)
     cfg = small_config()
@@ -288,3 +286,59 @@ def test_a_fresh_run_whose_eval_files_are_training_files_is_refused(tmp_path):
     ):
         trainer.train(cfg, str(workdir))
     assert not workdir.exists()  # nothing written
+
+
+# --- each glob walked once per start ------------------------------------------------------------
+
+
+class ReadAll(Exception):
+    """Raised where a trainer start has read its data files, to stop it before compiling."""
+
+
+def counted_globs(monkeypatch) -> collections.Counter:
+    """{pattern: times glob.glob walked it}, from now on."""
+    walked, real = collections.Counter(), glob.glob
+
+    def counting(pattern, *args, **kwargs):
+        walked[pattern] += 1
+        return real(pattern, *args, **kwargs)
+
+    monkeypatch.setattr(glob, "glob", counting)
+    return walked
+
+
+def test_a_training_start_walks_each_glob_once(tmp_path, monkeypatch):
+    # files_in_both, files_matched_twice and load_corpus each walked the training globs (three walks,
+    # and two of the eval globs): seconds per start with tens of thousands of files.
+    for i in range(6):
+        write(tmp_path / "train" / f"{i}.txt", "x" * 400)
+    write(tmp_path / "more" / "m.jsonl", '{"text": "more"}\n')
+    write(tmp_path / "eval" / "e.txt", "e" * 400)
+    train_globs = [str(tmp_path / "train" / "*.txt"), str(tmp_path / "more" / "**" / "*.jsonl")]
+    eval_glob = str(tmp_path / "eval" / "*.txt")
+    cfg = small_config(**{"data.train_files": ",".join(train_globs), "data.eval_files": eval_glob})
+    walked = counted_globs(monkeypatch)
+
+    def stop(corpus, *_):
+        raise ReadAll(corpus)
+
+    monkeypatch.setattr(trainer, "_check_same_inputs", stop)  # called once the inputs are read
+    with pytest.raises(ReadAll) as read:
+        trainer.train(cfg, str(tmp_path / "run"))
+    assert read.value.args[0]["train"]["tokens"] == 6 * 401 + 5  # it read every file
+    assert walked == {train_globs[0]: 1, train_globs[1]: 1, eval_glob: 1}
+
+
+@pytest.mark.parametrize("with_eval_files", [True, False])
+def test_evaluation_walks_each_glob_once(tmp_path, monkeypatch, with_eval_files):
+    for i in range(40):
+        write(tmp_path / "train" / f"{i}.txt", f"document {i} " * 20)
+    write(tmp_path / "eval" / "e.txt", "e" * 400)
+    cfg = small_config(**{"data.train_files": str(tmp_path / "train" / "*.txt"), "data.eval_fraction": 0.5})
+    if with_eval_files:
+        cfg.data.eval_files = str(tmp_path / "eval" / "*.txt")
+    s = trainer.setup(cfg)
+    walked = counted_globs(monkeypatch)
+    evaluate.held_out_batches(s, str(tmp_path / "run"))
+    # With eval_files the training globs are not walked at all (those files may be gone).
+    assert walked == {cfg.data.eval_files if with_eval_files else cfg.data.train_files: 1}
