@@ -85,6 +85,7 @@ def get_config() -> ConfigDict:
     c.data.jsonl_field = "text"
     c.data.seed = 0  # shuffle seed
     # Batches read and placed ahead on a background thread. -1: 2 on accelerators, 0 on CPU, where
-    # reading is cheap and the thread only competes with the step (measured 4% slower on tiny).
+    # reading is cheap and the thread only competes with the step (measured 4% slower on tiny). At most
+    # 1000, and 1 GiB of batches (data.max_prefetch).
     c.data.prefetch = -1
     return c

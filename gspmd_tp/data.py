@@ -204,6 +204,35 @@ class BatchIterator:
         self.next_example = int(state["next_example"])
 
 
+# config.data.prefetch: -1 reads AUTO_PREFETCH batches ahead on accelerators. Read-ahead is bounded as
+# grain bounds its autotuned buffer (prefetch_autotune: min(RAM budget / element size, 1000)): the
+# batches wait placed on the devices, beside the memory the compiled step was checked to fit in.
+AUTO_PREFETCH = 2
+MAX_PREFETCH = 1000
+PREFETCH_BYTES = 1 << 30
+
+
+def max_prefetch(batch_size: int, seq_len: int) -> int:
+    """The most batches config.data.prefetch may read ahead: MAX_PREFETCH, fewer where they and the
+    one being read would hold over PREFETCH_BYTES of int32 tokens, never fewer than AUTO_PREFETCH."""
+    per_batch = batch_size * (seq_len + 1) * np.dtype(np.int32).itemsize
+    return max(AUTO_PREFETCH, min(MAX_PREFETCH, PREFETCH_BYTES // per_batch - 1))
+
+
+def check_prefetch(prefetch: int, batch_size: int, seq_len: int) -> None:
+    """UserError naming config.data.prefetch where it is below -1 or over max_prefetch()."""
+    if prefetch < -1:
+        raise UserError(f"config.data.prefetch must be -1 (auto), 0 or more, got {prefetch}")
+    limit = max_prefetch(batch_size, seq_len)
+    if prefetch > limit:
+        per_batch = batch_size * (seq_len + 1) * np.dtype(np.int32).itemsize
+        raise UserError(
+            f"config.data.prefetch={prefetch} is over its limit of {limit} batches read ahead (at most "
+            f"{MAX_PREFETCH}, and {PREFETCH_BYTES >> 30} GiB with the batch being read; a batch of "
+            f"{batch_size} x {seq_len + 1} int32 tokens is {per_batch:,} bytes); -1 is the default"
+        )
+
+
 class Prefetcher:
     """Reads and places the next batches on a background thread, off the train step's path.
 

@@ -100,8 +100,8 @@ def check_config(config) -> None:
     for key in ("steps", "skip_steps"):
         if config.profile[key] < 0:
             raise UserError(f"config.profile.{key} must be 0 or more, got {config.profile[key]}")
-    if config.data.prefetch < -1:
-        raise UserError(f"config.data.prefetch must be -1 (auto), 0 or more, got {config.data.prefetch}")
+    # Before anything is compiled: a read-ahead without bound fills memory while the run trains.
+    data.check_prefetch(config.data.prefetch, config.batch_size, config.seq_len)
     # Every data source yields byte tokens, whatever the files hold.
     if config.model.vocab_size < data.BYTE_VOCAB:
         raise UserError(f"config.model.vocab_size={config.model.vocab_size} is below the 256 byte tokens")
@@ -541,7 +541,9 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
     last_row: dict = {}
     eval_cut = None  # the step whose evaluation a stop signal cut short
     # `data_wait_ms` is what the loop waits for its next batch, read ahead or not.
-    depth = c.data.prefetch if c.data.prefetch >= 0 else (0 if jax.devices()[0].platform == "cpu" else 2)
+    depth = c.data.prefetch
+    if depth < 0:
+        depth = 0 if jax.devices()[0].platform == "cpu" else data.AUTO_PREFETCH
     batches = None
     window = {"start": time.perf_counter(), "data_wait": []}  # one wait per step dispatched
     trace = _step_trace(s, workdir, start, train_step)

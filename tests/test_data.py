@@ -5,7 +5,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import data_config, documents, write
+from conftest import data_config, documents, small_config, write
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gspmd_tp import data
@@ -287,6 +287,42 @@ def test_prefetcher_raises_the_reading_error_in_the_loop():
     with pytest.raises(UserError, match="disk went away"):
         next(ahead)
     ahead.close()
+
+
+def test_prefetch_is_bounded_as_grain_bounds_its_read_ahead():
+    assert data.max_prefetch(8, 32) == data.MAX_PREFETCH == 1000  # 1,056 bytes a batch
+    # 8 x 131,073 int32 tokens = 4,194,336 bytes: 254 batches ahead and the one being read fill 1 GiB.
+    assert data.max_prefetch(8, 2**17) == 254
+    assert data.max_prefetch(1024, 2**17) == data.AUTO_PREFETCH == 2  # batches of 512 MiB: the default
+    for fine in (-1, 0, 254):
+        data.check_prefetch(fine, 8, 2**17)
+    with pytest.raises(
+        UserError,
+        match=r"^config\.data\.prefetch=255 is over its limit of 254 batches read ahead \(at most 1000, "
+        r"and 1 GiB with the batch being read; a batch of 8 x 131073 int32 tokens is 4,194,336 bytes\); "
+        r"-1 is the default$",
+    ):
+        data.check_prefetch(255, 8, 2**17)
+    with pytest.raises(UserError, match=r"^config\.data\.prefetch must be -1 \(auto\), 0 or more, got -2$"):
+        data.check_prefetch(-2, 8, 32)
+
+
+def test_a_huge_prefetch_is_refused_before_anything_is_compiled_or_written(tmp_path, monkeypatch):
+    # It was accepted, and read ahead without bound: memory filled while the run trained.
+    from gspmd_tp import step as step_lib
+    from gspmd_tp import trainer
+
+    def no_compile(*args):
+        raise AssertionError("compiled")
+
+    monkeypatch.setattr(step_lib, "compile_train_step", no_compile)
+    workdir = tmp_path / "run"
+    with pytest.raises(
+        UserError, match=r"^config\.data\.prefetch=1000000000 is over its limit of 1000 batches read ahead "
+    ) as refused:
+        trainer.train(small_config(**{"data.prefetch": 10**9}), str(workdir))
+    assert "\n" not in str(refused.value)
+    assert not workdir.exists()  # nothing written
 
 
 def test_process_shards_are_disjoint_and_make_the_global_batch():
