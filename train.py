@@ -44,6 +44,10 @@ def main(argv):
     # run at once: one line, no traceback; from the start, while the job's processes join, too.
     _take_stop_signals()
     _count_own_signals()
+    # Another process stopped so, or died, before training began: this one stops too, at once,
+    # instead of waiting for it in a collective until the heartbeat timeout. From the moment the
+    # job's flags agree, before JAX joins the processes (where one may die too).
+    handshake.follow(_peer_stopped, _peer_died)
     try:
         distributed.initialize(
             _COORDINATOR.value,
@@ -56,15 +60,14 @@ def main(argv):
         # Again: jax.distributed.initialize's preemption notifier takes SIGTERM over (and only logs
         # it) in a multi-process job.
         _take_stop_signals()
-        # Another process stopped so before training began: this one stops too, at once, instead of
-        # waiting for it in a collective until the heartbeat timeout.
-        handshake.follow_stops(_peer_stopped)
         train(config, os.path.expanduser(_WORKDIR.value))  # bash leaves `--workdir=~/runs/x` as it is
+        handshake.leave()  # the others do not take this process's exit for a death
         # What is left is the exit, which in a multi-process job waits at jax.distributed's
         # shutdown barrier for the slowest peer.
         global _OUTSIDE_THE_LOOP
         _OUTSIDE_THE_LOOP = "after the run ended; its checkpoints are written"
     except UserError as e:
+        handshake.leave()  # each process says its own (distributed.agreed): no death to report
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C where a library put Python's own handler back
@@ -81,24 +84,30 @@ def main(argv):
                 )
                 sys.exit(1)
             raise
-        # A failed collective in a multi-process job almost always means a peer died. Exit now:
-        # the normal exit path would wait at jax.distributed's shutdown barrier for that peer.
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        print(
-            f"error: process {jax.process_index()}: {type(e).__name__}: {first} "
-            "(another process of the job has probably died)",
-            file=sys.stderr,
-            flush=True,
-        )
-        outputs.remove_created_workdirs()  # what the lock's exit would have done
-        os._exit(1)
+        # A failed collective in a multi-process job almost always means a peer died. Where it died
+        # before training, the thread that follows the peers names it and exits (its line, not this
+        # guess); gloo may see the closed connection a moment before it does.
+        if handshake.a_peer_died(1):
+            time.sleep(15)
+        # Exit now: the normal exit path would wait at jax.distributed's shutdown barrier for that peer.
+        with _STOPPING:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            print(
+                f"error: process {jax.process_index()}: {type(e).__name__}: {first} "
+                "(another process of the job has probably died)",
+                file=sys.stderr,
+                flush=True,
+            )
+            outputs.remove_created_workdirs()  # what the lock's exit would have done
+            os._exit(1)
 
 
 # What a stop outside the training loop means, said in the one line it prints.
 _BEFORE = "before training began; no checkpoint was written"
 _OUTSIDE_THE_LOOP = _BEFORE
-# One stop prints its line and exits: a signal's handler on the main thread, or a peer's stop on
-# the thread that follows them. Reentrant: a second signal may run its handler inside the first's.
+# One stop prints its line and exits: a signal's handler on the main thread, a peer's stop or death
+# on the thread that follows them, or a failed collective. Reentrant: a second signal may run its
+# handler inside the first's.
 _STOPPING = threading.RLock()
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _OWN_SIGNALS = None  # the read end of Python's wakeup fd: a byte per signal, written on delivery
@@ -150,13 +159,27 @@ def _peer_stopped(signum: int, process: int):
     _stopped(own or signal.Signals(signum), None if own else process)
 
 
-def _own_signal() -> signal.Signals | None:
+def _peer_died(process: int):
+    # Taken at once: a collective that failed on the closed connection waits for this line
+    # (handshake.a_peer_died) rather than print its own guess. And no wait for a signal of this
+    # process's own still on its way: where process 0 died, JAX's client aborts this process
+    # (with a stack trace) as soon as it sees the coordination service gone.
+    with _STOPPING:
+        own = _own_signal(waits=(0,))  # a job stopped as a whole: this process's own line
+        if own:
+            _stopped(own)
+        print(f"stopped: process {process} died (killed or crashed) {_BEFORE}", file=sys.stderr, flush=True)
+        outputs.remove_created_workdirs()
+        os._exit(1)
+
+
+def _own_signal(waits=(0, 0.2)) -> signal.Signals | None:
     """A stop signal this process received, its handler run or not, or None. On the thread that
     follows the peers' stops."""
     # A signal sent before the peer's stop may not be delivered yet (the kernel hands it to the
     # main thread, which may be waiting for a core): pending, seen where this thread blocks it.
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    for wait in (0, 0.2):  # and a handler that took it may be writing its byte right now
+    for wait in waits:  # and a handler that took it may be writing its byte right now
         time.sleep(wait)
         try:
             received = os.read(_OWN_SIGNALS, 4096) if _OWN_SIGNALS is not None else b""

@@ -10,7 +10,13 @@ second process joins with an id already taken, aborts every process of the runni
 Then, until the training loop begins, it carries a stop: a process stopped by a signal tells the
 others (through process 0), which would otherwise wait for it in a collective until JAX's
 heartbeat timeout. Not through JAX's coordination service: a call into its client while a peer
-that hosts it exits makes the client abort the process.
+that hosts it exits makes the client abort the process. And it tells a death: a process killed
+(SIGKILL, the OOM killer) or crashed says nothing, but the kernel closes its end of the socket.
+So each process says when it is done with the socket: `training` once its loop began (from then
+on its stops and its end are the loop's, which every process sees), `bye` where it exits on
+purpose (the run's end, or an error it reports itself). An end of file without either is a death:
+process 0 passes it on to the others, and every process stops at once. `training` covers a close
+only once this process's loop began too: a peer cannot end its loop without this one's.
 """
 
 from __future__ import annotations
@@ -26,13 +32,21 @@ _HELLO = b"gspmd_tp job flags: "
 _OK = b"ok"
 _REFUSED = b"error: "
 _READ_S = 5  # for a line from a peer that connected: a stray connection must not stall the join
-_STOP = b"stop "
+_STOP = b"stop "  # `stop SIGNUM PROCESS`: that process was stopped by signal SIGNUM
+_DIED = b"died "  # `died PROCESS`, from process 0: that process's end closed without a word
+_TRAINING = b"training"  # the sender's training loop began
+_BYE = b"bye"  # the sender exits on purpose
 
-# This process's connections once the job's flags agreed (process 0: one per other process), and
-# whether a stop of this process is still to be told (until its training loop begins).
-_peers: list[socket.socket] = []
+# This process's connections once the job's flags agreed (process 0: one per other process, else
+# one to process 0), each with the process at its other end; whether a stop of this process is
+# still to be told (until its training loop begins); whether its loop began; and what follow()
+# was given, for a thread that starts once the flags agreed.
+_peers: dict[socket.socket, int] = {}
 _process_id = 0
 _telling = threading.Event()
+_began = threading.Event()
+_following: tuple | None = None
+_death = threading.Event()  # the thread that follows the peers saw one die
 
 
 def gather(port: int, num_processes: int, address: str) -> None:
@@ -75,7 +89,7 @@ def gather(port: int, num_processes: int, address: str) -> None:
         for conn, _ in came:
             conn.close()
         raise UserError(problem)
-    _keep([conn for conn, _ in came], 0)  # JAX's service binds the port beside them
+    _keep(dict(came), 0)  # JAX's service binds the port beside them
 
 
 def report(host: str, port: int, process_id: int, num_processes: int, address: str) -> None:
@@ -95,7 +109,7 @@ def report(host: str, port: int, process_id: int, num_processes: int, address: s
         except OSError:
             answer = b""
         if answer == _OK:
-            _keep([conn], process_id)
+            _keep({conn: 0}, process_id)
             return
         conn.close()
         if answer.startswith(_REFUSED):
@@ -128,11 +142,14 @@ def ask_the_first_process_0(host: str, port: int, num_processes: int) -> None:
         raise UserError(answer.removeprefix(_REFUSED).decode(errors="replace"))
 
 
-def _keep(conns: list[socket.socket], process_id: int) -> None:
+def _keep(conns: dict[socket.socket, int], process_id: int) -> None:
     global _process_id
-    _peers[:] = conns
+    _peers.clear()
+    _peers.update(conns)
     _process_id = process_id
     _telling.set()
+    if _following is not None:
+        _follow(*_following)
 
 
 def tell_stop(signum: int) -> None:
@@ -145,38 +162,92 @@ def tell_stop(signum: int) -> None:
 
 
 def training_began() -> None:
-    """From now on this process's stops are the training loop's (which every process sees)."""
+    """From now on this process's stops are the training loop's (which every process sees), and
+    so is its end: the others no longer take its socket's close for a death."""
     _telling.clear()
+    _began.set()
+    _send(_peers, _TRAINING + b"\n")
 
 
-def follow_stops(on_stop) -> None:
-    """Calls on_stop(signum, process) on a background thread once another process of the job told
-    its stop (tell_stop); process 0 first passes it on to the others. Nothing in a one-process job."""
-    if not _peers:
-        return
+def leave() -> None:
+    """This process exits on purpose (the run's end, or an error that it reports itself, as every
+    process does an error found by distributed.agreed): the others do not take its socket's close
+    for a death. Nothing in a one-process job."""
+    _send(_peers, _BYE + b"\n")
 
+
+def follow(on_stop, on_death) -> None:
+    """From the moment the job's flags agree (now, where they did), on a background thread: calls
+    on_stop(signum, process) once another process of the job told its stop (tell_stop), or
+    on_death(process) once one died before its training loop began (its end of the socket closed
+    without `training` or `bye`); process 0 first passes either on to the others. Nothing in a
+    one-process job."""
+    global _following
+    _following = (on_stop, on_death)
+    if _peers:
+        _follow(on_stop, on_death)
+
+
+def a_peer_died(seconds: float) -> bool:
+    """Whether the thread that follow() started sees another process of the job die before
+    training, waiting at most `seconds` for it: a collective may fail on the closed connection
+    first, and that thread names the process."""
+    return bool(_following and _peers) and _death.wait(seconds)
+
+
+def _follow(on_stop, on_death) -> threading.Thread:
     def run():
-        waiting = list(_peers)
-        while waiting:
-            ready, _, _ = select.select(waiting, [], [])
+        said: dict[socket.socket, bytes] = {}  # a peer's last word: _TRAINING or _BYE
+        partial = {conn: b"" for conn in _peers}  # what came of a line not yet ended
+        while partial:
+            ready, _, _ = select.select(list(partial), [], [])
             for conn in ready:
                 try:
-                    line = _read_line(conn)
-                except OSError:
-                    line = b""
-                fields = line.removeprefix(_STOP).split() if line.startswith(_STOP) else []
-                if len(fields) == 2 and all(f.isdigit() for f in fields):
-                    others = [c for c in _peers if c is not conn]
-                    _send(others, line + b"\n")
-                    _leave_last(others)
-                    on_stop(int(fields[0]), int(fields[1]))
+                    data = conn.recv(4096)
+                except OSError:  # reset: a peer killed with bytes unread
+                    data = b""
+                if not data:
+                    del partial[conn]
+                    if said.get(conn) == _BYE or (said.get(conn) == _TRAINING and _began.is_set()):
+                        continue  # that process exited its own way
+                    _death.set()
+                    _pass_on(conn, _DIED + f"{_peers[conn]}\n".encode())
+                    on_death(_peers[conn])
                     return
-                waiting.remove(conn)  # closed: that process exited (its own way)
+                *lines, partial[conn] = (partial[conn] + data).split(b"\n")
+                for line in lines:
+                    if line in (_TRAINING, _BYE):
+                        said[conn] = line
+                    elif (stop := _numbers(line, _STOP, 2)) is not None:
+                        _pass_on(conn, line + b"\n")
+                        on_stop(*stop)
+                        return
+                    elif (died := _numbers(line, _DIED, 1)) is not None:
+                        _death.set()
+                        on_death(*died)  # process 0 passes it on: here, the one connection
+                        return
 
-    threading.Thread(target=run, name="peer-stops", daemon=True).start()
+    thread = threading.Thread(target=run, name="peer-stops", daemon=True)
+    thread.start()
+    return thread
 
 
-def _leave_last(conns: list[socket.socket], seconds: float = 10) -> None:
+def _numbers(line: bytes, prefix: bytes, count: int) -> list[int] | None:
+    fields = line.removeprefix(prefix).split() if line.startswith(prefix) else []
+    if len(fields) != count or not all(f.isdigit() for f in fields):
+        return None
+    return [int(f) for f in fields]
+
+
+def _pass_on(source: socket.socket, message: bytes) -> None:
+    """On process 0: tells every other process what `source`'s process told or did, and returns
+    once they closed (_leave_last). Nothing elsewhere: their one connection is `source`."""
+    others = [c for c in _peers if c is not source]
+    _send(others, message)
+    _leave_last(others)
+
+
+def _leave_last(conns, seconds: float = 10) -> None:
     """On process 0, returns once every one of `conns` is closed (those processes exited), or after
     `seconds`: process 0 hosts JAX's coordination service, and a process whose JAX client loses it
     is aborted with a stack trace."""
@@ -192,7 +263,7 @@ def _leave_last(conns: list[socket.socket], seconds: float = 10) -> None:
                 waiting.remove(conn)
 
 
-def _send(conns: list[socket.socket], message: bytes) -> None:
+def _send(conns, message: bytes) -> None:
     for conn in conns:
         try:
             conn.sendall(message)

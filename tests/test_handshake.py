@@ -2,7 +2,9 @@
 for the processes; tests/test_multiprocess.py starts real ones)."""
 
 import socket
+import struct
 import threading
+import time
 
 import pytest
 
@@ -137,8 +139,7 @@ def test_a_second_process_0_is_named_on_both():
 def test_a_stop_right_behind_the_answer_is_not_lost(monkeypatch):
     """Process 0, signalled as the job's flags agreed, sends its stop right behind its answer: the
     answer's read left it for the thread that follows the stops (it took both, and the stop was lost)."""
-    monkeypatch.setattr(handshake, "_peers", [])
-    monkeypatch.setattr(handshake, "_telling", threading.Event())
+    alone(monkeypatch)
     with socket.create_server(("127.0.0.1", 0)) as zero:
         port = zero.getsockname()[1]
 
@@ -152,8 +153,137 @@ def test_a_stop_right_behind_the_answer_is_not_lost(monkeypatch):
         handshake.report("127.0.0.1", port, 1, 2, f"127.0.0.1:{port}")
         told = threading.Event()
         stops = []
-        handshake.follow_stops(lambda signum, process: (stops.append((signum, process)), told.set()))
+        handshake.follow(lambda signum, process: (stops.append((signum, process)), told.set()), print)
         told.wait(10)
         for conn in handshake._peers:
             conn.close()
     assert stops == [(15, 0)]
+
+
+def alone(monkeypatch, peers=None, process_id=0):
+    """This test's own handshake state: `peers` (connection: process id) as _keep leaves them."""
+    monkeypatch.setattr(handshake, "_peers", {})
+    monkeypatch.setattr(handshake, "_telling", threading.Event())
+    monkeypatch.setattr(handshake, "_began", threading.Event())
+    monkeypatch.setattr(handshake, "_death", threading.Event())
+    monkeypatch.setattr(handshake, "_following", None)
+    if peers is not None:
+        handshake._keep(peers, process_id)
+
+
+def fake_peers(monkeypatch, process_id, others):
+    """This process (`process_id`) and a socket pair per process of `others`: {process: its end}."""
+    pairs = {p: socket.socketpair() for p in others}
+    alone(monkeypatch, {mine: p for p, (mine, _) in pairs.items()}, process_id)
+    return {p: theirs for p, (_, theirs) in pairs.items()}
+
+
+def follow():
+    """Follows the fake peers: what they told, once the thread ended (within 10 s)."""
+    heard = []
+    thread = handshake._follow(
+        lambda signum, process: heard.append(("stop", signum, process)),
+        lambda process: heard.append(("died", process)),
+    )
+    return heard, thread
+
+
+def test_a_process_that_closes_without_a_word_died_and_process_0_tells_the_others(monkeypatch):
+    """As a SIGKILL or a crash before training: before, the others waited for it in a collective
+    until the heartbeat timeout."""
+    ends = fake_peers(monkeypatch, 0, [1, 2])
+    heard, thread = follow()
+    ends[1].close()
+    assert ends[2].recv(100) == b"died 1\n"
+    assert thread.is_alive()  # process 0 leaves last: it waits for process 2 to close first
+    ends[2].close()
+    thread.join(10)
+    assert heard == [("died", 1)] and handshake._death.is_set()
+
+
+def test_a_reset_connection_is_a_death_too(monkeypatch):
+    """A process killed with bytes still unread resets its connection instead of closing it."""
+    ends = fake_peers(monkeypatch, 0, [1])
+    heard, thread = follow()
+    handshake._send(handshake._peers, b"something unread\n")
+    ends[1].setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    ends[1].close()
+    thread.join(10)
+    assert heard == [("died", 1)]
+
+
+@pytest.mark.parametrize(
+    "words, began, heard",
+    [
+        ([b"bye\n"], False, []),  # an error every process reports, or a run with nothing to train
+        ([b"training\n"], True, []),  # the run's end: both trained
+        ([b"training\n", b"bye\n"], True, []),
+        # Its loop waits for this process's in a collective: it cannot have ended on purpose.
+        ([b"training\n"], False, [("died", 1)]),
+        ([b"trai", b"ning\n"], True, []),  # a word that comes in two pieces
+        ([b"training"], True, [("died", 1)]),  # not a whole line: not a word
+    ],
+)
+def test_a_close_after_training_or_bye_is_no_death(monkeypatch, words, began, heard):
+    ends = fake_peers(monkeypatch, 0, [1])
+    if began:
+        handshake._began.set()
+    got, thread = follow()
+    for word in words:
+        ends[1].sendall(word)
+        time.sleep(0.05)
+    ends[1].close()
+    thread.join(10)
+    assert not thread.is_alive() and got == heard
+
+
+def test_process_0_closing_without_a_word_is_its_death_on_the_others(monkeypatch):
+    ends = fake_peers(monkeypatch, 1, [0])
+    heard, thread = follow()
+    ends[0].sendall(b"training\n")  # its loop began, but this one's has not
+    ends[0].close()
+    thread.join(10)
+    assert heard == [("died", 0)]
+
+
+def test_a_death_process_0_tells_is_heard_once(monkeypatch):
+    ends = fake_peers(monkeypatch, 1, [0])
+    heard, thread = follow()
+    ends[0].sendall(b"died 2\n")
+    thread.join(10)
+    ends[0].close()
+    assert heard == [("died", 2)]
+
+
+def test_a_stop_is_passed_on_and_then_no_death(monkeypatch):
+    """Process 1 stopped by SIGTERM tells it and exits: its close right behind is not its death."""
+    ends = fake_peers(monkeypatch, 0, [1, 2])
+    heard, thread = follow()
+    ends[1].sendall(b"stop 15 1\n")
+    ends[1].close()
+    assert ends[2].recv(100) == b"stop 15 1\n"
+    ends[2].close()
+    thread.join(10)
+    assert heard == [("stop", 15, 1)]
+
+
+def test_a_process_says_training_and_bye_to_its_peers(monkeypatch):
+    ends = fake_peers(monkeypatch, 0, [1, 2])
+    handshake.training_began()
+    handshake.leave()
+    for end in ends.values():
+        end.settimeout(5)
+        assert end.recv(100) == b"training\nbye\n"
+    assert handshake._began.is_set() and not handshake._telling.is_set()
+
+
+def test_following_before_the_flags_agree_starts_once_they_do(monkeypatch):
+    """train.py follows from the start: a process may die while JAX joins the job."""
+    alone(monkeypatch)
+    died = threading.Event()
+    handshake.follow(print, lambda process: died.set())
+    assert not died.wait(0.2)  # no peers yet: nothing to follow
+    mine, theirs = socket.socketpair()
+    handshake._keep({mine: 1}, 0)
+    theirs.close()
+    assert died.wait(10)

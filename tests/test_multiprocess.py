@@ -354,6 +354,30 @@ def test_sigterm_to_one_process_before_training_stops_every_process_at_once(tmp_
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_process_killed_before_training_stops_the_others_at_once(tmp_path):
+    """SIGKILL (as the OOM killer; a crash alike) says nothing, but its end of the handshake socket
+    closes. Before, process 0 waited for it in a collective until the heartbeat timeout (100 s)
+    and JAX aborted it with a stack trace, leaving the new workdir behind."""
+    procs = start(tmp_path / "run", 100_000, "--heartbeat_timeout_s=100")
+    try:
+        for line in procs[0].stdout:  # every process joined and compared configs; compiling now
+            if line.startswith("gspmd_tp: "):
+                break
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.time()
+        _, err = procs[0].communicate(timeout=60)
+        took = time.time() - killed
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 1, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        "stopped: process 1 died (killed or crashed) before training began; no checkpoint was written"
+    )
+    assert took < 20, took
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_silent_peer_ends_the_job_after_the_heartbeat_timeout(tmp_path):
     # A stopped process keeps its sockets open: only --heartbeat_timeout_s (default 100 s) ends this.
     procs = start(tmp_path / "run", 100_000, "--config.checkpoint_every=100000", "--heartbeat_timeout_s=5")
