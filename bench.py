@@ -10,7 +10,7 @@ import sys
 
 from absl import app, flags, logging
 
-from gspmd_tp import host_devices
+from gspmd_tp import host_devices, paths
 from gspmd_tp.errors import UserError, define_config, no_positional_arguments, parse_flags
 
 _CONFIG = define_config("configs/bench_cpu.py", "A configs/*.py file.")
@@ -21,8 +21,8 @@ _WARMUP = flags.DEFINE_integer(
     "warmup", 15, "Untimed steps after compiling (CPU: the tuned malloc heap settles in ~10 to 15)."
 )
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
-_JSON_OUT = flags.DEFINE_string("json_out", "", "Also write the JSON report to this file.")
-_PROFILE = flags.DEFINE_string(
+_JSON_OUT = paths.define_flag("json_out", "", "Also write the JSON report to this file.")
+_PROFILE = paths.define_flag(
     "profile_dir", "", "Also trace one step per rule file x mesh here and report where its time goes."
 )
 

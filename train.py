@@ -11,11 +11,11 @@ import time
 
 from absl import app, flags, logging
 
-from gspmd_tp import host_devices, outputs
+from gspmd_tp import host_devices, outputs, paths
 from gspmd_tp.errors import UserError, define_config, no_positional_arguments, parse_flags
 
 _CONFIG = define_config("configs/tiny.py", "A configs/*.py file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, events.")
+_WORKDIR = paths.define_flag("workdir", None, "Run directory: checkpoints, metrics, events.")
 flags.mark_flags_as_required(["workdir"])
 _COORDINATOR = flags.DEFINE_string("coordinator_address", "", "host:port of process 0 (multi-process).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Processes in the job (multi-process).")
@@ -60,7 +60,7 @@ def main(argv):
         # Again: jax.distributed.initialize's preemption notifier takes SIGTERM over (and only logs
         # it) in a multi-process job.
         _take_stop_signals()
-        train(config, os.path.expanduser(_WORKDIR.value))  # bash leaves `--workdir=~/runs/x` as it is
+        train(config, _WORKDIR.value)
         handshake.leave()  # the others do not take this process's exit for a death
         # What is left is the exit, which in a multi-process job waits at jax.distributed's
         # shutdown barrier for the slowest peer.

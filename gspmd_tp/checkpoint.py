@@ -28,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from gspmd_tp import distributed, outputs
+from gspmd_tp import distributed, outputs, paths
 from gspmd_tp.checkpoint_files import (
     CORRUPT_DIR,
     DATA,
@@ -564,13 +564,15 @@ def main(argv=None) -> int:
     parser = ArgumentParser(prog="python -m gspmd_tp.checkpoint", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="steps, model config, rules, mesh and sizes")
-    p_info.add_argument("dir", help="a workdir, its checkpoints/ directory or one step directory")
+    p_info.add_argument(
+        "dir", type=paths.expand, help="a workdir, its checkpoints/ directory or one step directory"
+    )
     p_info.add_argument("--step", type=int, default=None, help="default: the newest")
     p_export = sub.add_parser(
         "export", help="the parameters as one unsharded .npz (config.init_from reads it)"
     )
-    p_export.add_argument("dir")
-    p_export.add_argument("out", help="OUT.npz")
+    p_export.add_argument("dir", type=paths.expand)
+    p_export.add_argument("out", type=paths.expand, help="OUT.npz")
     p_export.add_argument("--step", type=int, default=None, help="default: the newest")
     args = parser.parse_args(argv)
     # orbax warns, for every healthy step, that a lone item has no checkpoint-level metadata file.

@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 from ml_collections import ConfigDict
 
-from gspmd_tp import checkpoint, checkpoint_files, hf_layout, outputs, restore, trainer
+from gspmd_tp import checkpoint, checkpoint_files, hf_layout, outputs, paths, restore, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError, define_config, loaded_config, parse_flags
 from gspmd_tp.mesh import DeviceCountError
@@ -277,15 +277,15 @@ def _define_flags() -> None:
     from absl import flags
 
     define_config("configs/tiny.py", "from-hf: run config (rules, mesh, optim).")
-    flags.DEFINE_string("hf_dir", None, "Hugging Face model directory (read by from-hf, written by to-hf).")
-    flags.DEFINE_string("workdir", None, "Run directory whose checkpoints/ is written or read.")
+    paths.define_flag("hf_dir", None, "Hugging Face model directory (read by from-hf, written by to-hf).")
+    paths.define_flag("workdir", None, "Run directory whose checkpoints/ is written or read.")
     flags.DEFINE_integer("step", None, "to-hf: checkpoint step to export (default: newest).")
     flags.DEFINE_string("rules", None, "to-hf: rule file to restore under (default: the saved one).")
     flags.DEFINE_string("mesh", None, "to-hf: mesh to restore onto (default: the saved one).")
     flags.DEFINE_string(
         "dtype", "float32", "to-hf: dtype of the written weights (float32, bfloat16, float16)."
     )
-    flags.DEFINE_string("hf_base", None, "to-hf: HF model dir whose token ids and tokenizer files are kept.")
+    paths.define_flag("hf_base", None, "to-hf: HF model dir whose token ids and tokenizer files are kept.")
     flags.DEFINE_integer(
         "host_device_count",
         None,

@@ -14,13 +14,14 @@ import json
 import os
 from pathlib import Path
 
+from gspmd_tp import paths
 from gspmd_tp.errors import UserError
 
 
 def absolute_patterns(patterns: str) -> str:
     """Comma-separated file patterns made absolute, so that a saved run's data is found from any
     working directory and one file spelled two ways is one run's data."""
-    return ",".join(os.path.abspath(os.path.expanduser(p.strip())) for p in patterns.split(",") if p.strip())
+    return ",".join(os.path.abspath(paths.expand(p.strip())) for p in patterns.split(",") if p.strip())
 
 
 def _name_under_pattern(pattern: str, path: str) -> str:
@@ -53,7 +54,7 @@ def matched_files(patterns: str, what: str, workdir: str | None = None) -> list[
     found = []
     # ~ as the shell would have expanded it: `--config.data.train_files=~/data/*.txt` is left as it is
     # by bash (the word is no assignment), and glob does not expand it.
-    for pattern in [os.path.expanduser(p.strip()) for p in patterns.split(",") if p.strip()]:
+    for pattern in [paths.expand(p.strip()) for p in patterns.split(",") if p.strip()]:
         matched = sorted(glob.glob(pattern, recursive=True))
         if not matched:
             raise UserError(f"config.data.{what}: no file matches {pattern!r}")

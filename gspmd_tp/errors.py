@@ -6,6 +6,8 @@ import contextlib
 import os
 import sys
 
+from gspmd_tp import paths
+
 
 class UserError(ValueError):
     """A one-line, user-fixable error. Entry points print it to stderr and exit non-zero."""
@@ -61,7 +63,9 @@ def define_config(default: str, help_text: str):
     from ml_collections import config_flags
 
     with _config_mistakes_exit(default=default):
-        return config_flags.DEFINE_config_file("config", default, help_text)
+        holder = config_flags.DEFINE_config_file("config", default, help_text)
+    paths.expand_config_flag("config")  # --config=~/c.py, which bash leaves as it is
+    return holder
 
 
 def parse_flags(argv: list[str], load: bool = True) -> list[str]:
@@ -158,7 +162,7 @@ def _where(e: BaseException, path: str) -> str:
     """ " (line N)" of the config file's own line the exception came through, where it did."""
     import traceback
 
-    target = os.path.abspath(path.split(":", 1)[0].split(" ", 1)[0])
+    target = os.path.abspath(paths.expand(path.split(":", 1)[0].split(" ", 1)[0]))
     lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == target]
     return f" (line {lines[-1]})" if lines else ""
 
@@ -181,7 +185,7 @@ def _config_mistake(argv: list[str], e: Exception, default: str | None) -> str:
     overrides = [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
     if isinstance(e, OSError):
         path = _config_path(argv, default)
-        if not os.path.isfile(path.split(":", 1)[0].split(" ", 1)[0]):
+        if not os.path.isfile(paths.expand(path.split(":", 1)[0].split(" ", 1)[0])):
             return f"--config={path}: no such file (cwd {os.getcwd()})"
         return f"--config={path}: {str(e).splitlines()[0]}"
     if isinstance(e, SyntaxError):

@@ -25,7 +25,7 @@ import os
 
 import jax
 
-from gspmd_tp import data, outputs, restore, trainer
+from gspmd_tp import data, outputs, paths, restore, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
 from gspmd_tp.errors import ArgumentParser, UserError, exit_from_main, interrupted, warn
@@ -179,7 +179,9 @@ def main(argv=None) -> int:
         help="N, or all: one pass over the held-out split (default: the run's)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--plot", default=None, help="write the loss curves of metrics.jsonl to this PNG")
+    parser.add_argument(
+        "--plot", default=None, type=paths.expand, help="write the loss curves of metrics.jsonl to this PNG"
+    )
     parser.add_argument("--plot_only", action="store_true", help="with --plot: skip the evaluation")
     args, rest = parser.parse_known_args(argv)
     from absl import logging

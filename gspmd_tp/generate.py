@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspmd_tp import axes, data, restore, trainer
+from gspmd_tp import axes, data, paths, restore, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import ArgumentParser, UserError, exit_from_main, interrupted
 from gspmd_tp.mesh import mesh_string
@@ -299,7 +299,9 @@ def main(argv=None) -> int:
     parser = ArgumentParser(prog="python -m gspmd_tp.generate", description=__doc__.splitlines()[0])
     restore.add_run_arguments(parser)
     parser.add_argument("--prompt", default=None, help="text to continue")
-    parser.add_argument("--prompts_file", default=None, help="one prompt per line, sampled as one batch")
+    parser.add_argument(
+        "--prompts_file", default=None, type=paths.expand, help="one prompt per line, sampled as one batch"
+    )
     parser.add_argument(
         "--max_new_tokens",
         type=int,

@@ -407,6 +407,7 @@ def main(argv) -> None:
 if __name__ == "__main__":
     from absl import app, flags
 
+    from gspmd_tp import paths
     from gspmd_tp.errors import define_config, parse_flags
 
     _CONFIG = define_config("configs/tiny.py", "A configs/*.py file.")
@@ -415,8 +416,8 @@ if __name__ == "__main__":
     _MESHES = flags.DEFINE_string(
         "meshes", "", 'Space-separated meshes for --compare ("dp=8,mp=1 dp=2,mp=4").'
     )
-    _CHART = flags.DEFINE_string("chart", "", "With --compare: write a PNG chart here.")
-    _DUMP_HLO = flags.DEFINE_string(
+    _CHART = paths.define_flag("chart", "", "With --compare: write a PNG chart here.")
+    _DUMP_HLO = paths.define_flag(
         "dump_hlo", None, "Write the compiled train step's HLO text here (with --compare, one file each)."
     )
     _TARGET = flags.DEFINE_string(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ml_collections import ConfigDict
 
+from gspmd_tp import paths
 from gspmd_tp.config_keys import default_config, laid_over, ours
 from gspmd_tp.errors import UserError, warn
 
@@ -109,7 +110,9 @@ def saved_config(
 
 def add_run_arguments(parser) -> None:
     """--workdir and --step, as every reader of a trained run takes them."""
-    parser.add_argument("--workdir", required=True, help="a run directory (train.py --workdir)")
+    parser.add_argument(
+        "--workdir", required=True, type=paths.expand, help="a run directory (train.py --workdir)"
+    )
     parser.add_argument(
         "--step", type=int, default=None, help="checkpoint step (default: the newest that reads)"
     )
@@ -286,4 +289,5 @@ def device_count_from_argv(argv: list[str]) -> int:
     read by host_devices.count_from_argv, overrides it.)"""
     from gspmd_tp.host_devices import flag_from_argv
 
-    return reader_device_count(flag_from_argv(argv, "--workdir"), flag_from_argv(argv, "--config.mesh"))
+    workdir = paths.expand(flag_from_argv(argv, "--workdir"))
+    return reader_device_count(workdir, flag_from_argv(argv, "--config.mesh"))

@@ -17,6 +17,7 @@ import flax.linen as nn
 import yaml
 from jax.sharding import PartitionSpec
 
+from gspmd_tp import paths
 from gspmd_tp.axes import VOCABULARY
 from gspmd_tp.errors import UserError
 
@@ -92,8 +93,7 @@ def resolve_path(name_or_path: str) -> Path:
     """A path as given if it exists, else rules/NAME.yaml from the shipped rule files."""
     if not name_or_path.strip():
         raise UserError("config.rules is empty: name a rule file (dp, fsdp, megatron_1d, ...) or its path")
-    # ~ as the shell would have expanded it: bash leaves `--config.rules=~/x.yaml` as it is.
-    path = Path(name_or_path).expanduser()
+    path = Path(paths.expand(name_or_path))  # bash leaves `--config.rules=~/x.yaml` as it is
     if path.is_file():
         return path
     if path.is_dir():

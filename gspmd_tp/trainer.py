@@ -25,6 +25,7 @@ from gspmd_tp import (
     metrics,
     optim,
     outputs,
+    paths,
     profiling,
 )
 from gspmd_tp import state as state_lib
@@ -351,10 +352,9 @@ def train(config, workdir: str) -> dict:
     # Saved absolute, so that evaluate, generate and a resume find the files from any directory.
     c.data.train_files = data_files.absolute_patterns(c.data.train_files)
     c.data.eval_files = data_files.absolute_patterns(c.data.eval_files)
-    if os.path.isfile(os.path.expanduser(c.rules)):  # a rule file of the user's: found from anywhere
-        c.rules = os.path.abspath(os.path.expanduser(c.rules))
-    # ~ as the shell would have expanded it: bash leaves `--config.init_from=~/p.npz` as it is.
-    c.init_from = os.path.expanduser(c.init_from)
+    if os.path.isfile(paths.expand(c.rules)):  # a rule file of the user's: found from anywhere
+        c.rules = os.path.abspath(paths.expand(c.rules))
+    c.init_from = paths.expand(c.init_from)  # bash leaves `--config.init_from=~/p.npz` as it is
     with outputs.workdir_lock(workdir, log):  # one job at a time on a workdir
         return _train(s, workdir, checkpoint_dir)
 
