@@ -46,7 +46,7 @@ from gspmd_tp.checkpoint_files import (
     steps_on_disk,
 )
 from gspmd_tp.data_files import absolute_patterns
-from gspmd_tp.errors import ArgumentParser, UserError, warn
+from gspmd_tp.errors import ArgumentParser, UserError, exit_from_main, interrupted, warn
 from gspmd_tp.model import ModelConfig
 
 # Config keys that make a run the run it is: resuming with other values would train on another data
@@ -449,8 +449,8 @@ def export_params(path: str, out: str, step: int | None = None) -> dict[str, tup
 
     _, params = read_newest(*_locate(path, step), read, warn=warn)
     flat = _flat(params)
-    outputs.make_parent(out)
-    np.savez(out, **flat)
+    with outputs.whole_file(out) as partial, open(partial, "xb") as f:
+        np.savez(f, **flat)  # a file object: savez adds no .npz to the temporary name
     return {k: v.shape for k, v in flat.items()}
 
 
@@ -588,8 +588,10 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return interrupted("nothing written" if args.command == "info" else f"OUT={args.out} is as it was")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_from_main(main())

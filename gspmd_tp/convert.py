@@ -35,7 +35,7 @@ from ml_collections import ConfigDict
 
 from gspmd_tp import checkpoint, checkpoint_files, hf_layout, outputs, paths, restore, trainer
 from gspmd_tp import state as state_lib
-from gspmd_tp.errors import UserError, define_config, loaded_config, parse_flags
+from gspmd_tp.errors import UserError, define_config, exit_from_main, interrupted, loaded_config, parse_flags
 from gspmd_tp.mesh import DeviceCountError
 
 # Files of a Hugging Face model directory that are not weights and that to-hf carries over.
@@ -62,7 +62,10 @@ def from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
     """
     checkpoint_files.check_workdir_given(workdir)  # before the lock, which would leave its file there
     with outputs.workdir_lock(workdir):  # a training run there would resume from a half-written step 0
-        return _from_hf(hf_dir, workdir, config)
+        # An import cut short (Ctrl-C) leaves no checkpoints/ of its own: a train.py there would
+        # start from scratch, where the user meant to fine-tune.
+        with outputs.removed_if_cut_short(checkpoint_files.checkpoint_dir(workdir)):
+            return _from_hf(hf_dir, workdir, config)
 
 
 def _from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
@@ -156,16 +159,19 @@ def to_hf(
     if base is None and "hf" in meta:
         base = meta["hf"]["config"]
     out = Path(hf_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = hf_layout.hf_tensors(s.model_cfg, params)
-    files = hf_layout.write_safetensors(out, tensors, _DTYPES[dtype], max_shard_bytes)
-    conf = hf_layout.hf_config(s.model_cfg, dtype, s.config.seq_len, base)
-    (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
-    files.append(str(out / "config.json"))
-    for name in _CARRIED_FILES if hf_base else ():
-        if (Path(hf_base) / name).is_file():
-            shutil.copy(Path(hf_base) / name, out / name)
-            files.append(str(out / name))
+    # An export cut short (Ctrl-C, a full disk) is removed: weights without their config.json, or a
+    # config.json without the tokenizer, would pass for a model, and block the next export there.
+    with outputs.removed_if_cut_short(hf_dir):
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = hf_layout.hf_tensors(s.model_cfg, params)
+        files = hf_layout.write_safetensors(out, tensors, _DTYPES[dtype], max_shard_bytes)
+        conf = hf_layout.hf_config(s.model_cfg, dtype, s.config.seq_len, base)
+        (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+        files.append(str(out / "config.json"))
+        for name in _CARRIED_FILES if hf_base else ():
+            if (Path(hf_base) / name).is_file():
+                shutil.copy(Path(hf_base) / name, out / name)
+                files.append(str(out / name))
     return files
 
 
@@ -243,6 +249,13 @@ def main(argv) -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        left = (
+            f"no step 0 left in --workdir={flags_.workdir}"
+            if command == "from-hf"
+            else f"no export left in --hf_dir={flags_.hf_dir}; nothing in the workdir was written"
+        )
+        exit_from_main(interrupted(left))
 
 
 # The flags only one of the two commands reads.

@@ -16,10 +16,10 @@ class UserError(ValueError):
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
-def interrupted() -> int:
-    """One line on stderr for a reader command (evaluate, generate) stopped by Ctrl-C, in place of
-    KeyboardInterrupt's traceback; returns INTERRUPTED. Such a command writes nothing in the workdir."""
-    print("stopped by Ctrl-C (nothing in the workdir was written)", file=sys.stderr, flush=True)
+def interrupted(left: str = "nothing in the workdir was written") -> int:
+    """One line on stderr for a command stopped by Ctrl-C, in place of KeyboardInterrupt's traceback,
+    saying what it `left` (a reader such as evaluate writes nothing in the workdir); returns INTERRUPTED."""
+    print(f"stopped by Ctrl-C ({left})", file=sys.stderr, flush=True)
     return INTERRUPTED
 
 

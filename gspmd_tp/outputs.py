@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import shutil
 import socket
 import tempfile
 import time
@@ -112,6 +113,49 @@ def check_image(path: str, flag: str) -> None:
 def make_parent(path: str) -> None:
     """Creates the directory that file `path` goes in, where it is missing."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):  # the exception that cut the write short is the one to report
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+@contextlib.contextmanager
+def whole_file(path: str):
+    """Yields a temporary name beside file `path` for the body to write; renamed to `path` once the
+    body is done, removed where it ends in an exception (Ctrl-C included). A write cut short thus
+    leaves no file that looks complete, and an older file at `path` as it was."""
+    make_parent(path)
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        yield partial
+        os.replace(partial, path)
+    except BaseException:
+        _remove(partial)
+        raise
+
+
+@contextlib.contextmanager
+def removed_if_cut_short(directory: str):
+    """Runs the body, which writes into `directory`. Where it ends in an exception (Ctrl-C included),
+    what it added there is removed (each entry that was not there before, and the directory where it
+    was not there either), so that a write cut short is not left looking complete nor in the way of
+    the next one; nothing that was there before is touched."""
+    existed = os.path.isdir(directory)
+    before = set(os.listdir(directory)) if existed else set()
+    try:
+        yield
+    except BaseException:
+        if os.path.isdir(directory):
+            for name in set(os.listdir(directory)) - before:
+                _remove(os.path.join(directory, name))
+            if not existed:
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)  # where nothing else has appeared there meanwhile
+        raise
 
 
 @contextlib.contextmanager

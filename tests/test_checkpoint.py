@@ -343,3 +343,42 @@ def test_export_to_a_path_the_filesystem_refuses_is_one_line_before_reading(tmp_
     assert checkpoint.main(["export", str(tmp_path), "/proc/gspmd_tp_none.npz"]) == 1
     error = "error: OUT=/proc/gspmd_tp_none.npz: cannot write it (No such file or directory)\n"
     assert capsys.readouterr().err == error
+
+
+def _ctrl_c(*_, **__):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "over_an_older_export"])
+def test_ctrl_c_in_export_is_one_line_130_and_leaves_out_as_it_was(
+    trained_workdir, tmp_path, monkeypatch, capsys, existing
+):
+    """Was KeyboardInterrupt's traceback, and np.savez writing OUT in place: a file cut short that
+    passed for an export by its name, or an older export destroyed."""
+    out = tmp_path / "params.npz"
+    if existing:
+        out.write_bytes(b"an older export")
+
+    def cut_short(f, **arrays):  # the write has begun when Ctrl-C comes
+        f.write(b"PK\x03\x04 the first bytes")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.np, "savez", cut_short)
+    try:
+        code = checkpoint.main(["export", str(trained_workdir), str(out)])
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt left main")
+    assert code == 130
+    assert capsys.readouterr().err == f"stopped by Ctrl-C (OUT={out} is as it was)\n"
+    assert os.listdir(tmp_path) == (["params.npz"] if existing else [])
+    assert not existing or out.read_bytes() == b"an older export"
+
+
+def test_ctrl_c_in_info_is_one_line_and_130(trained_workdir, monkeypatch, capsys):
+    monkeypatch.setattr(checkpoint, "_size", _ctrl_c)  # while it sums the steps' sizes
+    try:
+        code = checkpoint.main(["info", str(trained_workdir)])
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt left main")
+    assert code == 130
+    assert capsys.readouterr().err == "stopped by Ctrl-C (nothing written)\n"

@@ -301,3 +301,72 @@ def test_commands_import_fine_tune_with_train_py_and_export(tmp_path, hf_models)
     assert conf["dtype"] == "bfloat16" and conf["rope_parameters"]["rope_theta"] == 500000.0
     fine_tuned = _hf_logits(out)
     assert np.isfinite(fine_tuned).all() and not np.allclose(fine_tuned, want)  # two steps moved it
+
+
+def _ctrl_c(*_, **__):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new_dir", "empty_dir"])
+def test_an_export_cut_short_by_ctrl_c_is_removed(tmp_path, hf_models, monkeypatch, existing):
+    """The weights were written when Ctrl-C came: left there without their config.json they passed
+    for part of a model, and the next export into the directory was refused as not empty."""
+    run, out = tmp_path / "run", tmp_path / "hf"
+    convert.from_hf(str(hf_models["untied"][0]), str(run), small_config())
+    if existing:
+        out.mkdir()
+    monkeypatch.setattr(convert.hf_layout, "hf_config", _ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        convert.to_hf(str(run), str(out))
+    assert (list(out.iterdir()) == []) if existing else not out.exists()
+
+
+def test_an_import_cut_short_by_ctrl_c_leaves_no_checkpoints(tmp_path, hf_models, monkeypatch):
+    """A save in flight when Ctrl-C came left checkpoints/ with a partial step 0 in it, which train.py
+    set aside and began from scratch, where the user meant to fine-tune the import."""
+    run = tmp_path / "run"
+
+    def cut_short(mngr, *_):
+        (run / "checkpoints" / "0.orbax-checkpoint-tmp-1700000000" / "state").mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert.checkpoint, "save", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        convert.from_hf(str(hf_models["untied"][0]), str(run), small_config())
+    assert not run.exists()  # the workdir it created, with the lock, went too
+
+
+# python -m gspmd_tp.convert with one function replaced by a Ctrl-C.
+_INTERRUPTED = """
+import runpy, sys
+import gspmd_tp.{module} as module
+def ctrl_c(*_, **__):
+    raise KeyboardInterrupt
+setattr(module, "{name}", ctrl_c)
+sys.argv = ["convert", *sys.argv[1:]]
+runpy.run_module("gspmd_tp.convert", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize(
+    "command, at, left",
+    [
+        ("from-hf", ("hf_layout", "read_hf_config"), "no step 0 left in --workdir={run}"),
+        ("to-hf", ("restore", "load_setup"), "no export left in --hf_dir={out}; nothing in the workdir was"),
+    ],
+)
+def test_ctrl_c_is_one_line_and_status_130(tmp_path, command, at, left):
+    """Was KeyboardInterrupt's traceback, from inside jax or orbax."""
+    run, out = tmp_path / "run", tmp_path / "hf"
+    script = _INTERRUPTED.format(module=at[0], name=at[1])
+    result = subprocess.run(
+        [sys.executable, "-c", script, command, f"--workdir={run}", f"--hf_dir={out}"],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 130, result.stderr[-2000:]
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"stopped by Ctrl-C ({left.format(run=run, out=out)}")
+    )
+    assert "Traceback" not in result.stderr and not run.exists() and not out.exists()

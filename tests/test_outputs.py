@@ -116,3 +116,32 @@ def test_a_workdir_that_cannot_be_written_is_one_line_when_the_lock_is_taken(tmp
         with outputs.workdir_lock("/proc/gspmd_tp_none/run"):
             pass
     assert not os.path.exists("/proc/gspmd_tp_none")
+
+
+def test_a_file_written_whole_replaces_the_old_one_only_when_done(tmp_path):
+    path = tmp_path / "out.npz"
+    path.write_text("old")
+    with pytest.raises(OSError), outputs.whole_file(str(path)) as partial:
+        open(partial, "w").write("half")
+        raise OSError(28, "No space left on device")
+    assert os.listdir(tmp_path) == ["out.npz"] and path.read_text() == "old"
+    with outputs.whole_file(str(path)) as partial:
+        open(partial, "w").write("new")
+    assert os.listdir(tmp_path) == ["out.npz"] and path.read_text() == "new"
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_what_a_write_cut_short_added_to_a_directory_is_removed_and_nothing_else(tmp_path, existed):
+    directory = tmp_path / "hf"
+    if existed:
+        directory.mkdir()
+        (directory / "kept.txt").write_text("there before")
+    with pytest.raises(KeyboardInterrupt), outputs.removed_if_cut_short(str(directory)):
+        (directory / "sub").mkdir(parents=True)
+        (directory / "sub" / "model.safetensors").write_text("weights")
+        (directory / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+    assert (os.listdir(directory) == ["kept.txt"]) if existed else not directory.exists()
+    with outputs.removed_if_cut_short(str(directory)):  # done: everything stays
+        (directory / "sub").mkdir(parents=True)
+    assert (directory / "sub").is_dir()
