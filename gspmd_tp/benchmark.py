@@ -22,7 +22,7 @@ from gspmd_tp import rules as rules_lib
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError
-from gspmd_tp.mesh import mesh_file_name, parse_mesh
+from gspmd_tp.mesh import mesh_file_name
 from gspmd_tp.model import Transformer, flops_per_token
 
 
@@ -235,37 +235,6 @@ def compare_variants(prepared: list[tuple], rounds: int, round_steps: int, warmu
     ]
 
 
-def _check_distinct(rules_list: list[str], meshes: list[str]) -> None:
-    """UserError naming a rule file or mesh given twice, however spelt (megatron_1d and
-    rules/megatron_1d.yaml; dp=8,mp=1 and dp=-1,mp=1): its rows would be timed twice over and
-    nothing in the report would tell them apart."""
-
-    def first_repeat(items, key):
-        seen = {}
-        for item in items:
-            k = key(item)
-            if k is not None and k in seen:
-                return item, seen[k]
-            seen.setdefault(k, item)
-        return None
-
-    def mesh_key(mesh):
-        try:
-            return frozenset(parse_mesh(mesh, jax.device_count()).items())
-        except UserError:
-            return None  # a bad mesh is reported by trainer.setup, with its hint
-
-    for flag, what, items, key in (
-        ("--rules", "rule file", rules_list, lambda r: rules_lib.resolve_path(r).resolve()),
-        ("--meshes", "mesh", meshes, mesh_key),
-    ):
-        repeat = first_repeat(items, key)
-        if repeat:
-            again, first = repeat
-            how = "given twice" if again == first else f"{first!r} again"
-            raise UserError(f"{flag}: {what} {again!r} is {how} (each rule file x mesh is timed once)")
-
-
 def run(
     config,
     rules_list: list[str],
@@ -296,7 +265,9 @@ def run(
         raise UserError(f"--steps={steps} must be at least 1")
     if warmup < 0:
         raise UserError(f"--warmup={warmup} must be at least 0")
-    _check_distinct(rules_list, meshes)
+    rules_lib.check_distinct(
+        rules_list, meshes, jax.device_count(), "--rules", "each rule file x mesh is timed once"
+    )
     # Every rule file x mesh checked before anything is measured or compiled: a bad last one must
     # not end the run after the others have been timed.
     prepared = {}

@@ -46,7 +46,7 @@ from gspmd_tp import analysis, hlo, outputs, tpu, trainer
 from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError, no_positional_arguments
 from gspmd_tp.mesh import mesh_file_name, mesh_string, parse_mesh
-from gspmd_tp.rules import IndivisibleError, load_rules, resolve_path, short_names
+from gspmd_tp.rules import IndivisibleError, check_distinct, load_rules, resolve_path, short_names
 
 
 def plan(
@@ -238,11 +238,12 @@ def compare(
 ) -> list[dict]:
     """plan() for every rule file x mesh whose axes are the rule file's mesh_axes (rule files with
     other axis names compare with meshes in theirs). Every combination is set up before anything
-    compiles: a rule file, mesh or config the user can fix, or a rule file or mesh paired with
-    nothing, raises UserError; a model size the mesh cannot divide is reported as that
-    combination's row (`error`)."""
+    compiles: a rule file, mesh or config the user can fix, a rule file or mesh given twice however
+    spelt, or one paired with nothing, raises UserError; a model size the mesh cannot divide is
+    reported as that combination's row (`error`)."""
     devices = tpu.target_devices(target, slices) if target else None
     count = len(devices) if devices is not None else jax.device_count()
+    check_distinct(rules_list, meshes, count, "--compare", "each rule file x mesh is planned once")
     labels = short_names(rules_list)
     axes = {rules: load_rules(rules).mesh_axes for rules in rules_list}
     sizes_of = {mesh: parse_mesh(mesh, count) for mesh in meshes}
@@ -258,17 +259,12 @@ def compare(
                 f"{labels[rules]}: no mesh given names its mesh_axes {list(a)} "
                 f"(add one, e.g. {','.join(f'{x}=N' for x in a)})"
             )
-    prepared, seen = [], set()
+    prepared = []
     for rules in rules_list:
         for mesh in meshes:
             sizes = sizes_of[mesh]
             if set(sizes) != set(axes[rules]):
                 continue
-            # The same rule file and mesh, however spelt, compile once (minutes on a real model).
-            same = (str(resolve_path(rules).resolve()), tuple(sizes.items()))
-            if same in seen:
-                continue
-            seen.add(same)
             c = copy.deepcopy(config)
             c.rules, c.mesh = rules, mesh
             try:

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec
 from gspmd_tp import paths
 from gspmd_tp.axes import VOCABULARY
 from gspmd_tp.errors import UserError
+from gspmd_tp.mesh import parse_mesh
 
 RULES_DIR = Path(__file__).resolve().parent.parent / "rules"
 # In a tuple of logical names, a dimension left to GSPMD: no rule applies to it and it takes no mesh
@@ -87,6 +88,40 @@ def short_names(names_or_paths: Iterable[str]) -> dict[str, str]:
             name, n = f"{stem}_{n}", n + 1
         names.setdefault(given, name)
     return names
+
+
+def check_distinct(
+    rules_list: list[str], meshes: list[str], device_count: int, rules_flag: str, why: str
+) -> None:
+    """UserError naming a rule file or mesh given twice to a command that runs each rule file x mesh
+    (bench.py --rules, plan --compare; --meshes), however spelt (megatron_1d and
+    rules/megatron_1d.yaml; dp=8,mp=1 and dp=-1,mp=1 on 8 devices): its rows would come twice or be
+    merged, and nothing in the report would say which. `why` ends the message."""
+
+    def first_repeat(items, key):
+        seen = {}
+        for item in items:
+            k = key(item)
+            if k is not None and k in seen:
+                return item, seen[k]
+            seen.setdefault(k, item)
+        return None
+
+    def mesh_key(mesh):
+        try:
+            return frozenset(parse_mesh(mesh, device_count).items())
+        except UserError:
+            return None  # a bad mesh is reported where the mesh is made, with its hint
+
+    for flag, what, items, key in (
+        (rules_flag, "rule file", rules_list, lambda r: resolve_path(r).resolve()),
+        ("--meshes", "mesh", meshes, mesh_key),
+    ):
+        repeat = first_repeat(items, key)
+        if repeat:
+            again, first = repeat
+            how = "given twice" if again == first else f"{first!r} again"
+            raise UserError(f"{flag}: {what} {again!r} is {how} ({why})")
 
 
 def resolve_path(name_or_path: str) -> Path:

@@ -202,6 +202,10 @@ def test_cli_compare_input_mistakes_are_one_line_errors_before_compiling(tmp_pat
     for flags, message in [
         (["--compare=megatron_1d,megatron_1x", f"--chart={chart}"], "rule file 'megatron_1x' not found"),
         (["--compare=megatron_1d,"], "--compare=megatron_1d,: an empty rule file name"),
+        (
+            ["--compare=megatron_1d,rules/megatron_1d.yaml"],
+            "--compare: rule file 'rules/megatron_1d.yaml' is 'megatron_1d' again",
+        ),
         (["--compare=megatron_1d", "--meshes=dp=2, mp=4"], "mesh 'dp=2,': expected NAME=SIZE items"),
         (["--meshes=dp=2,mp=4"], "--meshes=dp=2,mp=4 is for --compare"),
         (["--slices=2"], "--slices=2 needs --target"),
@@ -357,10 +361,25 @@ def test_compare_columns_stay_under_their_headings_with_long_labels_and_meshes(t
         assert line.index(" MiB", end - 12) + len(" MiB") == end, line
 
 
-def test_compare_plans_a_rule_file_and_mesh_given_twice_once(monkeypatch):
-    monkeypatch.setattr(step_lib, "compile_train_step", lambda s: _FakeCompiled())
-    rows = plan.compare(small_config(), ["dp", str(RULES_DIR / "dp.yaml"), "dp"], ["dp=8,mp=1", "dp=-1,mp=1"])
-    assert [(r["label"], r["mesh"]) for r in rows] == [("dp", "dp=8,mp=1")]
+@pytest.mark.parametrize(
+    "rules, meshes, message",
+    [
+        (["dp", "megatron_1d", "dp"], ["dp=8,mp=1"], r"^--compare: rule file 'dp' is given twice \("),
+        (
+            ["dp", str(RULES_DIR / "dp.yaml")],
+            ["dp=8,mp=1"],
+            r"^--compare: rule file '/.*/dp.yaml' is 'dp' again \(each rule file x mesh is planned once\)$",
+        ),
+        (["dp"], ["dp=8,mp=1", "mp=1,dp=-1"], r"^--meshes: mesh 'mp=1,dp=-1' is 'dp=8,mp=1' again \("),
+    ],
+)
+def test_compare_refuses_a_rule_file_or_mesh_given_twice_before_compiling(
+    no_compiling, rules, meshes, message
+):
+    """As bench.py does (the same check): plan merged them into one row without a word, so a
+    report asked for two rows showed one."""
+    with pytest.raises(UserError, match=message):
+        plan.compare(small_config(), rules, meshes)
 
 
 def test_compare_pairs_each_rule_file_with_the_meshes_in_its_axes(tmp_path, monkeypatch):
