@@ -150,3 +150,23 @@ def test_convert_expands_a_tilde(home, command, flags, message):
         message.format(home=home)
     )
     assert sorted(p.name for p in home.iterdir()) == ["afile", "cfg.py", "prompts.txt"]  # nothing made there
+
+
+@pytest.mark.parametrize(
+    "command, path_flags",
+    [
+        ([str(ROOT / "train.py")], ["--workdir"]),
+        ([str(ROOT / "bench.py")], ["--json_out", "--profile_dir"]),
+        (["-m", "gspmd_tp.plan"], ["--chart", "--dump_hlo"]),
+        (["-m", "gspmd_tp.convert"], ["--hf_base", "--hf_dir", "--workdir"]),
+    ],
+)
+def test_helpshort_lists_the_path_flags_as_the_commands_own(command, path_flags):
+    """absl files a flag under the module that defines it: defined by paths.define_flag, the path
+    flags were gspmd_tp.paths's and --helpshort (which the flag errors point to) left them out."""
+    result = subprocess.run(
+        [sys.executable, *command, "--helpshort"], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    listed = [line.split(":")[0].strip() for line in result.stdout.splitlines() if line.startswith("  --")]
+    assert set(path_flags) <= set(listed), result.stdout[-2000:]
