@@ -449,7 +449,7 @@ def export_params(path: str, out: str, step: int | None = None) -> dict[str, tup
 
     _, params = read_newest(*_locate(path, step), read, warn=warn)
     flat = _flat(params)
-    with outputs.whole_file(out) as partial, open(partial, "xb") as f:
+    with outputs.whole_file(out) as partial, open(partial, "wb") as f:
         np.savez(f, **flat)  # a file object: savez adds no .npz to the temporary name
     return {k: v.shape for k, v in flat.items()}
 

@@ -21,9 +21,6 @@ def define_flag(name: str, default: str | None, help_text: str):
         def parse(self, argument: str) -> str:
             return expand(argument)
 
-        def flag_type(self) -> str:
-            return "string"
-
     flags.disclaim_key_flags()  # the flag is the calling module's: --helpshort lists it there
     return flags.DEFINE(_PathParser(), name, default, help_text, serializer=flags.ArgumentSerializer())
 
