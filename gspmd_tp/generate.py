@@ -10,7 +10,10 @@ document. Prompts are left-padded to one length so that every row writes the sam
 each step; each row keeps its own rotary positions and never attends to its padding. The cache's
 logical axes (layers, batch, length, kv_heads, head_dim) resolve through the rule file like the
 parameters', so under Megatron rules each device keeps the keys and values of its own heads.
-Prefill and the whole decode loop are one jit-compiled function.
+Prefill and the whole decode loop are one jit-compiled function. It first lays the parameters out
+for decoding (state.decoding_shardings: replicated over the mesh axes of the batch, mp shards kept),
+so that fsdp.yaml and megatron_2d.yaml gather them once per call rather than once per new token;
+where that layout does not fit in memory they stay in their training layout, with a note on stderr.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ if __name__ == "__main__":  # simulated devices must be requested before jax is 
     host_devices.request(host_devices.count_from_argv(sys.argv, restore.device_count_from_argv(sys.argv)))
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -33,7 +37,7 @@ import numpy as np
 
 from gspmd_tp import axes, data, paths, restore, trainer
 from gspmd_tp import state as state_lib
-from gspmd_tp.errors import ArgumentParser, UserError, exit_from_main, interrupted
+from gspmd_tp.errors import ArgumentParser, UserError, exit_from_main, interrupted, warn
 from gspmd_tp.mesh import mesh_string
 from gspmd_tp.model import Decoding, Transformer
 from gspmd_tp.rules import axes_of, check_divisible
@@ -194,12 +198,24 @@ def make_sampler(
     return_logits: bool = False,
 ):
     """fn(params, tokens, positions, seed) -> new tokens (rows, max_new_tokens), jit-compiled on
-    first call; with return_logits also the logits each token was chosen from (rows, new, vocab)."""
+    first call; with return_logits also the logits each token was chosen from (rows, new, vocab).
+
+    The parameters come in their training layout and are laid out for decoding (state.
+    decoding_shardings) before the prompts are read, unless that layout does not fit in memory:
+    then they stay as they are, with a note on stderr. fn.layout() says which ("decoding" or
+    "training"); fn.compiled() raises UserError where not even the training layout fits.
+    """
     model = Transformer(dataclasses.replace(s.model_cfg, remat="none"))  # no gradients here
     cache_length = prompt_len + max_new_tokens
     cache_sh = cache_shardings(s, rows, prompt_len, cache_length)
+    layouts = {"training": s.shardings.params}
+    decoding_sh = state_lib.decoding_shardings(s.shardings.params, s.rules)
+    if jax.tree.leaves(decoding_sh) != jax.tree.leaves(s.shardings.params):  # megatron_1d: the same
+        layouts["decoding"] = decoding_sh
 
-    def sample(params, tokens_bl, positions_bl, seed):
+    def sample(params_sh, params, tokens_bl, positions_bl, seed):
+        # Here, outside the decode loop, GSPMD gathers what the layout replicates once per call.
+        params = jax.lax.with_sharding_constraint(params, params_sh)
         key = jax.random.key(seed)
         prefill = Decoding(positions_bl, jnp.int32(0), cache_length)
         (hidden_ble, head_ev), variables = model.apply(
@@ -231,29 +247,68 @@ def make_sampler(
 
     batch_sh = state_lib.batch_sharding(s.mesh, s.rules)
     replicated = state_lib.replicated(s.mesh)  # the results are small: every process reads them whole
-    jitted = jax.jit(
-        sample, in_shardings=(s.shardings.params, batch_sh, batch_sh, replicated), out_shardings=replicated
-    )
+    executables = {}
 
-    executable = None
-
-    def compiled():
-        """The function compiled ahead of time for these shapes (once): its memory is known before
-        any parameter is read."""
-        nonlocal executable
-        if executable is None:
+    def compiled_for(layout: str):
+        """The function compiled ahead of time for these shapes with the parameters in `layout`
+        (once): its memory is known before any parameter is read."""
+        if layout not in executables:
+            jitted = jax.jit(
+                functools.partial(sample, layouts[layout]),
+                in_shardings=(s.shardings.params, batch_sh, batch_sh, replicated),
+                out_shardings=replicated,
+            )
             prompts = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=batch_sh)
             seed = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
             with state_lib.sharding_context(s.mesh, s.rules):
                 lowered = jitted.lower(s.abstract_state.params, prompts, prompts, seed)
-            executable = lowered.compile()
-        return executable
+            executables[layout] = lowered.compile()
+        return executables[layout]
+
+    chosen = None
+
+    def layout() -> str:
+        """The parameters' layout in the loop: "decoding" where it fits in memory, else "training"."""
+        nonlocal chosen
+        if chosen is None:
+            chosen = _fitting_layout(s, compiled_for, layouts)
+        return chosen
+
+    def compiled():
+        """The function compiled for the layout it samples with; UserError where none fits in memory."""
+        return compiled_for(layout())
 
     def run(params, tokens_bl, positions_bl, seed):
         return compiled()(params, tokens_bl, positions_bl, seed)
 
-    run.compiled = compiled
+    run.compiled, run.compiled_for, run.layout = compiled, compiled_for, layout
     return run
+
+
+_MEMORY_FIX = "fewer --max_new_tokens or prompts, or read on another --config.mesh"
+
+
+def _fitting_layout(s: trainer.Setup, compiled_for, layouts) -> str:
+    """The first of "decoding", "training" in `layouts` whose compiled sampler fits in memory, with a
+    note on stderr where that is the training layout; UserError where neither fits."""
+    if "decoding" in layouts:
+        gathered = ", ".join(axes_of(s.rules.spec((axes.BATCH,))[0]))
+        try:
+            trainer.check_memory(
+                compiled_for("decoding").memory_analysis(),
+                s.mesh,
+                f"sampling step with the parameters replicated over {gathered} for decoding",
+                f"sampling with them in their training layout, gathered over {gathered} for every new token",
+            )
+            return "decoding"
+        except UserError as e:
+            note = f"note: {e}"
+    else:
+        note = None
+    trainer.check_memory(compiled_for("training").memory_analysis(), s.mesh, "sampling step", _MEMORY_FIX)
+    if note and jax.process_index() == 0:
+        warn(note)
+    return "training"
 
 
 def _put(array: np.ndarray, sharding) -> jax.Array:
@@ -289,8 +344,7 @@ def sampler_for(s: trainer.Setup, token_lists: list[list[int]], max_new_tokens: 
     """make_sampler for these prompts, compiled; UserError where it cannot fit in memory."""
     rows = batch_rows(s, len(token_lists))
     run = make_sampler(s, rows, left_pad(token_lists, rows)[0].shape[1], max_new_tokens, temperature, top_k)
-    fix = "fewer --max_new_tokens or prompts, or read on another --config.mesh"
-    trainer.check_memory(run.compiled().memory_analysis(), s.mesh, "sampling step", fix)
+    run.compiled()  # checks the memory
     return run
 
 

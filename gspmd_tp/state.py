@@ -203,6 +203,28 @@ def init_state(model_cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seq_len: in
         return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(jax.random.key(seed))
 
 
+def decoding_shardings(shardings, rules: Rules):
+    """The parameters' shardings for decoding: each one's PartitionSpec without the mesh axes of
+    `batch`, so that they are replicated over those axes (other axes, such as mp, keep their shards).
+
+    A decode step reads every parameter for one token per row: a parameter split over the batch's
+    axes (fsdp.yaml's embed, megatron_2d.yaml's embed on dp) would be gathered again for every token
+    in the loop, where one gather before it serves them all (as MaxText and t5x reshard for serving).
+    """
+    batch_axes = set(axes_of(rules.spec((axes.BATCH,))[0]))
+
+    def without_batch_axes(entry):
+        if entry is None or isinstance(entry, str):
+            return None if entry in batch_axes else entry
+        kept = tuple(a for a in entry if a not in batch_axes)
+        return kept or None
+
+    return jax.tree.map(
+        lambda sh: NamedSharding(sh.mesh, PartitionSpec(*(without_batch_axes(e) for e in sh.spec))),
+        shardings,
+    )
+
+
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
     """The sharding of a (batch, length) token array."""
     return NamedSharding(mesh, rules.spec((axes.BATCH, axes.LENGTH)))
