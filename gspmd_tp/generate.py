@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspmd_tp import axes, data, paths, restore, trainer
+from gspmd_tp import axes, data, distributed, paths, restore, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import ArgumentParser, UserError, exit_from_main, interrupted, warn
 from gspmd_tp.mesh import mesh_string
@@ -291,20 +291,24 @@ _MEMORY_FIX = "fewer --max_new_tokens or prompts, or read on another --config.me
 def _fitting_layout(s: trainer.Setup, compiled_for, layouts) -> str:
     """The first of "decoding", "training" in `layouts` whose compiled sampler fits in memory, with a
     note on stderr where that is the training layout; UserError where neither fits."""
+    note = None
     if "decoding" in layouts:
         gathered = ", ".join(axes_of(s.rules.spec((axes.BATCH,))[0]))
+        instead = f"sampling with them in their training layout, gathered over {gathered} for every new token"
         try:
             trainer.check_memory(
                 compiled_for("decoding").memory_analysis(),
                 s.mesh,
                 f"sampling step with the parameters replicated over {gathered} for decoding",
-                f"sampling with them in their training layout, gathered over {gathered} for every new token",
+                instead,
             )
-            return "decoding"
         except UserError as e:
             note = f"note: {e}"
-    else:
-        note = None
+        # One program on every process of a job: a host with less memory decides for all of them.
+        short = [i for i, [fits] in enumerate(distributed.every_process([int(note is None)])) if not fits]
+        if not short:
+            return "decoding"
+        note = note or f"note: process {short[0]} cannot hold the parameters laid out for decoding; {instead}"
     trainer.check_memory(compiled_for("training").memory_analysis(), s.mesh, "sampling step", _MEMORY_FIX)
     if note and jax.process_index() == 0:
         warn(note)
