@@ -14,7 +14,7 @@ import socket
 import tempfile
 import time
 
-from gspmd_tp.errors import UserError
+from gspmd_tp.errors import JobError, UserError
 
 LOCK = "train.lock"  # in a workdir: held by the training job that runs on it
 _JOB = "job "  # the lock file's second line: a number drawn by process 0 of the job
@@ -164,8 +164,8 @@ def workdir_lock(workdir: str, warn=print):
     runs. A second job on the same workdir raises UserError on every process before it reads or
     writes anything there: it would take the running job's newest checkpoints, still being written,
     for damaged ones. The lock goes with the process, however it ends. A workdir this call
-    created holds only the lock file when the body fails early: both are removed. Where the
-    filesystem has no locks, it warns and goes on without one.
+    created holds only the lock file (and empty directories) when the body fails early: all are
+    removed. Where the filesystem has no locks, it warns and goes on without one.
 
     In a multi-process job every process must then read the line process 0 wrote in the lock file
     (a number drawn for this job): a process given another --workdir, or one whose workdir is not
@@ -220,10 +220,10 @@ def workdir_lock(workdir: str, warn=print):
     outcome = distributed.from_process_0(1 if held_by is not None else 2 if unwritable else 0)
     process_0 = "as process 0 of this job found"
     if outcome == 2:  # nothing was created, nothing to clean up
-        raise UserError(f"--workdir={workdir}: cannot write there ({unwritable or process_0})")
+        raise JobError(f"--workdir={workdir}: cannot write there ({unwritable or process_0})")
     try:
         if outcome == 1:
-            raise UserError(
+            raise JobError(
                 f"--workdir={workdir} is in use by another job ({held_by or process_0}; {path}): "
                 "let it finish or stop it (SIGTERM saves and exits), then run again"
             )
@@ -239,15 +239,26 @@ def workdir_lock(workdir: str, warn=print):
 
 
 def _remove_if_only_the_lock(workdir: str) -> None:
-    if os.path.isdir(workdir) and os.listdir(workdir) == [LOCK]:
+    """Removes `workdir` where it holds nothing but the lock file and empty directories (orbax makes
+    the checkpoints directory before the first save): a run stopped before writing anything."""
+    if not os.path.isdir(workdir) or LOCK not in (names := os.listdir(workdir)):
+        return
+    others = [os.path.join(workdir, name) for name in names if name != LOCK]
+    if not all(os.path.isdir(p) and not os.path.islink(p) and not os.listdir(p) for p in others):
+        return
+    try:
+        for p in others:
+            os.rmdir(p)
         os.remove(os.path.join(workdir, LOCK))
         os.rmdir(workdir)
+    except OSError:
+        pass  # another process of the job wrote there meanwhile: its files stay
 
 
 def remove_created_workdirs() -> None:
     """Removes each workdir that a workdir_lock of this process created and holds, where it holds
-    nothing but the lock file: what the lock's own exit does, for an exit through os._exit (a stop
-    signal while the run compiles), which skips it."""
+    nothing but the lock file (and empty directories): what the lock's own exit does, for an exit
+    through os._exit (a stop signal while the run compiles), which skips it."""
     for workdir in _created:
         _remove_if_only_the_lock(workdir)
 
@@ -272,7 +283,7 @@ def _check_one_workdir(workdir: str, path: str, job: int) -> None:
         time.sleep(1.0)
     blind = [i for i, [ok] in enumerate(distributed.every_process([int(sees)])) if not ok]
     if blind:
-        raise UserError(
+        raise JobError(
             f"--workdir={workdir}: process {blind[0]} of this job does not find the {LOCK} that process 0 "
             f"wrote in its --workdir: start every process with the same --workdir, on storage that every "
             "process sees"

@@ -145,3 +145,25 @@ def test_what_a_write_cut_short_added_to_a_directory_is_removed_and_nothing_else
     with outputs.removed_if_cut_short(str(directory)):  # done: everything stays
         (directory / "sub").mkdir(parents=True)
     assert (directory / "sub").is_dir()
+
+
+@pytest.mark.parametrize(
+    "made, removed",
+    [
+        ((), True),
+        (("checkpoints/",), True),  # orbax makes it before the first save: still nothing written
+        (("checkpoints/2/",), False),  # not empty: a step on its way
+        (("metrics.jsonl",), False),
+    ],
+)
+def test_a_stopped_run_removes_its_new_workdir_where_nothing_was_written(
+    tmp_path, monkeypatch, made, removed
+):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / outputs.LOCK).write_text("pid 1\n")
+    for name in made:
+        (workdir / name).mkdir(parents=True) if name.endswith("/") else (workdir / name).write_text("")
+    monkeypatch.setattr(outputs, "_created", [str(workdir)])
+    outputs.remove_created_workdirs()
+    assert workdir.exists() != removed
