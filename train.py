@@ -8,11 +8,12 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 from absl import app, flags, logging
 
 from gspmd_tp import host_devices, outputs, paths
-from gspmd_tp.errors import UserError, define_config, no_positional_arguments, parse_flags
+from gspmd_tp.errors import JobError, UserError, define_config, no_positional_arguments, parse_flags
 
 _CONFIG = define_config("configs/tiny.py", "A configs/*.py file.")
 _WORKDIR = paths.define_flag("workdir", None, "Run directory: checkpoints, metrics, events.")
@@ -44,10 +45,11 @@ def main(argv):
     # run at once: one line, no traceback; from the start, while the job's processes join, too.
     _take_stop_signals()
     _count_own_signals()
-    # Another process stopped so, or died, before training began: this one stops too, at once,
-    # instead of waiting for it in a collective until the heartbeat timeout. From the moment the
-    # job's flags agree, before JAX joins the processes (where one may die too).
-    handshake.follow(_peer_stopped, _peer_died)
+    # Another process stopped so, died, or stopped with an error of its own before training began:
+    # this one stops too, at once, instead of waiting for it in a collective until the heartbeat
+    # timeout. From the moment the job's flags agree, before JAX joins the processes (where one may
+    # die too).
+    handshake.follow(_peer_stopped, _peer_died, _peer_failed)
     try:
         distributed.initialize(
             _COORDINATOR.value,
@@ -66,9 +68,20 @@ def main(argv):
         # shutdown barrier for the slowest peer.
         global _OUTSIDE_THE_LOOP
         _OUTSIDE_THE_LOOP = "after the run ended; its checkpoints are written"
-    except UserError as e:
-        handshake.leave()  # each process says its own (distributed.agreed): no death to report
+    except JobError as e:
+        handshake.leave()  # each process says its own (distributed.agreed): nothing to tell
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except UserError as e:
+        with _STOPPING:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            # This process's alone (a file or a limit of its host), before training began: the others
+            # are told, and stop too. Then out at once: the normal exit waits at jax.distributed's
+            # shutdown barrier for them.
+            if handshake.tell_error(str(e)):
+                outputs.remove_created_workdirs()
+                os._exit(1)
+            handshake.leave()
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C where a library put Python's own handler back
         _stopped(signal.SIGINT)
@@ -92,12 +105,16 @@ def main(argv):
         # Exit now: the normal exit path would wait at jax.distributed's shutdown barrier for that peer.
         with _STOPPING:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            print(
-                f"error: process {jax.process_index()}: {type(e).__name__}: {first} "
-                "(another process of the job has probably died)",
-                file=sys.stderr,
-                flush=True,
-            )
+            what = f"error: process {jax.process_index()}: {type(e).__name__}: {first}"
+            if handshake.before_training():
+                # No peer was seen to die (a_peer_died): most likely this process's own error (a
+                # bug), whose traceback says where. The others are told: they would wait for this
+                # process in a collective.
+                traceback.print_exc()
+                print(what, file=sys.stderr, flush=True)
+                handshake.tell_error(f"{type(e).__name__}: {first}")
+            else:
+                print(f"{what} (another process of the job has probably died)", file=sys.stderr, flush=True)
             outputs.remove_created_workdirs()  # what the lock's exit would have done
             os._exit(1)
 
@@ -160,6 +177,17 @@ def _peer_stopped(signum: int, process: int):
 
 
 def _peer_died(process: int):
+    _peer_ended(f"stopped: process {process} died (killed or crashed) {_BEFORE}")
+
+
+def _peer_failed(process: int, message: str):
+    _peer_ended(
+        f"stopped: process {process} stopped with an error before training began (error: {message}); "
+        "no checkpoint was written"
+    )
+
+
+def _peer_ended(line: str):
     # Taken at once: a collective that failed on the closed connection waits for this line
     # (handshake.a_peer_died) rather than print its own guess. And no wait for a signal of this
     # process's own still on its way: where process 0 died, JAX's client aborts this process
@@ -168,7 +196,7 @@ def _peer_died(process: int):
         own = _own_signal(waits=(0,))  # a job stopped as a whole: this process's own line
         if own:
             _stopped(own)
-        print(f"stopped: process {process} died (killed or crashed) {_BEFORE}", file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
         outputs.remove_created_workdirs()
         os._exit(1)
 

@@ -39,6 +39,7 @@ from gspmd_tp.checkpoint_files import (
     damage,
     first_that_reads,
     move_aside,
+    not_damage,
     read_newest,
     read_step_meta,
     readable_checkpoints,
@@ -46,7 +47,7 @@ from gspmd_tp.checkpoint_files import (
     steps_on_disk,
 )
 from gspmd_tp.data_files import absolute_patterns
-from gspmd_tp.errors import ArgumentParser, UserError, exit_from_main, interrupted, warn
+from gspmd_tp.errors import ArgumentParser, JobError, UserError, exit_from_main, interrupted, warn
 from gspmd_tp.model import ModelConfig
 
 # Config keys that make a run the run it is: resuming with other values would train on another data
@@ -193,11 +194,11 @@ def agreed_checkpoints(workdir: str, warn=print) -> list[tuple[int, dict]]:
         found, mine = [], e
     lists = distributed.every_process([_UNUSABLE] if mine else [step for step, _ in found])
     if mine:
-        raise mine
+        raise JobError(str(mine)) from None  # every process stops here: none tells the others
     ckpt_dir = checkpoint_dir(workdir)
     unusable = [i for i, steps in enumerate(lists) if steps == [_UNUSABLE]]
     if unusable:
-        raise UserError(
+        raise JobError(
             f"{ckpt_dir} cannot be resumed from on process {unusable[0]} of this job (its error says "
             "why); nothing was moved"
         )
@@ -209,7 +210,7 @@ def agreed_checkpoints(workdir: str, warn=print) -> list[tuple[int, dict]]:
             f"on process {', '.join(map(str, elsewhere))} of this job"
         )
     if not everywhere and any(lists):
-        raise UserError(
+        raise JobError(
             f"{ckpt_dir}: no checkpoint's metadata reads on every process of this job (see the warnings "
             "above); nothing was moved: repair the files or the hosts' view of them and run again"
         )
@@ -234,10 +235,13 @@ def _agreed_read(read, path: str):
     if mine is not None and code == worst:
         if damaged and jax.process_index() != 0:  # process 0 warns for the job; this names the cause
             warn(f"warning: process {jax.process_index()}: {path} is partial or corrupted ({damaged})")
+        if code == _FAILED:  # every process stops here: none tells the others
+            why = mine if isinstance(mine, UserError) else not_damage(mine, path)
+            raise JobError(str(why)) from None
         raise mine
     other = int(np.argmax(codes == worst))
     if worst == _FAILED:
-        raise UserError(
+        raise JobError(
             f"{path} does not read on process {other} of this job (its error says why); nothing was "
             "skipped or moved: fix the cause and run again"
         )
@@ -276,7 +280,7 @@ def restore_newest(
     hit = first_that_reads(ckpt_dir, steps, read, warn, on_damage=set_aside)
     if hit is None:
         where = os.path.join(os.path.dirname(ckpt_dir), CORRUPT_DIR)
-        raise UserError(
+        raise JobError(
             f"no checkpoint in {ckpt_dir} restores: steps {', '.join(map(str, moved))} are damaged and "
             f"were moved to {where}; inspect them, then remove {where} to start this run afresh"
         )
@@ -338,7 +342,7 @@ def check_model_matches(
         for p in sorted(set(before) | set(after))
         if before.get(p) != after.get(p)
     ]
-    raise UserError(
+    raise JobError(  # every process reads the same checkpoints (agreed_checkpoints): each says it
         f"{where} holds a checkpoint of a different model ({'; '.join(diffs)}; parameters: "
         f"{'; '.join(shapes) or 'same shapes'}); {advice}"
     )
@@ -383,8 +387,8 @@ def check_same_run(saved_config: dict, config, where: str) -> None:
         # A key the saved config lacks was added later; its default is what that run used.
         if _identity(saved_config, k) is not _ABSENT and _identity(saved_config, k) != _identity(now, k)
     ]
-    if diffs:
-        raise UserError(
+    if diffs:  # every process reads the same checkpoints (agreed_checkpoints): each says it
+        raise JobError(
             f"{where} holds another run ({'; '.join(diffs)}); use a new --workdir or the same values"
         )
 

@@ -142,11 +142,17 @@ def _why_damaged(e: Exception, path: str) -> str:
     """damage(e); where `e` says nothing against the checkpoint at `path`, UserError instead."""
     why = damage(e)
     if why is None:
-        raise UserError(
-            f"{path} does not read ({short_error(e)}); this does not look like a damaged checkpoint, so "
-            "nothing was skipped or moved: fix the cause and run again"
-        ) from None
+        raise not_damage(e, path) from None
     return why
+
+
+def not_damage(e: Exception, path: str) -> UserError:
+    """The error to raise for `e`, a failure to read the checkpoint at `path` that says nothing
+    against the checkpoint itself (permissions, memory, storage)."""
+    return UserError(
+        f"{path} does not read ({short_error(e)}); this does not look like a damaged checkpoint, so "
+        "nothing was skipped or moved: fix the cause and run again"
+    )
 
 
 def first_that_reads(ckpt_dir: str, steps: list[int], read, warn=print, on_damage=None):

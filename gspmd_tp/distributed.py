@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from gspmd_tp import handshake
-from gspmd_tp.errors import UserError
+from gspmd_tp.errors import JobError, UserError
 
 
 def _port_taken(port: int) -> bool:
@@ -139,7 +139,7 @@ def check_device_counts() -> None:
         counts[d.process_index] += 1
     other = next((i for i, n in enumerate(counts) if n != counts[0]), None)
     if other is not None:
-        raise UserError(
+        raise JobError(
             f"process {other} of this job has {counts[other]} devices and process 0 has {counts[0]}: "
             "start every process with as many (on CPU: the same --xla_force_host_platform_device_count "
             "in XLA_FLAGS, or config.host_device_count)"
@@ -161,9 +161,9 @@ def check_same_everywhere(config: dict | None, rules_text: str | None = None) ->
         return
     column, other = found
     if column == len(items) + 1:
-        raise UserError("the processes of this job were given configs with different keys; start each alike")
+        raise JobError("the processes of this job were given configs with different keys; start each alike")
     name = (["the config's keys"] + [k for k, _ in items])[column]
-    raise UserError(
+    raise JobError(
         f"{name} differs between process 0 and process {other} of this job; "
         "start every process with the same config, rule file and overrides"
     )
@@ -200,9 +200,9 @@ def agreed(fn, *args):
         result, mine = None, e
     failed = [i for i, [bad] in enumerate(every_process([int(mine is not None)])) if bad]
     if mine is not None:
-        raise mine
+        raise JobError(str(mine)) from None  # every process stops here: none tells the others
     if failed:
-        raise UserError(f"process {failed[0]} of this job stopped with an error (its output says which)")
+        raise JobError(f"process {failed[0]} of this job stopped with an error (its output says which)")
     return result
 
 

@@ -13,6 +13,12 @@ class UserError(ValueError):
     """A one-line, user-fixable error. Entry points print it to stderr and exit non-zero."""
 
 
+class JobError(UserError):
+    """A UserError that every process of a multi-process job raises at the same point (an exchange
+    told each the outcome): each prints its own line. Any other UserError before training began is
+    this process's alone, and train.py tells the others of it (handshake.tell_error)."""
+
+
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 

@@ -14,9 +14,11 @@ that hosts it exits makes the client abort the process. And it tells a death: a 
 (SIGKILL, the OOM killer) or crashed says nothing, but the kernel closes its end of the socket.
 So each process says when it is done with the socket: `training` once its loop began (from then
 on its stops and its end are the loop's, which every process sees), `bye` where it exits on
-purpose (the run's end, or an error it reports itself). An end of file without either is a death:
-process 0 passes it on to the others, and every process stops at once. `training` covers a close
-only once this process's loop began too: a peer cannot end its loop without this one's.
+purpose (the run's end, or an error that every process reports itself). An end of file without
+either is a death: process 0 passes it on to the others, and every process stops at once.
+`training` covers a close only once this process's loop began too: a peer cannot end its loop
+without this one's. An error of this process alone (a file or a limit of its host; a bug) it tells
+as `error PROCESS MESSAGE`, and the others stop at once too, naming it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ _REFUSED = b"error: "
 _READ_S = 5  # for a line from a peer that connected: a stray connection must not stall the join
 _STOP = b"stop "  # `stop SIGNUM PROCESS`: that process was stopped by signal SIGNUM
 _DIED = b"died "  # `died PROCESS`, from process 0: that process's end closed without a word
+_ERROR = b"error "  # `error PROCESS MESSAGE`: that process stops with an error of its own
+_MESSAGE_CHARS = 1000  # of an error's first line: the others print it within a line of their own
 _TRAINING = b"training"  # the sender's training loop began
 _BYE = b"bye"  # the sender exits on purpose
 
@@ -46,7 +50,7 @@ _process_id = 0
 _telling = threading.Event()
 _began = threading.Event()
 _following: tuple | None = None
-_death = threading.Event()  # the thread that follows the peers saw one die
+_death = threading.Event()  # the thread that follows the peers saw one die or fail
 
 
 def gather(port: int, num_processes: int, address: str) -> None:
@@ -161,6 +165,25 @@ def tell_stop(signum: int) -> None:
         _leave_last(_peers)
 
 
+def tell_error(message: str) -> bool:
+    """Tells the other processes of the job that this one stops with an error of its own (the first
+    line of `message`) before its training loop began: they would wait for it in a collective.
+    Whether it told them: False in a one-process job, before the job's flags agreed, and once
+    training_began() (every process sees the loop's own errors)."""
+    if not before_training():
+        return False
+    first = (message.strip().splitlines() or [""])[0][:_MESSAGE_CHARS]
+    _send(_peers, _ERROR + f"{_process_id} {first}\n".encode(errors="replace"))
+    _leave_last(_peers)
+    return True
+
+
+def before_training() -> bool:
+    """Whether this process is in a multi-process job whose flags agreed and its training loop has
+    not begun: where tell_stop and tell_error tell the others."""
+    return _telling.is_set()
+
+
 def training_began() -> None:
     """From now on this process's stops are the training loop's (which every process sees), and
     so is its end: the others no longer take its socket's close for a death."""
@@ -176,26 +199,26 @@ def leave() -> None:
     _send(_peers, _BYE + b"\n")
 
 
-def follow(on_stop, on_death) -> None:
+def follow(on_stop, on_death, on_error) -> None:
     """From the moment the job's flags agree (now, where they did), on a background thread: calls
-    on_stop(signum, process) once another process of the job told its stop (tell_stop), or
-    on_death(process) once one died before its training loop began (its end of the socket closed
-    without `training` or `bye`); process 0 first passes either on to the others. Nothing in a
-    one-process job."""
+    on_stop(signum, process) once another process of the job told its stop (tell_stop),
+    on_error(process, message) once one told its error (tell_error), or on_death(process) once one
+    died before its training loop began (its end of the socket closed without `training` or
+    `bye`); process 0 first passes each on to the others. Nothing in a one-process job."""
     global _following
-    _following = (on_stop, on_death)
+    _following = (on_stop, on_death, on_error)
     if _peers:
-        _follow(on_stop, on_death)
+        _follow(on_stop, on_death, on_error)
 
 
 def a_peer_died(seconds: float) -> bool:
-    """Whether the thread that follow() started sees another process of the job die before
-    training, waiting at most `seconds` for it: a collective may fail on the closed connection
-    first, and that thread names the process."""
+    """Whether the thread that follow() started sees another process of the job die (or stop with
+    an error) before training, waiting at most `seconds` for it: a collective may fail on the
+    closed connection first, and that thread names the process."""
     return bool(_following and _peers) and _death.wait(seconds)
 
 
-def _follow(on_stop, on_death) -> threading.Thread:
+def _follow(on_stop, on_death, on_error) -> threading.Thread:
     def run():
         said: dict[socket.socket, bytes] = {}  # a peer's last word: _TRAINING or _BYE
         partial = {conn: b"" for conn in _peers}  # what came of a line not yet ended
@@ -226,6 +249,11 @@ def _follow(on_stop, on_death) -> threading.Thread:
                         _death.set()
                         on_death(*died)  # process 0 passes it on: here, the one connection
                         return
+                    elif (error := _error(line)) is not None:
+                        _death.set()
+                        _pass_on(conn, line + b"\n")
+                        on_error(*error)
+                        return
 
     thread = threading.Thread(target=run, name="peer-stops", daemon=True)
     thread.start()
@@ -237,6 +265,13 @@ def _numbers(line: bytes, prefix: bytes, count: int) -> list[int] | None:
     if len(fields) != count or not all(f.isdigit() for f in fields):
         return None
     return [int(f) for f in fields]
+
+
+def _error(line: bytes) -> tuple[int, str] | None:
+    process, _, message = line.removeprefix(_ERROR).partition(b" ")
+    if not line.startswith(_ERROR) or not process.isdigit():
+        return None
+    return int(process), message.decode(errors="replace")
 
 
 def _pass_on(source: socket.socket, message: bytes) -> None:

@@ -31,7 +31,7 @@ from gspmd_tp import (
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
 from gspmd_tp.config_keys import changed, check_keys, ours
-from gspmd_tp.errors import UserError, warn
+from gspmd_tp.errors import JobError, UserError, warn
 from gspmd_tp.mesh import make_mesh, mesh_string
 from gspmd_tp.model import ModelConfig, flops_per_token, param_count
 from gspmd_tp.projection import explicit_projection_grad
@@ -430,13 +430,13 @@ def _check_same_inputs(corpus: dict, init_from: str, init_digest: str) -> None:
         return
     column, other = found
     if column == len(splits):
-        raise UserError(
+        raise JobError(
             f"config.init_from={init_from} read by process {other} of this job differs from process 0's "
             f"(here: parameters digest {init_digest[:16]}): every process must read the same file (a "
             "relative path from each process's own directory)"
         )
     mine = corpus[splits[column]]
-    raise UserError(
+    raise JobError(
         f"the {_CHANGED_CORPUS[splits[column]][0]} read by process {other} of this job differs from "
         f"process 0's (here: {mine['tokens']:,} tokens, sha256 {mine['sha256']}): every process must "
         "read the same files (config.data's paths; relative ones from each process's own directory)"

@@ -16,7 +16,7 @@ from conftest import child_env, small_config
 from test_train_cli import ROOT, SMALL, train
 
 from gspmd_tp import checkpoint, checkpoint_files, faults, optim, outputs, trainer
-from gspmd_tp.errors import UserError
+from gspmd_tp.errors import JobError, UserError
 
 RUN_FOREVER = ["--config.steps=100000", "--config.log_every=1", "--config.eval_every=100000"]
 
@@ -483,7 +483,7 @@ def test_what_another_process_cannot_read_stops_every_process_and_moves_nothing(
     shutil.copytree(trained, workdir)
     before = _tree(workdir)
     _peer_answers(monkeypatch, *answers)  # the steps listed, then each read's outcome
-    with pytest.raises(UserError) as e:
+    with pytest.raises(JobError) as e:  # every process stops there: none tells the others (train.py)
         trainer.train(small_config(steps=6), str(workdir))
     assert str(e.value) == message.format(ckpt=workdir / "checkpoints")
     assert _tree(workdir) == before
@@ -495,7 +495,7 @@ def test_damage_here_and_a_failure_elsewhere_stop_every_process(trained, tmp_pat
     shutil.copytree(trained, workdir)
     flip_bytes(workdir / "checkpoints" / "4")
     _peer_answers(monkeypatch, None, [checkpoint._FAILED])
-    with pytest.raises(UserError, match=r"/4 does not read on process 1 of this job"):
+    with pytest.raises(JobError, match=r"/4 does not read on process 1 of this job"):
         trainer.train(small_config(steps=6), str(workdir))
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
 
@@ -514,9 +514,7 @@ def test_a_process_that_cannot_use_the_checkpoint_directory_shares_that_before_i
         return [list(values), [4, 2]]
 
     monkeypatch.setattr(checkpoint.distributed, "every_process", every_process)
-    with pytest.raises(
-        UserError, match=r"holds no complete checkpoint \(steps 4, 2 are partial or corrupted"
-    ):
+    with pytest.raises(JobError, match=r"holds no complete checkpoint \(steps 4, 2 are partial or corrupted"):
         trainer.train(small_config(steps=6), str(workdir))
     assert shared == [[checkpoint._UNUSABLE]]
 

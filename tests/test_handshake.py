@@ -153,7 +153,7 @@ def test_a_stop_right_behind_the_answer_is_not_lost(monkeypatch):
         handshake.report("127.0.0.1", port, 1, 2, f"127.0.0.1:{port}")
         told = threading.Event()
         stops = []
-        handshake.follow(lambda signum, process: (stops.append((signum, process)), told.set()), print)
+        handshake.follow(lambda signum, process: (stops.append((signum, process)), told.set()), print, print)
         told.wait(10)
         for conn in handshake._peers:
             conn.close()
@@ -184,6 +184,7 @@ def follow():
     thread = handshake._follow(
         lambda signum, process: heard.append(("stop", signum, process)),
         lambda process: heard.append(("died", process)),
+        lambda process, message: heard.append(("error", process, message)),
     )
     return heard, thread
 
@@ -281,9 +282,81 @@ def test_following_before_the_flags_agree_starts_once_they_do(monkeypatch):
     """train.py follows from the start: a process may die while JAX joins the job."""
     alone(monkeypatch)
     died = threading.Event()
-    handshake.follow(print, lambda process: died.set())
+    handshake.follow(print, lambda process: died.set(), print)
     assert not died.wait(0.2)  # no peers yet: nothing to follow
     mine, theirs = socket.socketpair()
     handshake._keep({mine: 1}, 0)
     theirs.close()
     assert died.wait(10)
+
+
+def test_an_error_of_one_process_is_passed_on_and_then_no_death(monkeypatch):
+    """Process 1 stops with an error of its own host before training (a UserError there alone, or a
+    bug): before, it said `bye` (or nothing), and the others waited for it in a collective until the
+    heartbeat timeout."""
+    ends = fake_peers(monkeypatch, 0, [1, 2])
+    heard, thread = follow()
+    ends[1].sendall(b"error 1 config.data.train_files: cannot read /data/a.txt (Permission denied)\n")
+    ends[1].close()
+    ends[2].settimeout(5)
+    assert (
+        ends[2].recv(200) == b"error 1 config.data.train_files: cannot read /data/a.txt (Permission denied)\n"
+    )
+    assert thread.is_alive()  # process 0 leaves last
+    ends[2].close()
+    thread.join(10)
+    assert heard == [("error", 1, "config.data.train_files: cannot read /data/a.txt (Permission denied)")]
+    assert handshake._death.is_set()  # a collective that failed on the closed connection waits for it
+
+
+def test_an_error_process_0_tells_is_heard_once(monkeypatch):
+    ends = fake_peers(monkeypatch, 1, [0])
+    heard, thread = follow()
+    ends[0].sendall(b"error 0 RuntimeError: boom\n")
+    thread.join(10)
+    ends[0].close()
+    assert heard == [("error", 0, "RuntimeError: boom")]
+
+
+@pytest.mark.parametrize("line", [b"error\n", b"error x boom\n", b"errors 1 boom\n"])
+def test_a_line_that_is_no_error_is_not_taken_for_one(monkeypatch, line):
+    ends = fake_peers(monkeypatch, 0, [1])
+    heard, thread = follow()
+    ends[1].sendall(line)
+    ends[1].close()
+    thread.join(10)
+    assert heard == [("died", 1)]
+
+
+def test_a_process_tells_the_first_line_of_its_error(monkeypatch):
+    ends = fake_peers(monkeypatch, 1, [0])
+    assert handshake.tell_error("the compiled train step needs more\nthan this host has\n")
+    ends[0].settimeout(5)
+    assert ends[0].recv(200) == b"error 1 the compiled train step needs more\n"
+
+
+def test_process_0_tells_its_error_and_leaves_last(monkeypatch):
+    """Process 0 hosts JAX's coordination service: the others must exit first, or their JAX clients
+    abort them with a stack trace."""
+    ends = fake_peers(monkeypatch, 0, [1, 2])
+    told = []
+    thread = threading.Thread(target=lambda: told.append(handshake.tell_error("boom")), daemon=True)
+    thread.start()
+    for process, end in ends.items():
+        end.settimeout(5)
+        assert end.recv(100) == b"error 0 boom\n"
+        assert thread.is_alive(), process
+        end.close()
+    thread.join(10)
+    assert told == [True]
+
+
+def test_no_error_is_told_once_training_began_or_alone(monkeypatch):
+    """The loop's own errors every process sees; a one-process job has nobody to tell."""
+    alone(monkeypatch)
+    assert not handshake.tell_error("boom")
+    ends = fake_peers(monkeypatch, 1, [0])
+    handshake.training_began()
+    assert not handshake.tell_error("boom")
+    ends[0].settimeout(5)
+    assert ends[0].recv(100) == b"training\n"

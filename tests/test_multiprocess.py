@@ -44,9 +44,11 @@ def env(devices: int) -> dict:
     return e
 
 
-def start(workdir, steps, *extra, processes=2, only=((), ()), cwd=(ROOT, ROOT), devices=(4, 4)):
+def start(
+    workdir, steps, *extra, processes=2, only=((), ()), cwd=(ROOT, ROOT), devices=(4, 4), python=((), ())
+):
     """Starts the job; 1 process gets 8 devices, 2 processes `devices[i]` each (default 4; process i
-    adding `only[i]`, started in directory `cwd[i]`)."""
+    adding `only[i]`, started in directory `cwd[i]`, Python given `python[i]` before train.py)."""
     train = [sys.executable, str(ROOT / "train.py"), *SMALL]
     args = [*train, f"--workdir={workdir}", f"--config.steps={steps}", *extra]
     if processes == 1:
@@ -56,7 +58,9 @@ def start(workdir, steps, *extra, processes=2, only=((), ()), cwd=(ROOT, ROOT), 
     return [
         subprocess.Popen(
             [
-                *args,
+                sys.executable,
+                *python[i],
+                *args[1:],
                 f"--coordinator_address=127.0.0.1:{port}",
                 "--num_processes=2",
                 f"--process_id={i}",
@@ -373,6 +377,45 @@ def test_a_process_killed_before_training_stops_the_others_at_once(tmp_path):
     assert procs[0].returncode == 1, err[-2000:]
     assert err.strip().splitlines()[-1] == (
         "stopped: process 1 died (killed or crashed) before training began; no checkpoint was written"
+    )
+    assert took < 20, took
+    assert not (tmp_path / "run").exists()
+
+
+# Python's -c, then train.py as usual: on a host whose RAM is 1 MiB (os.sysconf's count of pages).
+SMALL_HOST = (
+    "-c",
+    "import os, runpy, sys\n"
+    "real = os.sysconf\n"
+    "os.sysconf = lambda name: 256 if name == 'SC_PHYS_PAGES' else real(name)\n"
+    "sys.argv = sys.argv[1:]\n"
+    "sys.path.insert(0, os.path.dirname(sys.argv[0]))\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n",
+)
+
+
+def test_an_error_of_one_process_alone_before_training_stops_the_others_at_once(tmp_path):
+    """Process 1's host has too little RAM for the compiled step: a UserError there alone (its
+    check_memory), after process 0 went on. Before, process 0 waited for it in a collective (30 s
+    in gloo's setup here) and blamed a dead peer."""
+    procs = start(tmp_path / "run", 100_000, python=((), SMALL_HOST))
+    try:
+        for line in procs[1].stderr:
+            if line.startswith("error: "):
+                break
+        failed = time.time()
+        _, err = procs[0].communicate(timeout=60)
+        took = time.time() - failed
+        _, err1 = procs[1].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert line.startswith("error: the compiled train step needs 4 CPU devices x "), line
+    assert procs[1].returncode == 1, err1[-2000:]
+    assert procs[0].returncode == 1, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        f"stopped: process 1 stopped with an error before training began ({line.strip()}); "
+        "no checkpoint was written"
     )
     assert took < 20, took
     assert not (tmp_path / "run").exists()
