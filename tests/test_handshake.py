@@ -247,13 +247,17 @@ def test_process_0_closing_without_a_word_is_its_death_on_the_others(monkeypatch
     assert heard == [("died", 0)]
 
 
-def test_a_death_process_0_tells_is_heard_once(monkeypatch):
+@pytest.mark.parametrize(
+    "line, news",
+    [(b"died 2\n", ("died", 2)), (b"error 0 RuntimeError: boom\n", ("error", 0, "RuntimeError: boom"))],
+)
+def test_what_process_0_tells_is_heard_once(monkeypatch, line, news):
     ends = fake_peers(monkeypatch, 1, [0])
     heard, thread = follow()
-    ends[0].sendall(b"died 2\n")
+    ends[0].sendall(line)
     thread.join(10)
     ends[0].close()
-    assert heard == [("died", 2)]
+    assert heard == [news]
 
 
 def test_a_stop_is_passed_on_and_then_no_death(monkeypatch):
@@ -307,15 +311,6 @@ def test_an_error_of_one_process_is_passed_on_and_then_no_death(monkeypatch):
     thread.join(10)
     assert heard == [("error", 1, "config.data.train_files: cannot read /data/a.txt (Permission denied)")]
     assert handshake._death.is_set()  # a collective that failed on the closed connection waits for it
-
-
-def test_an_error_process_0_tells_is_heard_once(monkeypatch):
-    ends = fake_peers(monkeypatch, 1, [0])
-    heard, thread = follow()
-    ends[0].sendall(b"error 0 RuntimeError: boom\n")
-    thread.join(10)
-    ends[0].close()
-    assert heard == [("error", 0, "RuntimeError: boom")]
 
 
 @pytest.mark.parametrize("line", [b"error\n", b"error x boom\n", b"errors 1 boom\n"])
