@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from gspmd_tp import axes, trainer
+from gspmd_tp import axes, run_setup
 from gspmd_tp import step as step_lib
 from gspmd_tp.rules import axes_of
 from gspmd_tp.state import logical_specs, path_str
@@ -17,7 +17,7 @@ from gspmd_tp.state import logical_specs, path_str
 REPLICATED_FLAG_BYTES = 1 << 20  # flag replicated leaves from 1 MiB up
 
 
-def leaf_table(s: trainer.Setup, threshold: int = REPLICATED_FLAG_BYTES) -> list[dict]:
+def leaf_table(s: run_setup.Setup, threshold: int = REPLICATED_FLAG_BYTES) -> list[dict]:
     """One row per parameter and optimizer-state array: path, shape, logical axes, spec, bytes.
 
     `replicated_over` lists the mesh axes that could shard a leaf of `threshold` bytes or more.
@@ -61,7 +61,7 @@ def leaf_table(s: trainer.Setup, threshold: int = REPLICATED_FLAG_BYTES) -> list
     return rows
 
 
-def analytical_bytes(s: trainer.Setup, rows: list[dict], backend: str) -> dict[str, float]:
+def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict[str, float]:
     """Bytes per device per step that the sharding needs, by source (ring algorithms).
 
     Tensor parallelism (Megatron), each sublayer over the mesh axes that shard its own hidden

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspmd_tp import hlo, metrics, profiling, restore, trainer
+from gspmd_tp import hlo, metrics, profiling, restore, run_setup
 from gspmd_tp import rules as rules_lib
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
@@ -93,10 +93,10 @@ def time_phases(s, step, state, batch, steps: int) -> tuple[dict, object]:
     return {k: statistics.median(v) for k, v in times.items()}, state
 
 
-def _compiled(config, warmup: int, s: trainer.Setup | None = None):
+def _compiled(config, warmup: int, s: run_setup.Setup | None = None):
     """(setup, compiled step, state, batch, compile seconds) for `config` (whose setup `s` may be
     given), after `warmup` steps."""
-    s = s or trainer.setup(config)
+    s = s or run_setup.setup(config)
     t0 = time.perf_counter()
     step = step_lib.compile_train_step(s)
     compile_s = time.perf_counter() - t0
@@ -143,7 +143,7 @@ def _speed(s, config, times: list[float], compile_s: float) -> dict:
 
 
 def bench_one(
-    config, s: trainer.Setup, steps: int, warmup: int, profile_dir: str = "", phases: bool = False
+    config, s: run_setup.Setup, steps: int, warmup: int, profile_dir: str = "", phases: bool = False
 ) -> dict:
     """One rule file x mesh (`config` and its setup `s`): compile, warm up, time `steps` steps (each
     waited for); with `profile_dir`, then trace one more step there; with `phases`, also time the
@@ -211,7 +211,7 @@ def variant_setups(config, variants: list[dict[str, str]]) -> list[tuple]:
     overrides): every override and setup checked, nothing compiled yet."""
     try:
         configs = [restore.apply_overrides(copy.deepcopy(config), o) for o in [{}, *variants]]
-        setups = [trainer.setup(c) for c in configs]
+        setups = [run_setup.setup(c) for c in configs]
     except UserError as e:
         raise UserError(f"--variants: {e}") from None
     return list(zip([variant_name(o) for o in [{}, *variants]], configs, setups, strict=True))
@@ -275,7 +275,7 @@ def run(
         for mesh in meshes:
             c = copy.deepcopy(config)
             c.rules, c.mesh = rules, mesh
-            prepared[rules, mesh] = variant_setups(c, variants) if variants else (c, trainer.setup(c))
+            prepared[rules, mesh] = variant_setups(c, variants) if variants else (c, run_setup.setup(c))
     names = rules_lib.short_names(rules_list)  # trace directories stay under profile_dir
     platform = jax.devices()[0].platform
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16} if platform == "cpu" else {}

@@ -78,7 +78,7 @@ def laid_over(defaults: dict, saved: dict) -> dict:
 
 def check_keys(config, skip: tuple[str, ...] = ("model",)) -> None:
     """Raises UserError naming the first key `config` has and the default config lacks, or the
-    reverse; the sections in `skip` are checked elsewhere (config.model by trainer.model_config)."""
+    reverse; the sections in `skip` are checked elsewhere (config.model by run_setup.model_config)."""
     if not DEFAULT_CONFIG.is_file():  # an installed wheel: no configs/ to compare with
         return
     problem = _first_difference(config.to_dict(), default_config(), "config", skip)

@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 from ml_collections import ConfigDict
 
-from gspmd_tp import checkpoint, checkpoint_files, hf_layout, outputs, paths, restore, trainer
+from gspmd_tp import checkpoint, checkpoint_files, hf_layout, outputs, paths, restore, run_setup
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError, define_config, exit_from_main, interrupted, loaded_config, parse_flags
 from gspmd_tp.mesh import DeviceCountError
@@ -54,7 +54,7 @@ _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.
 # The two directions
 
 
-def from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
+def from_hf(hf_dir: str, workdir: str, config) -> run_setup.Setup:
     """Writes step 0 of a run in `workdir` holding the HF model in `hf_dir`, sharded per `config`.
 
     config.model's sizes are replaced by the HF config's; its rules and mesh choose the shardings.
@@ -68,7 +68,7 @@ def from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
             return _from_hf(hf_dir, workdir, config)
 
 
-def _from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
+def _from_hf(hf_dir: str, workdir: str, config) -> run_setup.Setup:
     hf_path = Path(hf_dir)
     hf = hf_layout.read_hf_config(hf_dir, "--hf_dir")
     ckpt_dir = checkpoint_files.checkpoint_dir(workdir)
@@ -76,12 +76,12 @@ def _from_hf(hf_dir: str, workdir: str, config) -> trainer.Setup:
         raise UserError(f"{ckpt_dir} already holds checkpoints; use a new --workdir")
     config = ConfigDict(config.to_dict())
     try:
-        cfg = hf_layout.model_config_from_hf(hf, trainer.model_config(config))
+        cfg = hf_layout.model_config_from_hf(hf, run_setup.model_config(config))
     except UserError as e:
         raise UserError(f"--hf_dir={hf_dir}: {e}") from None
     config.model.update({k: getattr(cfg, k) for k in hf_layout.HF_MODEL_KEYS})
     try:
-        s = trainer.setup(config)
+        s = run_setup.setup(config)
     except UserError as e:
         # Typically a vocab or kv_heads that the mesh does not divide. The vocab is not padded:
         # padded rows would take part in the softmax and change the logits.
@@ -179,7 +179,7 @@ def to_hf(
 # Command line
 
 
-def _resume_command(s: trainer.Setup, workdir: str, config_path: str, argv: list[str]) -> str:
+def _resume_command(s: run_setup.Setup, workdir: str, config_path: str, argv: list[str]) -> str:
     """The train.py command that resumes the imported run: the model's sizes spelled out, and every
     other --config.KEY the import was given (a run's seq_len or data must match on resume)."""
     model = [f"--config.model.{k}={getattr(s.model_cfg, k)}" for k in hf_layout.HF_MODEL_KEYS]

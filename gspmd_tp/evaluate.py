@@ -25,7 +25,7 @@ import os
 
 import jax
 
-from gspmd_tp import data, outputs, paths, restore, trainer
+from gspmd_tp import data, outputs, paths, restore, run_setup, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
 from gspmd_tp.errors import ArgumentParser, UserError, exit_from_main, interrupted, warn
@@ -38,15 +38,15 @@ from gspmd_tp.mesh import mesh_string
 BYTES_PER_TOKEN = 1
 
 
-def compiled_eval_step(s: trainer.Setup):
+def compiled_eval_step(s: run_setup.Setup):
     """The eval step compiled for `s`; UserError where it cannot fit in memory (before any read)."""
     eval_step = step_lib.compile_eval_step(s)
     fix = "shrink --config.batch_size or --config.seq_len, or read on another --config.mesh"
-    trainer.check_memory(eval_step.memory_analysis(), s.mesh, "evaluation step", fix)
+    run_setup.check_memory(eval_step.memory_analysis(), s.mesh, "evaluation step", fix)
     return eval_step
 
 
-def held_out_batches(s: trainer.Setup, workdir: str | None = None) -> tuple[data.BatchStream, dict]:
+def held_out_batches(s: run_setup.Setup, workdir: str | None = None) -> tuple[data.BatchStream, dict]:
     """(held-out batches, their tokens' fingerprint) of s.config.data, read from the files now (none
     inside the run's `workdir`, as in training): UserError where they are missing or too short."""
     c = s.config
@@ -67,7 +67,7 @@ def note_held_out_change(saved: dict, now: dict, step: int) -> None:
         )
 
 
-def evaluate_params(s: trainer.Setup, params, eval_step=None, eval_ds=None) -> dict:
+def evaluate_params(s: run_setup.Setup, params, eval_step=None, eval_ds=None) -> dict:
     """Loss and perplexities of `params` over config.eval_batches held-out batches (at most one
     pass over them), with `eval_step` (compiled_eval_step) or one compiled on first use, and
     `eval_ds` (held_out_batches) or the batches read now."""

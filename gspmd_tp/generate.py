@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspmd_tp import axes, data, distributed, paths, restore, trainer
+from gspmd_tp import axes, data, distributed, paths, restore, run_setup
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import ArgumentParser, UserError, exit_from_main, interrupted, warn
 from gspmd_tp.mesh import mesh_string
@@ -126,7 +126,7 @@ def fit_length(token_lists: list[list[int]], max_new_tokens: int | None, seq_len
 # --- the sampler ---
 
 
-def batch_rows(s: trainer.Setup, prompts: int) -> int:
+def batch_rows(s: run_setup.Setup, prompts: int) -> int:
     """Rows of the decoding batch: the prompts, rounded up to divide over the mesh axes of `batch`."""
     ways = math.prod(s.mesh.shape[a] for a in axes_of(s.rules.spec((axes.BATCH,))[0]))
     return -(-prompts // ways) * ways
@@ -149,7 +149,7 @@ def left_pad(token_lists: list[list[int]], rows: int) -> tuple[np.ndarray, np.nd
     return tokens, positions
 
 
-def cache_shardings(s: trainer.Setup, rows: int, prompt_len: int, cache_length: int):
+def cache_shardings(s: run_setup.Setup, rows: int, prompt_len: int, cache_length: int):
     """NamedShardings of the key/value cache: its logical axes resolved by the rule file.
 
     Raises UserError, naming the cache leaf, when the mesh axes do not divide it.
@@ -189,7 +189,7 @@ def _choose(logits_bv, key, temperature: float, top_k: int):
 
 
 def make_sampler(
-    s: trainer.Setup,
+    s: run_setup.Setup,
     rows: int,
     prompt_len: int,
     max_new_tokens: int,
@@ -288,7 +288,7 @@ def make_sampler(
 _MEMORY_FIX = "fewer --max_new_tokens or prompts, or read on another --config.mesh"
 
 
-def _fitting_layout(s: trainer.Setup, compiled_for, layouts) -> str:
+def _fitting_layout(s: run_setup.Setup, compiled_for, layouts) -> str:
     """The first of "decoding", "training" in `layouts` whose compiled sampler fits in memory, with a
     note on stderr where that is the training layout; UserError where neither fits."""
     note = None
@@ -296,7 +296,7 @@ def _fitting_layout(s: trainer.Setup, compiled_for, layouts) -> str:
         gathered = ", ".join(axes_of(s.rules.spec((axes.BATCH,))[0]))
         instead = f"sampling with them in their training layout, gathered over {gathered} for every new token"
         try:
-            trainer.check_memory(
+            run_setup.check_memory(
                 compiled_for("decoding").memory_analysis(),
                 s.mesh,
                 f"sampling step with the parameters replicated over {gathered} for decoding",
@@ -309,7 +309,7 @@ def _fitting_layout(s: trainer.Setup, compiled_for, layouts) -> str:
         if not short:
             return "decoding"
         note = note or f"note: process {short[0]} cannot hold the parameters laid out for decoding; {instead}"
-    trainer.check_memory(compiled_for("training").memory_analysis(), s.mesh, "sampling step", _MEMORY_FIX)
+    run_setup.check_memory(compiled_for("training").memory_analysis(), s.mesh, "sampling step", _MEMORY_FIX)
     if note and jax.process_index() == 0:
         warn(note)
     return "training"
@@ -321,7 +321,7 @@ def _put(array: np.ndarray, sharding) -> jax.Array:
 
 
 def sample_tokens(
-    s: trainer.Setup,
+    s: run_setup.Setup,
     params,
     token_lists: list[list[int]],
     max_new_tokens: int,
@@ -344,7 +344,7 @@ def sample_tokens(
     return np.asarray(out)[: len(token_lists)]
 
 
-def sampler_for(s: trainer.Setup, token_lists: list[list[int]], max_new_tokens: int, temperature, top_k):
+def sampler_for(s: run_setup.Setup, token_lists: list[list[int]], max_new_tokens: int, temperature, top_k):
     """make_sampler for these prompts, compiled; UserError where it cannot fit in memory."""
     rows = batch_rows(s, len(token_lists))
     run = make_sampler(s, rows, left_pad(token_lists, rows)[0].shape[1], max_new_tokens, temperature, top_k)

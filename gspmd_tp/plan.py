@@ -42,7 +42,7 @@ import os
 import jax
 import numpy as np
 
-from gspmd_tp import analysis, hlo, outputs, tpu, trainer
+from gspmd_tp import analysis, hlo, outputs, run_setup, tpu
 from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError, no_positional_arguments
 from gspmd_tp.mesh import mesh_file_name, mesh_string, parse_mesh
@@ -54,7 +54,7 @@ def plan(
     dump_hlo: str | None = None,
     target: str | None = None,
     slices: int = 1,
-    s: trainer.Setup | None = None,
+    s: run_setup.Setup | None = None,
     label: str | None = None,
 ) -> dict:
     """Everything plan reports for one config (rule file and mesh included), as a JSON-able dict.
@@ -64,7 +64,7 @@ def plan(
     step's HLO goes to DIR/LABEL_MESH.hlo.txt, LABEL the rule file's name unless given.
     """
     if s is None:
-        s = trainer.setup(config, tpu.target_devices(target, slices) if target else None)
+        s = run_setup.setup(config, tpu.target_devices(target, slices) if target else None)
     rows = analysis.leaf_table(s)
     with tpu.no_cache_writes() if target else contextlib.nullcontext():
         compiled = step_lib.compile_train_step(s)
@@ -268,7 +268,7 @@ def compare(
             c = copy.deepcopy(config)
             c.rules, c.mesh = rules, mesh
             try:
-                prepared.append((rules, c, trainer.setup(c, devices)))
+                prepared.append((rules, c, run_setup.setup(c, devices)))
             except IndivisibleError as e:
                 resolved = ",".join(f"{k}={v}" for k, v in sizes.items())
                 row = {"rules": str(resolve_path(rules)), "label": labels[rules], "mesh": resolved}

@@ -23,7 +23,7 @@ from gspmd_tp.config_keys import default_config, laid_over, ours
 from gspmd_tp.errors import UserError, warn
 
 if TYPE_CHECKING:
-    from gspmd_tp import trainer
+    from gspmd_tp import run_setup
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 DEFAULT_DEVICES = 8  # what train.py simulates by default (configs/tiny.py host_device_count)
@@ -128,9 +128,9 @@ def _rule_file_found(name_or_path: str) -> bool:
     return True
 
 
-def _setup_with_saved_rules(config: ConfigDict, meta: dict, step: int) -> trainer.Setup:
-    """trainer.setup with the rule-file text saved in the checkpoint in place of config.rules."""
-    from gspmd_tp import trainer
+def _setup_with_saved_rules(config: ConfigDict, meta: dict, step: int) -> run_setup.Setup:
+    """run_setup.setup with the rule-file text saved in the checkpoint in place of config.rules."""
+    from gspmd_tp import run_setup
     from gspmd_tp.rules import parse_rules
 
     label = f"{config.rules} (the copy saved with step {step})"
@@ -138,7 +138,7 @@ def _setup_with_saved_rules(config: ConfigDict, meta: dict, step: int) -> traine
         f"note: rule file {config.rules!r} not found (cwd {os.getcwd()}); using the copy saved with "
         f"step {step} (pass --config.rules=NAME_OR_PATH to choose another)"
     )
-    return trainer.setup(config, rules=parse_rules(meta["rules"]["text"], label))
+    return run_setup.setup(config, rules=parse_rules(meta["rules"]["text"], label))
 
 
 def load_setup(
@@ -147,7 +147,7 @@ def load_setup(
     step: int | None = None,
     sampling: bool = False,
     params_only: bool = False,
-) -> tuple[int, dict, trainer.Setup]:
+) -> tuple[int, dict, run_setup.Setup]:
     """(step, meta, Setup) for the run in workdir: config, rule file and mesh checked, nothing compiled.
 
     A rule file that is no longer where the run found it (another cwd, a moved file) is replaced by
@@ -160,7 +160,7 @@ def load_setup(
     """
     import jax
 
-    from gspmd_tp import checkpoint, trainer
+    from gspmd_tp import checkpoint, run_setup
 
     step, meta, config = saved_config(workdir, overrides, step)
     if (sampling or params_only) and "batch_size" not in overrides and "grad_accum" not in overrides:
@@ -175,7 +175,7 @@ def load_setup(
     if "rules" not in overrides and saved_text and not _rule_file_found(config.rules):
         s = _setup_with_saved_rules(config, meta, step)
     else:
-        s = trainer.setup(config)
+        s = run_setup.setup(config)
     checkpoint.check_model_matches(meta["model"], s.model_cfg, workdir, READ_AS_SAVED)
     if sampling:
         from gspmd_tp import axes
@@ -185,7 +185,7 @@ def load_setup(
     return step, meta, s
 
 
-def _read_params(workdir: str, step: int, s: trainer.Setup):
+def _read_params(workdir: str, step: int, s: run_setup.Setup):
     import orbax.checkpoint as ocp
 
     from gspmd_tp import checkpoint
@@ -204,7 +204,7 @@ def _read_params(workdir: str, step: int, s: trainer.Setup):
     return restored["params"]
 
 
-def restore_params(workdir: str, step: int, s: trainer.Setup):
+def restore_params(workdir: str, step: int, s: run_setup.Setup):
     """The parameters of checkpoint `step`, read straight into the shardings of `s`; a step that does
     not read is a one-line UserError (files.read_newest), never skipped."""
     from gspmd_tp import checkpoint_files as files
@@ -215,7 +215,7 @@ def restore_params(workdir: str, step: int, s: trainer.Setup):
     return params
 
 
-def params_for(workdir: str, step: int, s: trainer.Setup, exact: bool):
+def params_for(workdir: str, step: int, s: run_setup.Setup, exact: bool):
     """(step, parameters) of the step load_setup found: that step only where a reader's --step
     asked for it (`exact`), else it or the newest older one that restores."""
     if exact:
@@ -223,7 +223,7 @@ def params_for(workdir: str, step: int, s: trainer.Setup, exact: bool):
     return restore_newest_params(workdir, step, s)
 
 
-def restore_newest_params(workdir: str, step: int, s: trainer.Setup):
+def restore_newest_params(workdir: str, step: int, s: run_setup.Setup):
     """(step, parameters) of checkpoint `step` or, where its files are damaged, of the newest older
     checkpoint that restores; each one skipped is named in a warning on stderr."""
     from gspmd_tp import checkpoint

@@ -19,8 +19,8 @@ from gspmd_tp import state as state_lib
 from gspmd_tp.model import Transformer
 from gspmd_tp.rules import axes_of, mesh_ways
 
-if TYPE_CHECKING:  # trainer builds the Setup and calls this module
-    from gspmd_tp.trainer import Setup
+if TYPE_CHECKING:  # run_setup builds the Setup; trainer calls this module
+    from gspmd_tp.run_setup import Setup
 
 
 def _loss_sums(model: Transformer, params, tokens, loss_chunk: int = 0, padded: bool = False):

@@ -7,7 +7,7 @@ import contextlib
 import math
 import os
 
-from gspmd_tp import trainer
+from gspmd_tp import run_setup
 from gspmd_tp.errors import UserError
 
 # Per chip, from the Cloud TPU system-architecture pages (cloud.google.com/tpu/docs): HBM
@@ -81,7 +81,7 @@ def _chip(device_kind: str) -> dict | None:
                  if device_kind.startswith(k)), None)  # fmt: skip
 
 
-def estimate(s: trainer.Setup, stats, bytes_per_device: float, target: str) -> dict:
+def estimate(s: run_setup.Setup, stats, bytes_per_device: float, target: str) -> dict:
     """HBM fit and a step-time estimate for a TPU target: compute = FLOPs / peak, communication =
     bytes / ICI bandwidth, added (no overlap assumed). An estimate, not a measurement."""
     from gspmd_tp.model import flops_per_token

@@ -122,11 +122,11 @@ def run_steps(config, batches, devices=None, state=None):
     """Trains on `batches` from a fresh (or given) state; returns (state, [(loss, grad_norm)])."""
     import jax
 
+    from gspmd_tp import run_setup
     from gspmd_tp import state as state_lib
     from gspmd_tp import step as step_lib
-    from gspmd_tp import trainer
 
-    s = trainer.setup(config, devices)
+    s = run_setup.setup(config, devices)
     if state is None:
         state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, config.seq_len, config.seed)
     step = step_lib.compile_train_step(s)
@@ -142,12 +142,12 @@ def loss_and_grads(config, variants):
     parameters, one jit-compiled call per (grad_accum, loss_chunk) in `variants`."""
     import jax
 
+    from gspmd_tp import run_setup
     from gspmd_tp import state as state_lib
     from gspmd_tp import step as step_lib
-    from gspmd_tp import trainer
     from gspmd_tp.model import Transformer
 
-    s = trainer.setup(config)
+    s = run_setup.setup(config)
     state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, config.seq_len, config.seed)
     tokens = jax.device_put(token_batches(config, 1)[0], s.batch_sharding)
     model = Transformer(s.model_cfg)

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from conftest import run_steps, small_config, token_batches
 
-from gspmd_tp import checkpoint, trainer
+from gspmd_tp import checkpoint, run_setup, trainer
 from gspmd_tp.errors import UserError
 
 
 def _save(tmp_path, config, state):
-    s = trainer.setup(config)
+    s = run_setup.setup(config)
     mngr = checkpoint.manager(str(tmp_path), keep=2)
     checkpoint.save(mngr, 2, state, {"next_index": 2}, s.meta())
     mngr.wait_until_finished()
@@ -39,7 +39,7 @@ def test_round_trip_gives_identical_params_and_next_loss(tmp_path, target):
     _, uninterrupted = run_steps(source, [b2], state=state)
 
     dest = small_config(**target)
-    s = trainer.setup(dest)
+    s = run_setup.setup(dest)
     restored, data_state = checkpoint.restore(mngr, 2, s.abstract_state)
     assert data_state == {"next_index": 2}
     assert int(restored.step) == 2
@@ -65,18 +65,20 @@ def test_meta_records_how_it_was_made(tmp_path):
 
 def test_different_model_in_workdir_is_named():
     saved = {"d_model": 64, "num_layers": 2, "dtype": "float32"}
-    now = trainer.model_config(small_config(**{"model.d_model": 128, "model.dtype": "bfloat16"}))
+    now = run_setup.model_config(small_config(**{"model.d_model": 128, "model.dtype": "bfloat16"}))
     with pytest.raises(UserError, match=r"different model \(d_model: saved 64, now 128") as e:
-        checkpoint.check_model_matches({**trainer.model_config(small_config()).__dict__, **saved}, now, "run")
+        checkpoint.check_model_matches(
+            {**run_setup.model_config(small_config()).__dict__, **saved}, now, "run"
+        )
     assert "dtype" not in str(e.value)  # compute dtype may change between runs
 
 
 def test_a_checkpoint_saved_before_a_model_key_existed_still_matches():
     """model.attention came later: a saved model without it takes the default, and any choice resumes."""
-    saved = trainer.model_config(small_config()).__dict__.copy()
+    saved = run_setup.model_config(small_config()).__dict__.copy()
     del saved["attention"]
-    checkpoint.check_model_matches(saved, trainer.model_config(small_config()), "run")
-    xla = trainer.model_config(small_config(**{"model.attention": "xla"}))
+    checkpoint.check_model_matches(saved, run_setup.model_config(small_config()), "run")
+    xla = run_setup.model_config(small_config(**{"model.attention": "xla"}))
     checkpoint.check_model_matches(saved, xla, "run")
     assert checkpoint.saved_model(saved)["attention"] == "einsum"
 
@@ -104,7 +106,7 @@ def test_info_export_and_import_onto_another_mesh(tmp_path):
     out = str(tmp_path / "params.npz")
     shapes = checkpoint.export_params(str(tmp_path), out)
     assert shapes["layers/attn/qkv"] == (2, 64, 8, 4, 8)
-    dest = trainer.setup(small_config(rules="megatron_1d", mesh="dp=1,mp=8"))
+    dest = run_setup.setup(small_config(rules="megatron_1d", mesh="dp=1,mp=8"))
     params = checkpoint.import_params(out, dest.abstract_state.params)
     for got, want, sharding in zip(
         jax.tree.leaves(params),
@@ -115,7 +117,7 @@ def test_info_export_and_import_onto_another_mesh(tmp_path):
         assert got.sharding == sharding
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
-    other = trainer.setup(small_config(**{"model.mlp_dim": 256}))
+    other = run_setup.setup(small_config(**{"model.mlp_dim": 256}))
     with pytest.raises(UserError, match=r"layers/mlp/down: file \(2, 128, 64\), model \(2, 256, 64\)"):
         checkpoint.import_params(out, other.abstract_state.params)
 
@@ -287,14 +289,14 @@ def test_a_step_directory_and_another_step_conflict(trained_workdir, capsys):
 def test_init_from_that_is_not_an_npz_is_one_line(tmp_path, content):
     path = tmp_path / "params.npz"
     path.write_bytes(content)
-    s = trainer.setup(small_config())
+    s = run_setup.setup(small_config())
     with pytest.raises(UserError, match=rf"config.init_from={path} is not a readable .npz") as e:
         checkpoint.import_params(str(path), s.abstract_state.params)
     assert "\n" not in str(e.value) and "pickle" not in str(e.value)
 
 
 def test_init_from_with_nan_or_inf_is_named_before_anything_is_placed(tmp_path):
-    s = trainer.setup(small_config())
+    s = run_setup.setup(small_config())
     params = {k: np.zeros(v.shape, np.float32) for k, v in checkpoint._flat(s.abstract_state.params).items()}
     params["lm_head"][0, 0] = np.nan
     params["embedding"][1, 1] = np.inf
@@ -310,7 +312,7 @@ def test_import_digests_the_parameters_as_it_reads_them(tmp_path):
     read, and follows the parameters (not how the file packs them)."""
     import hashlib
 
-    s = trainer.setup(small_config())
+    s = run_setup.setup(small_config())
     params = {k: np.zeros(v.shape, np.float32) for k, v in checkpoint._flat(s.abstract_state.params).items()}
     np.savez(tmp_path / "a.npz", **params)
     np.savez_compressed(tmp_path / "packed.npz", **params)
@@ -325,10 +327,10 @@ def test_import_digests_the_parameters_as_it_reads_them(tmp_path):
 
 
 def test_keys_that_do_not_change_the_parameters_may_differ_on_resume():
-    saved = trainer.model_config(small_config()).__dict__.copy()
+    saved = run_setup.model_config(small_config()).__dict__.copy()
 
     def model(key, value):
-        return trainer.model_config(small_config(**{f"model.{key}": value}))
+        return run_setup.model_config(small_config(**{f"model.{key}": value}))
 
     free = [("attention_block", 16), ("remat", "full"), ("attention", "xla"), ("dtype", "bfloat16")]
     for key, value in free:

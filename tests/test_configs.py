@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from gspmd_tp import trainer
+from gspmd_tp import run_setup
 from gspmd_tp.errors import UserError
 
 CONFIGS = sorted(
@@ -18,7 +18,7 @@ def test_config_sets_up(name):
     module = importlib.import_module(f"configs.{name}")
     assert f"--config=configs/{name}.py" in module.__doc__
     config = module.get_config()
-    s = trainer.setup(config)
+    s = run_setup.setup(config)
     assert s.mesh.size == 8
     assert s.model_cfg.validate() == []
 
@@ -29,4 +29,4 @@ def test_a_model_key_under_another_trainers_name_is_named_with_ours():
     with pytest.raises(
         UserError, match=r"^config.model has unknown key 'num_hidden_layers' \(gspmd_tp calls it"
     ):
-        trainer.model_config(config)
+        run_setup.model_config(config)

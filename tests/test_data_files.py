@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import data_config, documents, small_config, write
 
-from gspmd_tp import data, data_files, evaluate, trainer
+from gspmd_tp import data, data_files, evaluate, run_setup, trainer
 from gspmd_tp.errors import UserError
 
 # --- names and globs: ~, recursive globs, spellings of a path, the run's own workdir -----------
@@ -75,7 +75,7 @@ def test_the_trainer_reads_no_data_from_its_own_workdir(tmp_path):
     write(tmp_path / "runs" / "x" / "metrics.jsonl", '{"step": 2, "loss": 5.0}\n')  # as a first start leaves
     cfg = small_config()
     cfg.data.train_files, cfg.data.eval_files = str(tmp_path / "**" / "*.jsonl"), str(tmp_path / "eval.txt")
-    corpus = trainer._read_inputs(trainer.setup(cfg), True, str(tmp_path / "runs" / "x"))[0]
+    corpus = trainer._read_inputs(run_setup.setup(cfg), True, str(tmp_path / "runs" / "x"))[0]
     assert corpus["train"]["tokens"] == 10 * 301
 
 
@@ -337,7 +337,7 @@ def test_evaluation_walks_each_glob_once(tmp_path, monkeypatch, with_eval_files)
     cfg = small_config(**{"data.train_files": str(tmp_path / "train" / "*.txt"), "data.eval_fraction": 0.5})
     if with_eval_files:
         cfg.data.eval_files = str(tmp_path / "eval" / "*.txt")
-    s = trainer.setup(cfg)
+    s = run_setup.setup(cfg)
     walked = counted_globs(monkeypatch)
     evaluate.held_out_batches(s, str(tmp_path / "run"))
     # With eval_files the training globs are not walked at all (those files may be gone).

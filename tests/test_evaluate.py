@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from gspmd_tp import checkpoint, evaluate, generate, restore, trainer
+from gspmd_tp import checkpoint, evaluate, generate, restore, run_setup
 from gspmd_tp.errors import UserError
 
 
@@ -159,7 +159,7 @@ def test_steps_logged_again_after_a_resume_are_drawn_once(tmp_path):
 def test_an_evaluation_step_too_large_for_memory_is_one_line_before_any_read(
     trained_workdir, monkeypatch, capsys
 ):
-    monkeypatch.setattr(trainer, "_host_memory", lambda: 2**20)  # a host of 1 MiB
+    monkeypatch.setattr(run_setup, "_host_memory", lambda: 2**20)  # a host of 1 MiB
     monkeypatch.setattr(restore, "params_for", lambda *a, **k: pytest.fail("read before checking memory"))
     assert evaluate.main(["--workdir", str(trained_workdir)]) == 1
     err = capsys.readouterr().err

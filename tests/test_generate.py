@@ -16,7 +16,7 @@ import pytest
 from conftest import child_env, small_config
 from jax.sharding import PartitionSpec as P
 
-from gspmd_tp import generate, hlo, restore, trainer
+from gspmd_tp import generate, hlo, restore, run_setup
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.model import Transformer
@@ -50,7 +50,7 @@ def reference_greedy(s, params, token_lists, steps):
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_cached_greedy_decoding_equals_rerunning_the_full_forward(scan_layers):
     config = small_config(**{"model.scan_layers": scan_layers, "rules": "megatron_1d"})
-    s = trainer.setup(config)
+    s = run_setup.setup(config)
     assert s.model_cfg.num_heads == 16 and s.model_cfg.num_kv_heads == 8  # grouped key/value heads
     init = lambda key: nn.meta.unbox(Transformer(s.model_cfg).init(key, jnp.zeros((1, 8), jnp.int32)))
     params = jax.jit(lambda key: init(key)["params"], out_shardings=s.shardings.params)(jax.random.key(0))
@@ -63,12 +63,12 @@ def test_cached_greedy_decoding_equals_rerunning_the_full_forward(scan_layers):
 
 
 def test_cache_is_sharded_by_the_rule_file(config):
-    s = trainer.setup(small_config(rules="megatron_1d", mesh="dp=2,mp=4"))
+    s = run_setup.setup(small_config(rules="megatron_1d", mesh="dp=2,mp=4"))
     shardings = generate.cache_shardings(s, rows=2, prompt_len=5, cache_length=9)
     key = shardings["layers"]["attn"]["key"]
     # (layers, batch, length, kv_heads, head_dim): batch over dp, each device its own kv heads.
     assert key.spec == P(None, "dp", None, "mp", None)
-    s = trainer.setup(small_config(rules="dp", mesh="dp=2,mp=4"))
+    s = run_setup.setup(small_config(rules="dp", mesh="dp=2,mp=4"))
     assert generate.cache_shardings(s, 8, 5, 9)["layers"]["attn"]["value"].spec == P(
         None, ("dp", "mp"), None, None, None
     )
@@ -86,7 +86,7 @@ def test_parameters_sharded_over_the_batch_axes_are_gathered_once_not_per_token(
     """The decode loop reads the parameters laid out for decoding (replicated over the batch's mesh
     axes), gathered once before it. In their training layout each new token sent 345 KB per device
     under fsdp (66% of the parameters' 526 KB) and 150 KB under megatron_2d on dp=4,mp=2."""
-    s = trainer.setup(small_config(rules=rules, mesh=mesh))
+    s = run_setup.setup(small_config(rules=rules, mesh=mesh))
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s.abstract_state.params))
     short, long = _ring_bytes(s, 4), _ring_bytes(s, 12)
     # What does grow per token is the activations' collectives (megatron_2d splits embed over mp in
@@ -137,13 +137,13 @@ def test_parameters_laid_out_for_decoding_give_the_tokens_and_logits_of_replicat
 def test_parameters_that_do_not_fit_laid_out_for_decoding_sample_in_their_training_layout(
     monkeypatch, capsys
 ):
-    s = trainer.setup(small_config(rules="fsdp", mesh="dp=2,mp=4"))
+    s = run_setup.setup(small_config(rules="fsdp", mesh="dp=2,mp=4"))
     params = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, 32, seed=0).params
     token_lists = [generate.encode(PROMPTS[0])]
     rows, prompt_len = generate.batch_rows(s, 1), len(token_lists[0])
     run = generate.make_sampler(s, rows, prompt_len, 6, 0.0, 0)
 
-    def need(layout):  # as trainer.check_memory counts it: all 8 simulated devices on this host
+    def need(layout):  # as run_setup.check_memory counts it: all 8 simulated devices on this host
         m = run.compiled_for(layout).memory_analysis()
         per_device = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
         return 8 * (per_device - m.alias_size_in_bytes)
@@ -151,7 +151,7 @@ def test_parameters_that_do_not_fit_laid_out_for_decoding_sample_in_their_traini
     assert need("training") < need("decoding")  # the replicated parameters, held through the loop
     want = generate.sample_tokens(s, params, token_lists, 6, run=run)
     assert run.layout() == "decoding" and not capsys.readouterr().err
-    monkeypatch.setattr(trainer, "_host_memory", lambda: (need("training") + need("decoding")) // 2)
+    monkeypatch.setattr(run_setup, "_host_memory", lambda: (need("training") + need("decoding")) // 2)
     run = generate.make_sampler(s, rows, prompt_len, 6, 0.0, 0)
     got = generate.sample_tokens(s, params, token_lists, 6, run=run)
     assert run.layout() == "training"
@@ -335,7 +335,7 @@ def test_a_rule_file_that_moved_is_read_from_the_checkpoint(trained_workdir, tmp
     note = capsys.readouterr().err.strip()
     assert note.startswith("note: rule file 'myrules/my.yaml' not found (cwd ") and "\n" not in note
     assert s.rules.source == "myrules/my.yaml (the copy saved with step 4)"
-    assert s.rules.rules == trainer.setup(small_config(rules="megatron_2d")).rules.rules
+    assert s.rules.rules == run_setup.setup(small_config(rules="megatron_2d")).rules.rules
     assert s.config.rules == "myrules/my.yaml"
     _, _, s = restore.load_setup(str(run), {"rules": "megatron_1d"})  # an explicit choice wins, quietly
     assert s.rules.source.endswith("megatron_1d.yaml") and not capsys.readouterr().err
@@ -388,7 +388,7 @@ def test_readers_simulate_the_devices_the_run_was_saved_on(trained_workdir, tmp_
 def test_a_sampling_step_too_large_for_memory_is_one_line_before_any_read(
     trained_workdir, monkeypatch, capsys
 ):
-    monkeypatch.setattr(trainer, "_host_memory", lambda: 2**20)  # a host of 1 MiB
+    monkeypatch.setattr(run_setup, "_host_memory", lambda: 2**20)  # a host of 1 MiB
     monkeypatch.setattr(restore, "params_for", lambda *a, **k: pytest.fail("read before checking memory"))
     assert generate.main(["--workdir", str(trained_workdir), "--prompt=ab", "--max_new_tokens=4"]) == 1
     err = capsys.readouterr().err

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import LLAMA, small_config
 
-from gspmd_tp import hf_layout, trainer
+from gspmd_tp import hf_layout, run_setup
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 
@@ -34,13 +34,13 @@ from gspmd_tp.errors import UserError
     ],
 )
 def test_unsupported_option_is_named(option, message):
-    base = trainer.model_config(small_config())
+    base = run_setup.model_config(small_config())
     with pytest.raises(UserError, match=message):
         hf_layout.model_config_from_hf({**LLAMA, **option}, base)
 
 
 def test_written_config_json_reads_back_as_the_same_model():
-    base = trainer.model_config(small_config())
+    base = run_setup.model_config(small_config())
     cfg = hf_layout.model_config_from_hf(LLAMA, base)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim) == (8, 4, 8, 96)
     written = hf_layout.hf_config(cfg, "bfloat16", 32, base={"bos_token_id": 1, "torch_dtype": "float32"})
@@ -57,7 +57,7 @@ def _halves(shape):
 @pytest.mark.parametrize("scan,tied", [(True, False), (False, True)])
 def test_every_block_of_every_parameter_reads_back_from_sharded_files(tmp_path, scan, tied):
     pytest.importorskip("safetensors")
-    cfg = trainer.model_config(small_config(**{"model.scan_layers": scan, "model.tie_embeddings": tied}))
+    cfg = run_setup.model_config(small_config(**{"model.scan_layers": scan, "model.tie_embeddings": tied}))
     rng = np.random.default_rng(0)
     params = {
         path: rng.standard_normal(shape).astype(np.float32)

@@ -6,7 +6,7 @@ import optax
 import pytest
 from conftest import loss_and_grads, small_config
 
-from gspmd_tp import loss, trainer
+from gspmd_tp import loss, run_setup
 from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.rules import RULES_DIR
@@ -29,7 +29,7 @@ def test_chunking_cuts_step_memory_for_a_large_vocabulary():
     for chunk in (0, 32):
         c = small_config(rules="megatron_1d", mesh="dp=2,mp=4", seq_len=256, loss_chunk=chunk)
         c.model.vocab_size = 16384
-        temps[chunk] = step_lib.compile_train_step(trainer.setup(c)).memory_analysis().temp_size_in_bytes
+        temps[chunk] = step_lib.compile_train_step(run_setup.setup(c)).memory_analysis().temp_size_in_bytes
     # Per device the whole logits are 4 sequences x 256 positions x 4096 vocabulary x float32
     # (16.8 MB); chunking saves at least that much (measured: 60.0 MB -> 40.6 MB of temporaries).
     logits_bytes = 4 * 256 * (16384 // 4) * 4
@@ -38,7 +38,7 @@ def test_chunking_cuts_step_memory_for_a_large_vocabulary():
 
 def test_loss_chunk_must_divide_the_sequence():
     with pytest.raises(UserError, match=r"config.loss_chunk=5 must be 0 or divide config.seq_len=32"):
-        trainer.setup(small_config(loss_chunk=5))
+        run_setup.setup(small_config(loss_chunk=5))
 
 
 def test_the_loss_equals_optax_and_its_gradient_scatters_once():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import small_config
 
-from gspmd_tp import analysis, hlo, plan, trainer
+from gspmd_tp import analysis, hlo, plan, run_setup
 from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.rules import RULES_DIR
@@ -56,7 +56,7 @@ def test_2d_gathers_each_activation_once_and_the_mlp_output_gradient_once():
     again. XLA:CPU gathers the attention output gradient once per consumer (2 per layer), which the
     TPU compiler does not (test_plan_tpu)."""
     c = small_config(rules="megatron_2d", mesh="dp=2,mp=4")
-    s = trainer.setup(c)
+    s = run_setup.setup(c)
     found = hlo.collectives(step_lib.compile_train_step(s).as_text(), 8)
     activation = (c.batch_size // 2) * c.seq_len * c.model.d_model * 4
 
@@ -103,13 +103,13 @@ def test_memory_per_device_against_ideal():
 
 @pytest.mark.parametrize("rules, mesh", [("fsdp", "dp=8,mp=1"), ("megatron_2d", "dp=2,mp=4")])
 def test_no_large_leaf_replicated_under_fsdp_and_2d(rules, mesh):
-    s = trainer.setup(small_config(rules=rules, mesh=mesh))
+    s = run_setup.setup(small_config(rules=rules, mesh=mesh))
     flagged = [r["path"] for r in analysis.leaf_table(s, threshold=16 << 10) if r["replicated_over"]]
     assert flagged == []
 
 
 def test_replicated_leaves_are_flagged_under_dp():
-    s = trainer.setup(small_config(rules="dp", mesh="dp=8,mp=1"))
+    s = run_setup.setup(small_config(rules="dp", mesh="dp=8,mp=1"))
     flagged = {r["path"] for r in analysis.leaf_table(s, threshold=16 << 10) if r["replicated_over"]}
     assert "params/layers/mlp/gate_up" in flagged
     assert any(p.startswith("opt_state/") for p in flagged)  # the moments too
@@ -240,7 +240,7 @@ def test_logits_are_never_gathered_over_the_vocabulary(rules):
     from gspmd_tp import hlo
 
     c = small_config(rules=rules, mesh="dp=2,mp=4", **{"model.vocab_size": 384})
-    text = step_lib.compile_train_step(trainer.setup(c)).as_text()
+    text = step_lib.compile_train_step(run_setup.setup(c)).as_text()
     for coll in hlo.collectives(text, 8):
         line = next(ln for ln in text.splitlines() if f"%{coll.name} = " in ln)
         result_type = line.split("=", 1)[1].split(coll.kind)[0]
@@ -260,7 +260,7 @@ def test_sequence_parallel_splits_the_saved_residual_stream_over_mp():
     layers, b, t, d, mp = 2, 8 // 2, 32, 64, 4
     full, split = (layers, b, t, d), (layers, b, t // mp, d)
     text = {
-        r: step_lib.compile_train_step(trainer.setup(small_config(rules=r, mesh="dp=2,mp=4"))).as_text()
+        r: step_lib.compile_train_step(run_setup.setup(small_config(rules=r, mesh="dp=2,mp=4"))).as_text()
         for r in ("megatron_1d", "megatron_1d_sp")
     }
     assert _loop_carried(text["megatron_1d_sp"], split) >= 4
@@ -288,7 +288,7 @@ def test_fewer_key_value_heads_than_mp_moves_no_attention_score(tmp_path):
     step; 0.75 MB without)."""
     rules = _rule_file(tmp_path, "kv_null", kv_heads="null")
     c = small_config(rules=rules, mesh="dp=2,mp=4", **{"model.num_kv_heads": 2})
-    text = step_lib.compile_train_step(trainer.setup(c)).as_text()
+    text = step_lib.compile_train_step(run_setup.setup(c)).as_text()
     t = c.seq_len
     for coll in hlo.collectives(text, 8):
         line = next(ln for ln in text.splitlines() if f"%{coll.name} = " in ln)
@@ -334,7 +334,7 @@ def test_a_rule_no_tensor_takes_is_not_called_unmodelled(tmp_path):
     ],
 )
 def test_layouts_the_analysis_has_no_term_for_are_named(tmp_path, changes, unmodelled):
-    s = trainer.setup(small_config(rules=_rule_file(tmp_path, "odd", **changes), mesh="dp=2,mp=4"))
+    s = run_setup.setup(small_config(rules=_rule_file(tmp_path, "odd", **changes), mesh="dp=2,mp=4"))
     assert analysis.analytical_bytes(s, analysis.leaf_table(s), "cpu")["unmodelled"] == unmodelled
 
 

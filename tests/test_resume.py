@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import run_steps, small_config, token_batches
 
-from gspmd_tp import checkpoint, data, trainer
+from gspmd_tp import checkpoint, data, run_setup, trainer
 
 K = 2  # steps before the save; two more after it
 
@@ -42,7 +42,7 @@ class Saved:
         state, _ = run_steps(c, self.batches[:K], devices=jax.devices()[:n])
         workdir = str(self.root / f"{rules}-{mesh}-{n}")
         mngr = checkpoint.manager(workdir, keep=1)
-        meta = trainer.setup(c, jax.devices()[:n]).meta()
+        meta = run_setup.setup(c, jax.devices()[:n]).meta()
         checkpoint.save(mngr, K, state, {"next_example": K * c.batch_size}, meta)
         mngr.wait_until_finished()
         self.dirs[source] = mngr
@@ -70,7 +70,7 @@ def test_resume_on_another_rule_file_mesh_and_device_count(saved, case):
     mngr = saved.manager(source)
     dest = small_config(rules=dst_rules, mesh=dst_mesh)
     devices = jax.devices()[:dst_n]
-    s = trainer.setup(dest, devices)
+    s = run_setup.setup(dest, devices)
     t0 = time.perf_counter()
     restored, _ = checkpoint.restore(mngr, K, s.abstract_state)
     jax.block_until_ready(restored)

@@ -7,8 +7,8 @@ import jax
 import pytest
 from conftest import small_config
 
+from gspmd_tp import run_setup
 from gspmd_tp import state as state_lib
-from gspmd_tp import trainer
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import make_mesh
 from gspmd_tp.rules import RULES_DIR, load_rules, parse_rules
@@ -20,7 +20,7 @@ SHIPPED = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
 def spec_table(rules_name: str) -> str:
     """'path  (logical names)  PartitionSpec' for every parameter of the small test model."""
     rules = load_rules(rules_name)
-    model_cfg = trainer.model_config(small_config())
+    model_cfg = run_setup.model_config(small_config())
     lines = [f"# rules/{rules_name}.yaml: parameter, logical axes, PartitionSpec (small test model)"]
     for path, (_, names) in sorted(state_lib.param_axes(model_cfg).items()):
         logical = "(" + ", ".join(str(n) for n in names) + ")"
@@ -41,7 +41,7 @@ def test_golden_parameter_specs(rules_name):
 @pytest.mark.parametrize("rules_name", SHIPPED)
 def test_optimizer_moments_follow_parameter_specs(rules_name):
     c = small_config(rules=rules_name)
-    s = trainer.setup(c)
+    s = run_setup.setup(c)
     param_specs = jax.tree.map(lambda x: x.spec, s.shardings.params)
     adam = s.shardings.opt_state[1][0]  # chain(clip, adamw): adamw's scale_by_adam state
     assert jax.tree.map(lambda x: x.spec, adam.mu) == param_specs
@@ -148,37 +148,37 @@ def test_uncovered_logical_axis_is_an_error(tmp_path):
     path = tmp_path / "partial.yaml"
     path.write_text(GOOD.replace("  - [head_dim, null]\n", ""))
     with pytest.raises(UserError, match=r"partial\.yaml: logical axis 'head_dim' is used by the model"):
-        trainer.setup(small_config(rules=str(path)))
+        run_setup.setup(small_config(rules=str(path)))
 
 
 def test_indivisible_parameter_names_path_shape_and_axes():
     c = small_config(rules="megatron_1d", mesh="dp=1,mp=8")
     c.model.mlp_dim = 100
     with pytest.raises(UserError, match=r"params/layers/mlp/down shape \(2, 100, 64\) .*mlp=100.* mp=8"):
-        trainer.setup(c)
+        run_setup.setup(c)
 
 
 def test_indivisible_batch_is_an_error():
     with pytest.raises(UserError, match=r"activation tokens .*batch=6.* dp=4"):
-        trainer.setup(small_config(batch_size=6, mesh="dp=4,mp=2"))
+        run_setup.setup(small_config(batch_size=6, mesh="dp=4,mp=2"))
 
 
 def test_indivisible_microbatch_names_batch_size_and_grad_accum():
     with pytest.raises(
         UserError, match=r"config.batch_size=16 / config.grad_accum=4 = 4 rows per microbatch .* dp=8"
     ):
-        trainer.setup(small_config(batch_size=16, grad_accum=4, rules="dp", mesh="dp=8,mp=1"))
+        run_setup.setup(small_config(batch_size=16, grad_accum=4, rules="dp", mesh="dp=8,mp=1"))
 
 
 def test_a_mesh_axis_that_shards_nothing_is_named_in_a_warning(tmp_path, capsys):
     path = tmp_path / "no_batch.yaml"
     path.write_text(GOOD.replace("[batch, dp]", "[batch, null]"))
-    trainer.setup(small_config(rules=str(path), mesh="dp=4,mp=2"))
+    run_setup.setup(small_config(rules=str(path), mesh="dp=4,mp=2"))
     assert (
         "warning: mesh axis dp (4 devices) shards no parameter and no activation" in capsys.readouterr().err
     )
-    trainer.setup(small_config(rules="megatron_1d", mesh="dp=4,mp=2"))
-    trainer.setup(small_config(rules="megatron_1d", mesh="dp=8,mp=1"))  # mp has one device
+    run_setup.setup(small_config(rules="megatron_1d", mesh="dp=4,mp=2"))
+    run_setup.setup(small_config(rules="megatron_1d", mesh="dp=8,mp=1"))  # mp has one device
     assert capsys.readouterr().err == ""
 
 
@@ -187,7 +187,7 @@ def test_a_mesh_axis_that_shards_parameters_but_no_activation_is_named_in_a_warn
     # batch holds dp), so mp shards the weights only and its devices all repeat the same step.
     path = tmp_path / "fsdp_batch_dp.yaml"
     path.write_text((RULES_DIR / "fsdp.yaml").read_text().replace("[batch, [dp, mp]]", "[batch, dp]"))
-    trainer.setup(small_config(rules=str(path), mesh="dp=2,mp=4"))
+    run_setup.setup(small_config(rules=str(path), mesh="dp=2,mp=4"))
     err = capsys.readouterr().err
     assert err.startswith(
         "warning: mesh axis mp (4 devices) shards parameters but no activation of the attention, MLP or "
@@ -197,7 +197,7 @@ def test_a_mesh_axis_that_shards_parameters_but_no_activation_is_named_in_a_warn
         "all compute the same products (map batch or a hidden axis such as mlp to mp)"
     )
     assert "\n" not in err.strip()
-    trainer.setup(small_config(rules="fsdp", mesh="dp=2,mp=4"))
+    run_setup.setup(small_config(rules="fsdp", mesh="dp=2,mp=4"))
     assert capsys.readouterr().err == ""
 
 
@@ -208,11 +208,11 @@ def test_a_mesh_axis_that_shards_the_residual_stream_alone_is_named_in_a_warning
     path = tmp_path / "sp.yaml"
     text = (RULES_DIR / "megatron_1d.yaml").read_text().replace("[dp, mp]", "[dp, mp, sp]")
     path.write_text(text.replace("[norm_length, null]", "[norm_length, sp]"))
-    trainer.setup(small_config(rules=str(path), mesh="dp=2,mp=2,sp=2"))
+    run_setup.setup(small_config(rules=str(path), mesh="dp=2,mp=2,sp=2"))
     assert capsys.readouterr().err.startswith(
         "warning: mesh axis sp (2 devices) shards the residual stream but no activation of the attention"
     )
-    trainer.setup(small_config(rules="megatron_1d_sp", mesh="dp=2,mp=4"))  # sp on the heads' axis
+    run_setup.setup(small_config(rules="megatron_1d_sp", mesh="dp=2,mp=4"))  # sp on the heads' axis
     assert capsys.readouterr().err == ""
 
 
@@ -222,23 +222,23 @@ def test_a_weight_split_across_its_activations_slices_is_named_in_a_warning(tmp_
     path = tmp_path / "mlp_both.yaml"
     text = (RULES_DIR / "megatron_1d.yaml").read_text()
     path.write_text(text.replace("  - [mlp, mp]\n", "  - [mlp, [dp, mp]]\n  - [mlp, mp]\n"))
-    trainer.setup(small_config(rules=str(path), mesh="dp=2,mp=4"))
+    run_setup.setup(small_config(rules=str(path), mesh="dp=2,mp=4"))
     err = capsys.readouterr().err
     assert err.startswith(
         f"warning: {path}: params/layers/mlp/down splits mlp over [dp, mp] but the activations over [mp]: "
         "give [mlp, [mp, dp]], the activations' axes first,"
     )
     assert err.count("\n") == 1  # once for the logical axis, not once per weight
-    trainer.setup(small_config(rules=str(path), mesh="dp=1,mp=8"))  # a dp of one device splits nothing
+    run_setup.setup(small_config(rules=str(path), mesh="dp=1,mp=8"))  # a dp of one device splits nothing
     assert capsys.readouterr().err == ""
     path.write_text(text.replace("  - [mlp, mp]\n", "  - [mlp, [mp, dp]]\n  - [mlp, mp]\n"))
-    trainer.setup(small_config(rules=str(path), mesh="dp=2,mp=4"))
+    run_setup.setup(small_config(rules=str(path), mesh="dp=2,mp=4"))
     assert capsys.readouterr().err == ""
 
 
 def test_mesh_of_wrong_size_is_an_error():
     with pytest.raises(UserError, match=r"mesh 'dp=2,mp=2' has 4 devices but 8 are available"):
-        trainer.setup(small_config(mesh="dp=2,mp=2"))
+        run_setup.setup(small_config(mesh="dp=2,mp=2"))
 
 
 def test_mesh_axes_must_match_the_rule_file():
@@ -249,7 +249,7 @@ def test_mesh_axes_must_match_the_rule_file():
         match=r"but .*rules/dp.yaml's mesh_axes are \['dp', 'mp'\]; give --config.mesh in those axes "
         r"\(dp=N,mp=N\)$",
     ):
-        trainer.setup(small_config(rules="dp", mesh="data=2,mp=4"))
+        run_setup.setup(small_config(rules="dp", mesh="data=2,mp=4"))
 
 
 def test_a_directory_given_as_a_rule_file_says_so(tmp_path):
@@ -276,4 +276,4 @@ def test_a_batch_whose_axis_a_length_rule_took_is_still_checked(tmp_path):
     with pytest.raises(
         UserError, match=r"length_first.yaml: the token batch \(config.batch_size=6\) .* dp=4$"
     ):
-        trainer.setup(small_config(rules=str(path), batch_size=6, mesh="dp=4,mp=2"))
+        run_setup.setup(small_config(rules=str(path), batch_size=6, mesh="dp=4,mp=2"))

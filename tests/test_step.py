@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from conftest import loss_and_grads, small_config, token_batches
 
-from gspmd_tp import data, hlo, trainer
+from gspmd_tp import data, hlo, run_setup
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
 
 
 def test_compiled_step_really_shards():
     """Guards against constraints silently doing nothing: megatron_1d must all-reduce."""
-    s = trainer.setup(small_config(rules="megatron_1d", mesh="dp=2,mp=4"))
+    s = run_setup.setup(small_config(rules="megatron_1d", mesh="dp=2,mp=4"))
     hlo = step_lib.compile_train_step(s).as_text()
     assert "all-reduce" in hlo
     state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, 32, 0)
@@ -41,7 +41,7 @@ def test_gradient_accumulation_reduces_over_data_parallel_once_per_step(rules, m
     moved = {}
     for accum in (1, 4):
         c = small_config(rules=rules, mesh=mesh, batch_size=32, grad_accum=accum)
-        s = trainer.setup(c)
+        s = run_setup.setup(c)
         text = step_lib.compile_train_step(s).as_text()
         found = [x for x in hlo.collectives(text, 8) if x.group_size == s.mesh.shape["dp"]]
         moved[accum] = sum(x.ring_bytes * x.executions for x in found)
@@ -53,7 +53,7 @@ def test_gradient_accumulation_reduces_over_data_parallel_once_per_step(rules, m
 def test_the_eval_step_counts_no_padding_row(loss_chunk):
     """A batch whose rows past the real ones are data.PAD sums those real rows' losses only: rows
     are independent, so [0-4, PAD x3] equals [0-4, 0-2] less [0-2, PAD x5]."""
-    s = trainer.setup(small_config(rules="megatron_1d", mesh="dp=2,mp=4", loss_chunk=loss_chunk))
+    s = run_setup.setup(small_config(rules="megatron_1d", mesh="dp=2,mp=4", loss_chunk=loss_chunk))
     params = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, 32, 0).params
     rows = token_batches(s.config, 1)[0]
     pad = np.full_like(rows[:1], data.PAD)

@@ -1,0 +1,101 @@
+"""A run's setup: bad config values named before anything compiles, the step's memory checked."""
+
+import pytest
+from conftest import small_config
+
+from gspmd_tp import run_setup
+from gspmd_tp.errors import UserError
+
+
+def test_auto_projection_grad_follows_the_run_devices():
+    """auto: the hand-written projection gradients for CPU devices, autodiff's for accelerators."""
+    assert run_setup.setup(small_config()).model_cfg.projection_grad == "explicit"
+    assert (
+        run_setup.setup(small_config(**{"model.projection_grad": "xla"})).model_cfg.projection_grad == "xla"
+    )
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("lr", -1e-3, "config.optim.lr must be 0 or more, got -0.001"),
+        ("warmup_steps", -1, "config.optim.warmup_steps must be 0 or more, got -1"),
+        ("min_lr_ratio", 1.5, r"config.optim.min_lr_ratio must be in \[0, 1\], got 1.5"),
+        ("b2", 1.0, r"config.optim.b2 must be in \[0, 1\), got 1.0"),
+        ("clip_norm", -1.0, "config.optim.clip_norm must be 0 or more, got -1.0"),
+        ("lr", float("nan"), "config.optim.lr must be 0 or more and finite, got nan"),
+        ("lr", float("inf"), "config.optim.lr must be 0 or more and finite, got inf"),
+        ("weight_decay", float("nan"), "config.optim.weight_decay must be 0 or more and finite, got nan"),
+        ("eps", float("nan"), "config.optim.eps must be 0 or more and finite, got nan"),
+        ("clip_norm", float("nan"), "config.optim.clip_norm must be 0 or more and finite, got nan"),
+        # Finite in Python, inf once float32 on the devices: the first update would overflow.
+        ("lr", 1e39, r"config.optim.lr=1e\+39 is beyond float32's range \(3\.403e\+38\), in which the opt"),
+        ("weight_decay", 4e38, r"config.optim.weight_decay=4e\+38 is beyond float32's range"),
+    ],
+)
+def test_bad_optimizer_values_are_named(key, value, message):
+    c = small_config()
+    c.optim[key] = value
+    with pytest.raises(UserError, match=message):
+        run_setup.setup(c)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("seed", -1, r"config.data.seed must be in \[0, 2\*\*32\), got -1"),
+        ("eval_fraction", 1.0, r"config.data.eval_fraction must be in \(0, 1\), got 1.0"),
+        ("eval_fraction", 0.0, r"config.data.eval_fraction=0 holds out no document"),
+    ],
+)
+def test_bad_data_values_are_named(key, value, message):
+    c = small_config()
+    c.data[key] = value
+    with pytest.raises(UserError, match=message):
+        run_setup.setup(c)
+
+
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        ("host_device_count", r"config.host_device_count must be 0 \(the host's devices\) or more, got -1"),
+        ("peak_flops_per_device", r"config.peak_flops_per_device must be 0 \(the known peak\) or more"),
+    ],
+)
+def test_negative_run_values_are_named(key, message):
+    c = small_config()
+    c[key] = -1
+    with pytest.raises(UserError, match=message):
+        run_setup.setup(c)
+
+
+def test_a_peak_that_is_not_a_number_is_named():
+    c = small_config(peak_flops_per_device=float("nan"))
+    with pytest.raises(UserError, match=r"config.peak_flops_per_device must be 0 \(the known peak\) or more"):
+        run_setup.setup(c)
+
+
+def test_a_step_that_cannot_fit_is_refused_before_anything_is_written():
+    import types
+
+    mesh = run_setup.setup(small_config()).mesh
+    stats = types.SimpleNamespace(
+        argument_size_in_bytes=2**20,
+        output_size_in_bytes=2**20,
+        alias_size_in_bytes=2**20,
+        temp_size_in_bytes=0,
+    )
+    run_setup.check_memory(stats, mesh)
+    stats.temp_size_in_bytes = 2**50
+    with pytest.raises(
+        UserError, match=r"needs 8 CPU devices x 1048576\.0 GiB, more than this host's .* of RAM"
+    ):
+        run_setup.check_memory(stats, mesh)
+
+
+def test_a_vocabulary_below_the_byte_tokens_is_named_for_any_data():
+    c = small_config()
+    c.model.vocab_size = 128
+    c.data.train_files = __file__  # own files hold bytes >= 128 as well
+    with pytest.raises(UserError, match="config.model.vocab_size=128 is below the 256 byte tokens"):
+        run_setup.setup(c)
