@@ -15,6 +15,7 @@ import jax
 from gspmd_tp import (
     checkpoint,
     checkpoint_files,
+    checkpoint_tool,
     data,
     data_files,
     distributed,
@@ -213,7 +214,7 @@ def _read_inputs(s: Setup, resuming: bool, workdir: str):
             raise UserError(f"config.init_from: no file {c.init_from}")
         # Compared between processes only: one digest of what the import reads anyway.
         digest = hashlib.sha256() if jax.process_count() > 1 else None
-        imported = checkpoint.import_params(c.init_from, s.abstract_state.params, digest)
+        imported = checkpoint_tool.import_params(c.init_from, s.abstract_state.params, digest)
     return corpus, train_ds, eval_ds, imported, digest.hexdigest() if digest else ""
 
 

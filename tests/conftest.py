@@ -137,6 +137,17 @@ def run_steps(config, batches, devices=None, state=None):
     return state, history
 
 
+def save_checkpoint(workdir, config, state):
+    """Saves `state` as step 2 of a checkpoint in workdir, with config's meta; returns the manager."""
+    from gspmd_tp import checkpoint, run_setup
+
+    s = run_setup.setup(config)
+    mngr = checkpoint.manager(str(workdir), keep=2)
+    checkpoint.save(mngr, 2, state, {"next_index": 2}, s.meta())
+    mngr.wait_until_finished()
+    return mngr
+
+
 def loss_and_grads(config, variants):
     """[(mean loss, gradient)] of step.accumulated_grads on one batch of `config`'s initial
     parameters, one jit-compiled call per (grad_accum, loss_chunk) in `variants`."""

@@ -1,26 +1,16 @@
 """Checkpoint round trips: same mesh and rules, and onto another mesh and rule file."""
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
-from conftest import run_steps, small_config, token_batches
+from conftest import run_steps, save_checkpoint, small_config, token_batches
 
-from gspmd_tp import checkpoint, run_setup, trainer
+from gspmd_tp import checkpoint, run_setup
 from gspmd_tp.errors import UserError
-
-
-def _save(tmp_path, config, state):
-    s = run_setup.setup(config)
-    mngr = checkpoint.manager(str(tmp_path), keep=2)
-    checkpoint.save(mngr, 2, state, {"next_index": 2}, s.meta())
-    mngr.wait_until_finished()
-    return mngr
 
 
 @pytest.mark.parametrize(
@@ -35,7 +25,7 @@ def test_round_trip_gives_identical_params_and_next_loss(tmp_path, target):
     b0, b1, b2 = token_batches(source, 3)
     state, _ = run_steps(source, [b0, b1])
     saved_params = jax.tree.map(np.asarray, state.params)
-    mngr = _save(tmp_path, source, state)
+    mngr = save_checkpoint(tmp_path, source, state)
     _, uninterrupted = run_steps(source, [b2], state=state)
 
     dest = small_config(**target)
@@ -55,7 +45,7 @@ def test_round_trip_gives_identical_params_and_next_loss(tmp_path, target):
 def test_meta_records_how_it_was_made(tmp_path):
     c = small_config()
     state, _ = run_steps(c, [])
-    mngr = _save(tmp_path, c, state)
+    mngr = save_checkpoint(tmp_path, c, state)
     meta = checkpoint.read_meta(mngr, 2)
     assert meta["mesh"] == "dp=2,mp=4"
     assert meta["rules"]["source"].endswith("megatron_2d.yaml")
@@ -81,65 +71,6 @@ def test_a_checkpoint_saved_before_a_model_key_existed_still_matches():
     xla = run_setup.model_config(small_config(**{"model.attention": "xla"}))
     checkpoint.check_model_matches(saved, xla, "run")
     assert checkpoint.saved_model(saved)["attention"] == "einsum"
-
-
-# --- the checkpoint tool: info, export, import ---
-
-
-def test_info_export_and_import_onto_another_mesh(tmp_path):
-    source = small_config(rules="megatron_2d", mesh="dp=2,mp=4")
-    state, _ = run_steps(source, token_batches(source, 1))
-    _save(tmp_path, source, state)
-    info = subprocess.run(
-        [sys.executable, "-m", "gspmd_tp.checkpoint", "info", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert info.returncode == 0, info.stderr[-2000:]
-    assert info.stderr == ""  # nothing from orbax about a healthy checkpoint
-    assert "steps: 2 (" in info.stdout
-    assert "saved on mesh dp=2,mp=4 by 1 process(es) with rules" in info.stdout
-    assert "megatron_2d.yaml" in info.stdout and "d_model=64" in info.stdout
-    assert "parameters: 131,392 (0.53 MB); optimizer state 1.05 MB" in info.stdout
-
-    out = str(tmp_path / "params.npz")
-    shapes = checkpoint.export_params(str(tmp_path), out)
-    assert shapes["layers/attn/qkv"] == (2, 64, 8, 4, 8)
-    dest = run_setup.setup(small_config(rules="megatron_1d", mesh="dp=1,mp=8"))
-    params = checkpoint.import_params(out, dest.abstract_state.params)
-    for got, want, sharding in zip(
-        jax.tree.leaves(params),
-        jax.tree.leaves(state.params),
-        jax.tree.leaves(dest.shardings.params),
-        strict=True,
-    ):
-        assert got.sharding == sharding
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-    other = run_setup.setup(small_config(**{"model.mlp_dim": 256}))
-    with pytest.raises(UserError, match=r"layers/mlp/down: file \(2, 128, 64\), model \(2, 256, 64\)"):
-        checkpoint.import_params(out, other.abstract_state.params)
-
-
-def test_export_to_an_unwritable_path_is_one_line_before_reading(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(checkpoint, "export_params", lambda *a: pytest.fail("read the checkpoint"))
-    assert checkpoint.main(["export", str(tmp_path), "/dev/null/params.npz"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err == "error: OUT=/dev/null/params.npz: /dev/null is a file, not a directory"
-
-
-def test_init_from_starts_a_fresh_run_from_exported_parameters(tmp_path, capsys):
-    c = small_config(steps=2, log_every=1, eval_every=100)
-    first = trainer.train(c, str(tmp_path / "a"))
-    out = str(tmp_path / "a.npz")
-    checkpoint.export_params(str(tmp_path / "a"), out)
-    capsys.readouterr()
-    second = trainer.train(
-        small_config(steps=1, init_from=out, rules="fsdp", mesh="dp=8,mp=1"), str(tmp_path / "b")
-    )
-    assert f"initial parameters from {out}" in capsys.readouterr().out
-    assert second["loss"] < first["loss"] - 0.05  # it starts from the trained parameters, not from init
 
 
 # --- restore memory: every device reads its shard, nothing is gathered ---
@@ -213,119 +144,6 @@ def test_restore_peak_memory_stays_near_the_sharded_size(tmp_path):
     )  # measured 2.08x: the measurement tells the two apart  # the measurement can tell the two apart
 
 
-# --- the tool on damaged checkpoints: the newest that reads, or one line ---
-
-
-def test_tool_skips_a_damaged_newest_step_and_refuses_it_when_asked(trained_workdir, tmp_path, capsys):
-    from test_faults import flip_bytes
-
-    run = tmp_path / "run"
-    shutil.copytree(trained_workdir, run)
-    flip_bytes(run / "checkpoints" / "4")
-    out, want = tmp_path / "newest.npz", tmp_path / "step2.npz"
-    assert checkpoint.main(["export", str(run), str(out)]) == 0
-    err = capsys.readouterr().err.strip()
-    assert err.startswith(f"warning: skipping checkpoint {run / 'checkpoints' / '4'}: partial or corrupted (")
-    assert "\n" not in err and "TensorStore" not in err
-    checkpoint.export_params(str(trained_workdir), str(want), step=2)
-    got, expected = np.load(out), np.load(want)
-    assert sorted(got.files) == sorted(expected.files)
-    for k in expected.files:
-        np.testing.assert_array_equal(got[k], expected[k])
-
-    assert checkpoint.main(["export", str(run), str(out), "--step", "4"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: {run / 'checkpoints' / '4'} is partial or corrupted (") and "\n" not in err
-
-    # A partial newest step (an item missing) is never exported or described as if complete.
-    shutil.rmtree(run / "checkpoints" / "4" / "meta")
-    assert checkpoint.main(["info", str(run)]) == 0
-    captured = capsys.readouterr()
-    assert "step 2:" in captured.out and "item 'meta' is missing" in captured.err
-    assert checkpoint.main(["info", str(run), "--step", "4"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert "is partial or corrupted (FileNotFoundError: item 'meta' is missing)" in err and "\n" not in err
-
-
-def test_info_warns_when_a_steps_array_files_are_gone(trained_workdir, tmp_path, capsys):
-    run = tmp_path / "run"
-    shutil.copytree(trained_workdir, run)
-    assert checkpoint.main(["info", str(run)]) == 0
-    assert capsys.readouterr().err == ""  # a whole step: no warning
-    for f in (run / "checkpoints" / "4" / "state").rglob("*"):
-        if f.is_file() and f.parent.name == "d" and f.stat().st_size > 10_000:  # the arrays' data, not
-            f.unlink()  # the small files of their metadata
-    assert checkpoint.main(["info", str(run)]) == 0
-    captured = capsys.readouterr()
-    assert "step 4:" in captured.out
-    assert captured.err.startswith(f"warning: {run / 'checkpoints' / '4'}: its array files take ")
-    assert "files may be missing" in captured.err and captured.err.count("\n") == 1
-    # With the metadata's own files gone too, the step is damaged: skipped, not an unexplained failure.
-    for f in (run / "checkpoints" / "4" / "state").rglob("*"):
-        if f.is_file() and f.parent.name == "d":
-            f.unlink()
-    assert checkpoint.main(["info", str(run)]) == 0
-    captured = capsys.readouterr()
-    assert "step 2:" in captured.out
-    assert captured.err.startswith(
-        f"warning: skipping checkpoint {run / 'checkpoints' / '4'}: partial or corrupted"
-    )
-
-
-def test_a_step_directory_and_another_step_conflict(trained_workdir, capsys):
-    step_dir = trained_workdir / "checkpoints" / "2"
-    for command in (["info", str(step_dir)], ["export", str(step_dir), "/tmp/unused.npz"]):
-        assert checkpoint.main([*command, "--step", "4"]) == 1
-        err = capsys.readouterr().err.strip()
-        assert err == (
-            f"error: {step_dir} is the directory of step 2 but --step 4 was given; "
-            f"pass {trained_workdir / 'checkpoints'} with --step 4, or leave --step out"
-        )
-    assert checkpoint.main(["info", str(step_dir), "--step", "2"]) == 0  # no conflict
-    assert "step 2:" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("content", [b"plain text\n", b"PK\x03\x04 a cut zip"], ids=["text", "zip"])
-def test_init_from_that_is_not_an_npz_is_one_line(tmp_path, content):
-    path = tmp_path / "params.npz"
-    path.write_bytes(content)
-    s = run_setup.setup(small_config())
-    with pytest.raises(UserError, match=rf"config.init_from={path} is not a readable .npz") as e:
-        checkpoint.import_params(str(path), s.abstract_state.params)
-    assert "\n" not in str(e.value) and "pickle" not in str(e.value)
-
-
-def test_init_from_with_nan_or_inf_is_named_before_anything_is_placed(tmp_path):
-    s = run_setup.setup(small_config())
-    params = {k: np.zeros(v.shape, np.float32) for k, v in checkpoint._flat(s.abstract_state.params).items()}
-    params["lm_head"][0, 0] = np.nan
-    params["embedding"][1, 1] = np.inf
-    path = tmp_path / "params.npz"
-    np.savez(path, **params)
-    with pytest.raises(UserError) as e:
-        checkpoint.import_params(str(path), s.abstract_state.params)
-    assert str(e.value) == f"config.init_from={path}: NaN or Inf values in embedding, lm_head"
-
-
-def test_import_digests_the_parameters_as_it_reads_them(tmp_path):
-    """The processes of a job compare this digest of config.init_from: it comes from the import's own
-    read, and follows the parameters (not how the file packs them)."""
-    import hashlib
-
-    s = run_setup.setup(small_config())
-    params = {k: np.zeros(v.shape, np.float32) for k, v in checkpoint._flat(s.abstract_state.params).items()}
-    np.savez(tmp_path / "a.npz", **params)
-    np.savez_compressed(tmp_path / "packed.npz", **params)
-    params["embedding"][1, 1] = 1.0
-    np.savez(tmp_path / "b.npz", **params)
-    digests = []
-    for name in ("a", "packed", "b"):
-        digest = hashlib.sha256()
-        checkpoint.import_params(str(tmp_path / f"{name}.npz"), s.abstract_state.params, digest)
-        digests.append(digest.hexdigest())
-    assert digests[0] == digests[1] != digests[2]
-
-
 def test_keys_that_do_not_change_the_parameters_may_differ_on_resume():
     saved = run_setup.model_config(small_config()).__dict__.copy()
 
@@ -337,50 +155,3 @@ def test_keys_that_do_not_change_the_parameters_may_differ_on_resume():
         checkpoint.check_model_matches(saved, model(key, value), "run")
     with pytest.raises(UserError, match="different model"):
         checkpoint.check_model_matches(saved, model("mlp_dim", 256), "run")
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="os.access already refuses /proc to a user other than root")
-def test_export_to_a_path_the_filesystem_refuses_is_one_line_before_reading(tmp_path, capsys):
-    # As root os.access says /proc is writable: np.savez failed with a traceback after the read.
-    assert checkpoint.main(["export", str(tmp_path), "/proc/gspmd_tp_none.npz"]) == 1
-    error = "error: OUT=/proc/gspmd_tp_none.npz: cannot write it (No such file or directory)\n"
-    assert capsys.readouterr().err == error
-
-
-def _ctrl_c(*_, **__):
-    raise KeyboardInterrupt
-
-
-@pytest.mark.parametrize("existing", [False, True], ids=["new", "over_an_older_export"])
-def test_ctrl_c_in_export_is_one_line_130_and_leaves_out_as_it_was(
-    trained_workdir, tmp_path, monkeypatch, capsys, existing
-):
-    """Was KeyboardInterrupt's traceback, and np.savez writing OUT in place: a file cut short that
-    passed for an export by its name, or an older export destroyed."""
-    out = tmp_path / "params.npz"
-    if existing:
-        out.write_bytes(b"an older export")
-
-    def cut_short(f, **arrays):  # the write has begun when Ctrl-C comes
-        f.write(b"PK\x03\x04 the first bytes")
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(checkpoint.np, "savez", cut_short)
-    try:
-        code = checkpoint.main(["export", str(trained_workdir), str(out)])
-    except KeyboardInterrupt:
-        pytest.fail("KeyboardInterrupt left main")
-    assert code == 130
-    assert capsys.readouterr().err == f"stopped by Ctrl-C (OUT={out} is as it was)\n"
-    assert os.listdir(tmp_path) == (["params.npz"] if existing else [])
-    assert not existing or out.read_bytes() == b"an older export"
-
-
-def test_ctrl_c_in_info_is_one_line_and_130(trained_workdir, monkeypatch, capsys):
-    monkeypatch.setattr(checkpoint, "_size", _ctrl_c)  # while it sums the steps' sizes
-    try:
-        code = checkpoint.main(["info", str(trained_workdir)])
-    except KeyboardInterrupt:
-        pytest.fail("KeyboardInterrupt left main")
-    assert code == 130
-    assert capsys.readouterr().err == "stopped by Ctrl-C (nothing written)\n"

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from gspmd_tp import checkpoint, evaluate, generate, restore, run_setup
+from gspmd_tp import checkpoint_tool, evaluate, generate, restore, run_setup
 from gspmd_tp.errors import UserError
 
 
@@ -106,7 +106,11 @@ def test_no_checkpoint_or_metrics_is_one_line(tmp_path, capsys):
             ["--workdir=x", "--top_k=k"],
             "python -m gspmd_tp.generate: argument --top_k: invalid int",
         ),
-        (checkpoint.main, ["infoo", "x"], "python -m gspmd_tp.checkpoint: argument command: invalid choice"),
+        (
+            checkpoint_tool.main,
+            ["infoo", "x"],
+            "python -m gspmd_tp.checkpoint: argument command: invalid choice",
+        ),
     ],
 )
 def test_flag_mistakes_are_one_line(capsys, main, args, message):

@@ -15,7 +15,7 @@ import pytest
 from conftest import child_env, small_config
 from test_train_cli import ROOT, SMALL, train
 
-from gspmd_tp import checkpoint, checkpoint_files, faults, optim, outputs, trainer
+from gspmd_tp import checkpoint, checkpoint_files, checkpoint_tool, faults, optim, outputs, trainer
 from gspmd_tp.errors import JobError, UserError
 
 RUN_FOREVER = ["--config.steps=100000", "--config.log_every=1", "--config.eval_every=100000"]
@@ -679,7 +679,7 @@ def test_a_non_finite_checkpoint_is_not_resumed(tmp_path, monkeypatch):
 
 def _export(workdir, step):
     out = str(workdir / f"params_{step}.npz")
-    checkpoint.export_params(str(workdir), out, step)
+    checkpoint_tool.export_params(str(workdir), out, step)
     return out
 
 

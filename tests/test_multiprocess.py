@@ -236,7 +236,7 @@ def test_processes_that_read_other_initial_parameters_are_refused_before_trainin
     """config.init_from=init.npz from two directories holding different files: before, each process
     placed its own shards of its own file and both trained on from the mixture, exit 0."""
     from configs import tiny
-    from gspmd_tp import checkpoint, run_setup
+    from gspmd_tp import checkpoint_tool, run_setup
 
     c = tiny.get_config()
     for flag in SMALL[1:]:
@@ -246,7 +246,7 @@ def test_processes_that_read_other_initial_parameters_are_refused_before_trainin
         for part in parents:
             target = target[part]
         target[leaf] = type(target[leaf])(value)
-    shapes = {k: v.shape for k, v in checkpoint._flat(run_setup.setup(c).abstract_state.params).items()}
+    shapes = {k: v.shape for k, v in checkpoint_tool._flat(run_setup.setup(c).abstract_state.params).items()}
     for i in range(2):
         rng = np.random.default_rng(i)
         (tmp_path / f"cwd{i}").mkdir()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import child_env
 
-from gspmd_tp import checkpoint, evaluate, generate, restore
+from gspmd_tp import checkpoint_tool, evaluate, generate, restore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,9 +49,9 @@ _NO_RUN = "error: {home}/nope: no checkpoint found (looked in {home}/nope/checkp
         ),
         (generate.main, ["--workdir=~/nope", "--prompt=hi"], _NO_RUN),
         (generate.main, ["--workdir=~/nope", "--prompts_file=~/prompts.txt"], _NO_RUN),
-        (checkpoint.main, ["info", "~/nope"], _NO_RUN),
+        (checkpoint_tool.main, ["info", "~/nope"], _NO_RUN),
         (
-            checkpoint.main,
+            checkpoint_tool.main,
             ["export", "~/nope", "~/afile/p.npz"],
             "error: OUT={home}/afile/p.npz: {home}/afile is a file",
         ),

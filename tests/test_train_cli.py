@@ -310,7 +310,7 @@ def test_a_run_directory_named_by_a_number_is_a_workdir(tmp_path):
 def test_a_file_given_as_workdir_is_named_a_file(tmp_path):
     """evaluate, generate and to-hf said 'no checkpoint found (looked in FILE/checkpoints)', and
     the checkpoint tool the same, for a --workdir that is a file."""
-    from gspmd_tp import checkpoint, checkpoint_files
+    from gspmd_tp import checkpoint_files, checkpoint_tool
 
     path = tmp_path / "notes.txt"
     path.write_text("x")
@@ -319,7 +319,7 @@ def test_a_file_given_as_workdir_is_named_a_file(tmp_path):
     ):
         checkpoint_files.check_workdir_given(str(path))
     with pytest.raises(checkpoint_files.UserError, match=rf"^{path} is a file, not a run's directory, its "):
-        checkpoint.info(str(path))
+        checkpoint_tool.info(str(path))
 
 
 def test_a_tilde_in_the_workdir_rule_file_and_init_from_is_the_home_directory(tmp_path):
