@@ -18,39 +18,36 @@ def test_auto_projection_grad_follows_the_run_devices():
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("lr", -1e-3, "config.optim.lr must be 0 or more, got -0.001"),
-        ("warmup_steps", -1, "config.optim.warmup_steps must be 0 or more, got -1"),
-        ("min_lr_ratio", 1.5, r"config.optim.min_lr_ratio must be in \[0, 1\], got 1.5"),
-        ("b2", 1.0, r"config.optim.b2 must be in \[0, 1\), got 1.0"),
-        ("clip_norm", -1.0, "config.optim.clip_norm must be 0 or more, got -1.0"),
-        ("lr", float("nan"), "config.optim.lr must be 0 or more and finite, got nan"),
-        ("lr", float("inf"), "config.optim.lr must be 0 or more and finite, got inf"),
-        ("weight_decay", float("nan"), "config.optim.weight_decay must be 0 or more and finite, got nan"),
-        ("eps", float("nan"), "config.optim.eps must be 0 or more and finite, got nan"),
-        ("clip_norm", float("nan"), "config.optim.clip_norm must be 0 or more and finite, got nan"),
+        ("optim.lr", -1e-3, "config.optim.lr must be 0 or more, got -0.001"),
+        ("optim.warmup_steps", -1, "config.optim.warmup_steps must be 0 or more, got -1"),
+        ("optim.min_lr_ratio", 1.5, r"config.optim.min_lr_ratio must be in \[0, 1\], got 1.5"),
+        ("optim.b2", 1.0, r"config.optim.b2 must be in \[0, 1\), got 1.0"),
+        ("optim.clip_norm", -1.0, "config.optim.clip_norm must be 0 or more, got -1.0"),
+        ("optim.lr", float("nan"), "config.optim.lr must be 0 or more and finite, got nan"),
+        ("optim.lr", float("inf"), "config.optim.lr must be 0 or more and finite, got inf"),
+        (
+            "optim.weight_decay",
+            float("nan"),
+            "config.optim.weight_decay must be 0 or more and finite, got nan",
+        ),
+        ("optim.eps", float("nan"), "config.optim.eps must be 0 or more and finite, got nan"),
+        ("optim.clip_norm", float("nan"), "config.optim.clip_norm must be 0 or more and finite, got nan"),
         # Finite in Python, inf once float32 on the devices: the first update would overflow.
-        ("lr", 1e39, r"config.optim.lr=1e\+39 is beyond float32's range \(3\.403e\+38\), in which the opt"),
-        ("weight_decay", 4e38, r"config.optim.weight_decay=4e\+38 is beyond float32's range"),
+        (
+            "optim.lr",
+            1e39,
+            r"config.optim.lr=1e\+39 is beyond float32's range \(3\.403e\+38\), in which the opt",
+        ),
+        ("optim.weight_decay", 4e38, r"config.optim.weight_decay=4e\+38 is beyond float32's range"),
+        ("data.seed", -1, r"config.data.seed must be in \[0, 2\*\*32\), got -1"),
+        ("data.eval_fraction", 1.0, r"config.data.eval_fraction must be in \(0, 1\), got 1.0"),
+        ("data.eval_fraction", 0.0, r"config.data.eval_fraction=0 holds out no document"),
     ],
 )
-def test_bad_optimizer_values_are_named(key, value, message):
+def test_bad_optimizer_and_data_values_are_named(key, value, message):
     c = small_config()
-    c.optim[key] = value
-    with pytest.raises(UserError, match=message):
-        run_setup.setup(c)
-
-
-@pytest.mark.parametrize(
-    "key, value, message",
-    [
-        ("seed", -1, r"config.data.seed must be in \[0, 2\*\*32\), got -1"),
-        ("eval_fraction", 1.0, r"config.data.eval_fraction must be in \(0, 1\), got 1.0"),
-        ("eval_fraction", 0.0, r"config.data.eval_fraction=0 holds out no document"),
-    ],
-)
-def test_bad_data_values_are_named(key, value, message):
-    c = small_config()
-    c.data[key] = value
+    section, name = key.split(".")
+    c[section][name] = value
     with pytest.raises(UserError, match=message):
         run_setup.setup(c)
 
