@@ -312,11 +312,11 @@ def _read_flags(conn: socket.socket) -> tuple[int, int] | None:
         line = _read_line(conn)
     except OSError:
         return None
-    fields = line.removeprefix(_HELLO).split() if line.startswith(_HELLO) else []
-    if len(fields) != 2 or not all(f.isdigit() for f in fields):
+    flags = _numbers(line, _HELLO, 2)  # process id, process count
+    if flags is None:
         return None
     conn.settimeout(None)
-    return int(fields[0]), int(fields[1])
+    return flags[0], flags[1]
 
 
 def _read_line(conn: socket.socket, limit: int = 4096) -> bytes:
