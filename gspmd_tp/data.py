@@ -212,11 +212,14 @@ MAX_PREFETCH = 1000
 PREFETCH_BYTES = 1 << 30
 
 
+def _batch_bytes(batch_size: int, seq_len: int) -> int:
+    return batch_size * (seq_len + 1) * np.dtype(np.int32).itemsize
+
+
 def max_prefetch(batch_size: int, seq_len: int) -> int:
     """The most batches config.data.prefetch may read ahead: MAX_PREFETCH, fewer where they and the
     one being read would hold over PREFETCH_BYTES of int32 tokens, never fewer than AUTO_PREFETCH."""
-    per_batch = batch_size * (seq_len + 1) * np.dtype(np.int32).itemsize
-    return max(AUTO_PREFETCH, min(MAX_PREFETCH, PREFETCH_BYTES // per_batch - 1))
+    return max(AUTO_PREFETCH, min(MAX_PREFETCH, PREFETCH_BYTES // _batch_bytes(batch_size, seq_len) - 1))
 
 
 def check_prefetch(prefetch: int, batch_size: int, seq_len: int) -> None:
@@ -225,11 +228,11 @@ def check_prefetch(prefetch: int, batch_size: int, seq_len: int) -> None:
         raise UserError(f"config.data.prefetch must be -1 (auto), 0 or more, got {prefetch}")
     limit = max_prefetch(batch_size, seq_len)
     if prefetch > limit:
-        per_batch = batch_size * (seq_len + 1) * np.dtype(np.int32).itemsize
         raise UserError(
             f"config.data.prefetch={prefetch} is over its limit of {limit} batches read ahead (at most "
             f"{MAX_PREFETCH}, and {PREFETCH_BYTES >> 30} GiB with the batch being read; a batch of "
-            f"{batch_size} x {seq_len + 1} int32 tokens is {per_batch:,} bytes); -1 is the default"
+            f"{batch_size} x {seq_len + 1} int32 tokens is {_batch_bytes(batch_size, seq_len):,} bytes); "
+            "-1 is the default"
         )
 
 

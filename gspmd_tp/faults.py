@@ -135,16 +135,16 @@ def _all_finite(tree) -> jax.Array:
     return jnp.stack(leaves).all() if leaves else jnp.array(True)
 
 
-def check_resumed(step: int, state, ckpt_dir: str, older: list[int]) -> None:
+def check_resumed(step: int, state, ckpt_dir: str, older: int | None) -> None:
     """Raises UserError where the state restored from checkpoint `step` holds NaN or Inf (saved
     before check_state refused such states): every step trained from it would be NaN. Names the
-    newest of the older checkpoints (`older`, newest first) to resume from; moves nothing."""
+    checkpoint before it (`older`, None where there is none) to resume from; moves nothing."""
     if bool(_all_finite((state.params, state.opt_state))):
         return
     step_dir = os.path.join(ckpt_dir, str(step))
     instead = (
-        f"move {step_dir} out of {ckpt_dir} to resume from step {older[0]}"
-        if older
+        f"move {step_dir} out of {ckpt_dir} to resume from step {older}"
+        if older is not None
         else f"no older checkpoint is left in {ckpt_dir}: start the run afresh in another workdir"
     )
     raise UserError(

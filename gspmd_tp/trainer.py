@@ -90,7 +90,7 @@ def _initial_state(s: Setup, found: list, mngr, imported_params, damaged: dict):
         start, meta, state, data_state = checkpoint.restore_newest(
             mngr, found, s.abstract_state, warn=log, damaged=damaged
         )
-        older = sorted((step for step, _ in found if step < start), reverse=True)
+        older = max((step for step, _ in found if step < start), default=None)
         faults.check_resumed(start, state, str(mngr.directory), older)
         log(f"resumed from step {start} (saved on mesh {meta['mesh']} with rules {meta['rules']['source']})")
         return state, data_state, start
