@@ -201,6 +201,9 @@ def check_memory(stats, mesh, step: str = "train step", fix: str = _TRAIN_STEP_F
     else:
         have = (device.memory_stats() or {}).get("bytes_limit", 0)
         what, where = f"a {device.device_kind}'s {_gib(have)}", f"{_gib(need)} per device"
+        if device.platform == "gpu" and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+            # JAX's allocator takes 75% of a GPU's memory unless told otherwise.
+            what += " (JAX's share of it; XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 raises the share)"
     if have and need > have:
         raise UserError(f"the compiled {step} needs {where}, more than {what}; {fix}")
 

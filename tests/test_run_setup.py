@@ -90,6 +90,38 @@ def test_a_step_that_cannot_fit_is_refused_before_anything_is_written():
         run_setup.check_memory(stats, mesh)
 
 
+@pytest.mark.parametrize("fraction_set", [False, True])
+def test_a_gpu_step_that_cannot_fit_names_jaxs_share_of_the_memory(monkeypatch, fraction_set):
+    """JAX's allocator takes 75% of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise: where
+    it is unset, the refusal says how to raise the share."""
+    import types
+
+    import numpy as np
+
+    gpu = types.SimpleNamespace(
+        platform="gpu",
+        device_kind="NVIDIA H100 80GB HBM3",
+        memory_stats=lambda: {"bytes_limit": 60 * 2**30},
+    )
+    mesh = types.SimpleNamespace(devices=np.array([gpu], dtype=object))
+    stats = types.SimpleNamespace(
+        argument_size_in_bytes=11 * 2**30, output_size_in_bytes=11 * 2**30, alias_size_in_bytes=11 * 2**30
+    )
+    if fraction_set:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    else:
+        monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    stats.temp_size_in_bytes = 48 * 2**30
+    run_setup.check_memory(stats, mesh)
+    stats.temp_size_in_bytes = 54 * 2**30
+    with pytest.raises(UserError) as e:
+        run_setup.check_memory(stats, mesh)
+    message = str(e.value)
+    assert "needs 65.0 GiB per device, more than a NVIDIA H100 80GB HBM3's 60.0 GiB" in message
+    assert ("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 raises the share" in message) is not fraction_set
+    assert "\n" not in message
+
+
 def test_a_vocabulary_below_the_byte_tokens_is_named_for_any_data():
     c = small_config()
     c.model.vocab_size = 128
