@@ -100,6 +100,7 @@ def _compiled(config, warmup: int, s: run_setup.Setup | None = None):
     t0 = time.perf_counter()
     step = step_lib.compile_train_step(s)
     compile_s = time.perf_counter() - t0
+    run_setup.check_memory(step.memory_analysis(), s.mesh)
     state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, config.seq_len, config.seed)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.model.vocab_size, (config.batch_size, config.seq_len + 1), np.int32)
@@ -111,13 +112,21 @@ def _compiled(config, warmup: int, s: run_setup.Setup | None = None):
 
 
 def _time_steps(step, state, batch, n: int, times: list[float]):
-    """Runs `n` steps, each waited for, appending their seconds to `times`; (state, last stats)."""
-    stats = None
+    """Runs `n` steps, appending each one's seconds to `times`: from the end of the step before it
+    (or the start) to its own end. Each step is waited for only once the next one is queued, so
+    the host's dispatch overlaps the device's work, as in training, which never waits for a step.
+    Returns (state, last stats)."""
+    start, pending = time.perf_counter(), None
     for _ in range(n):
-        t = time.perf_counter()
         state, stats = step(state, batch)
-        jax.block_until_ready(state)
-        times.append(time.perf_counter() - t)
+        if pending is not None:
+            jax.block_until_ready(pending)
+            now = time.perf_counter()
+            times.append(now - start)
+            start = now
+        pending = stats
+    jax.block_until_ready(state)
+    times.append(time.perf_counter() - start)
     return state, stats
 
 

@@ -126,6 +126,44 @@ def test_cli_json(tmp_path):
     assert json.loads(out.read_text())["results"][0]["tokens_per_sec"] > 0
 
 
+def test_a_step_that_cannot_fit_is_one_line_before_any_state_is_made(monkeypatch):
+    from gspmd_tp import run_setup, state
+
+    monkeypatch.setattr(run_setup, "_host_memory", lambda: 2**20)
+    monkeypatch.setattr(state, "init_state", lambda *a, **k: pytest.fail("the state was made"))
+    with pytest.raises(
+        UserError, match=r"the compiled train step needs 8 CPU devices x .* more than this host"
+    ):
+        benchmark.run(small_config(), ["megatron_1d"], ["dp=2,mp=4"], steps=1, warmup=0)
+
+
+def test_steps_are_waited_for_only_once_the_next_is_queued(monkeypatch):
+    """Timing like training: step i+1 is dispatched before step i is waited for, and every step's
+    time runs from the end of the one before, so the times add up to the whole."""
+    events = []
+
+    class Output:
+        def __init__(self, name):
+            self.name = name
+
+        def block_until_ready(self):
+            events.append(f"wait {self.name}")
+            return self
+
+    def step(state, batch):
+        i = len([e for e in events if e.startswith("step")])
+        events.append(f"step {i}")
+        return Output(f"state {i}"), Output(f"stats {i}")
+
+    monkeypatch.setattr(benchmark.jax, "block_until_ready", lambda x: x.block_until_ready())
+    times = []
+    t0 = benchmark.time.perf_counter()
+    benchmark._time_steps(step, None, None, 3, times)
+    wall = benchmark.time.perf_counter() - t0
+    assert events == ["step 0", "step 1", "wait stats 0", "step 2", "wait stats 1", "wait state 2"]
+    assert len(times) == 3 and all(t >= 0 for t in times) and sum(times) <= wall
+
+
 def test_parse_variants():
     assert benchmark.parse_variants("model.remat=none;model.attention_block=128,model.dtype=bfloat16") == [
         {"model.remat": "none"},
