@@ -59,7 +59,8 @@ def get_config() -> ConfigDict:
     c.model.tie_embeddings = False
     c.model.dtype = "float32"  # on CPU bf16 matmuls are slower than f32
     c.model.remat = "none"  # none | full | dots | dots_no_batch | dots_no_batch_comm
-    # einsum | xla | cudnn (jax.nn.dot_product_attention; cudnn: GPU, bf16). On CPU xla is no faster.
+    # einsum | xla | cudnn (jax.nn.dot_product_attention; cudnn: GPU, bf16) | auto (cudnn on GPU in
+    # bf16, einsum elsewhere). On CPU xla is no faster.
     c.model.attention = "einsum"
     # einsum only: queries in blocks of this many positions, each scoring only the keys up to its
     # end (skips the masked upper triangle; exact). 0: the whole square at once.

@@ -44,6 +44,13 @@ COLLECTIVE_OUTPUTS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 
 _save_projections = jax.checkpoint_policies.save_only_these_names(PROJECTION)
 
+
+def _fused_attention_saveable(prim, *_, **__) -> bool:
+    """Remat policy: keep what cuDNN's fused attention forward returns (its output and softmax
+    statistics, the residuals of its backward), so that the backward pass does not run it again."""
+    return prim.name == "dot_product_attention_fwd_wrapper"
+
+
 REMAT_POLICIES = {
     "none": None,  # no rematerialization
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
@@ -53,6 +60,14 @@ REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _save_projections
     ),
+    # dots_no_batch, plus the fused attention's residuals (model.attention cudnn): the backward
+    # pass runs no attention forward again.
+    "dots_no_batch_attention": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _save_projections
+        ),
+        _fused_attention_saveable,
+    ),
     # dots_no_batch, plus the collective outputs: the backward pass repeats no communication.
     "dots_no_batch_comm": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -61,7 +76,7 @@ REMAT_POLICIES = {
 }
 
 
-ATTENTION_IMPLEMENTATIONS = ("einsum", "xla", "cudnn")
+ATTENTION_IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "auto")
 # The ModelConfig fields that are sizes: each must be positive.
 SIZES = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
 PROJECTION_GRADS = ("auto", "explicit", "xla")
@@ -85,7 +100,8 @@ class ModelConfig:
     remat: str = "none"  # a key of REMAT_POLICIES
     # einsum: the attention written out, its scores annotated with logical axes; xla / cudnn:
     # jax.nn.dot_product_attention with that implementation (cudnn: fused flash attention, GPU
-    # only, bf16/fp16). Sampling from the key/value cache always takes the einsum path.
+    # only, bf16/fp16); auto: cudnn on GPU in bf16/fp16, einsum elsewhere (attention_implementation).
+    # Sampling from the key/value cache always takes the einsum path.
     attention: str = "einsum"
     # einsum path, training and evaluation: queries in blocks of this many positions, each block
     # scoring only the keys up to its own end, so the causal upper triangle beyond the diagonal
@@ -132,7 +148,7 @@ class ModelConfig:
             problems.append(f"model.attention {self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
         elif self.attention == "cudnn" and self.dtype == "float32":
             problems.append("model.attention 'cudnn' needs model.dtype bfloat16 or float16, got float32")
-        if self.attention in ATTENTION_IMPLEMENTATIONS[1:] and self.attention_block > 0:
+        if self.attention in ("xla", "cudnn") and self.attention_block > 0:
             problems.append(
                 f"model.attention_block={self.attention_block} applies to einsum attention only; with "
                 f"model.attention {self.attention!r} set it to 0"
@@ -271,6 +287,16 @@ def _attend(q, k, v, mask, dtype):
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
 
 
+def attention_implementation(setting: str, dtype: str, platform: str | None = None) -> str:
+    """The attention path ModelConfig.attention `setting` means on `platform` (by default JAX's
+    default backend): "auto" is cuDNN's fused attention on GPU in bfloat16 or float16 (on an H100,
+    2.7x the step rate of xla's, BENCHMARKS.md), the einsum path elsewhere."""
+    if setting != "auto":
+        return setting
+    gpu = (platform or jax.default_backend()) == "gpu"
+    return "cudnn" if gpu and dtype in ("bfloat16", "float16") else "einsum"
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped key/value heads and a fused qkv kernel."""
 
@@ -303,10 +329,11 @@ class Attention(nn.Module):
         )
         v = _constrain(qkv[:, :, :, group + 1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
 
-        if decoding is None and cfg.attention != "einsum":
+        implementation = attention_implementation(cfg.attention, cfg.dtype)
+        if decoding is None and implementation != "einsum":
             # Query head h reads key/value head h // group, the grouping of the fused kernel.
             out = jax.nn.dot_product_attention(
-                q, k, v, scale=1.0, is_causal=True, implementation=cfg.attention
+                q, k, v, scale=1.0, is_causal=True, implementation=implementation
             )
         else:
             q = q.reshape(b, length, k_heads, group, hd)
@@ -338,6 +365,46 @@ class Attention(nn.Module):
         return _constrain(y, (BATCH, NORM_LENGTH, EMBED))
 
 
+def swiglu(gate_up, one_pass_gradient: bool | None = None):
+    """silu(gate) * up of gate_up (..., 2, mlp), gate first. With `one_pass_gradient` (by default
+    on GPU only), its gradient is one elementwise pass that writes the stacked array: autodiff of
+    the two slices adds two zero-padded halves instead, more memory traffic on the largest
+    activations (on an H100 the llama_1b step is 1.017x faster in one pass; on CPU it was slower,
+    BENCHMARKS.md)."""
+    if one_pass_gradient is None:
+        one_pass_gradient = jax.default_backend() == "gpu"
+    return _swiglu_one_pass(gate_up) if one_pass_gradient else _swiglu(gate_up)
+
+
+def _swiglu(gate_up):
+    return nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+
+
+@jax.custom_vjp
+def _swiglu_one_pass(gate_up):
+    return _swiglu(gate_up)
+
+
+def _swiglu_forward(gate_up):
+    return _swiglu(gate_up), gate_up
+
+
+def _swiglu_backward(gate_up, d_hidden):
+    # Each element takes the gate's or the up's derivative by its index on the stacked axis
+    # (no concatenate, no zero-padded halves).
+    x = gate_up.astype(jnp.float32)
+    gate, up = x[..., :1, :], x[..., 1:, :]
+    d = d_hidden.astype(jnp.float32)[..., None, :]
+    sigmoid = jax.nn.sigmoid(gate)
+    d_gate = d * up * sigmoid * (1 + gate * (1 - sigmoid))
+    d_up = d * gate * sigmoid
+    is_gate = jax.lax.broadcasted_iota(jnp.int32, gate_up.shape, gate_up.ndim - 2) == 0
+    return (jnp.where(is_gate, d_gate, d_up).astype(gate_up.dtype),)
+
+
+_swiglu_one_pass.defvjp(_swiglu_forward, _swiglu_backward)
+
+
 class FeedForward(nn.Module):
     """SwiGLU feed-forward with a fused gate/up kernel."""
 
@@ -360,7 +427,7 @@ class FeedForward(nn.Module):
         )
         gate_up = project(x_ble, w_in.astype(dtype), (EMBED, None, MLP), 1, explicit)
         gate_up = _constrain(gate_up, (BATCH, LENGTH, None, MLP))
-        hidden = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+        hidden = swiglu(gate_up)
         hidden = _constrain(hidden, (BATCH, LENGTH, MLP))
         y = project(hidden, w_out.astype(dtype), (MLP, EMBED), 1, explicit)
         return _constrain(_constrain_cotangent(y, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gspmd_tp.model import ModelConfig, Transformer, rotary
+from gspmd_tp import model
+from gspmd_tp.model import ModelConfig, Transformer, attention_implementation, rotary, swiglu
 
 CFG = ModelConfig(
     vocab_size=256, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64
@@ -80,7 +81,9 @@ def test_scan_equals_unrolled_layers():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch", "dots_no_batch_comm"])
+@pytest.mark.parametrize(
+    "policy", ["full", "dots", "dots_no_batch", "dots_no_batch_comm", "dots_no_batch_attention"]
+)
 def test_remat_policies_give_the_same_gradients(policy):
     params = init(CFG)
     remat_cfg = ModelConfig(**{**CFG.__dict__, "remat": policy})
@@ -156,6 +159,58 @@ def test_config_validation_names_the_problem():
         "model.norm_eps must be 0 or more, got -1e-05",
     ]
     assert len(ModelConfig(rope_theta=float("nan"), norm_eps=float("nan")).validate()) == 2
+
+
+def test_swiglu_one_pass_gradient_is_autodiffs_without_padded_halves():
+    gate_up = jax.random.normal(jax.random.key(2), (2, 5, 2, 16)) * 3
+    d_hidden = jax.random.normal(jax.random.key(3), (2, 5, 16))
+    plain = lambda g: nn.silu(g[..., 0, :]) * g[..., 1, :]
+    one_pass = lambda g: swiglu(g, one_pass_gradient=True)
+    np.testing.assert_array_equal(one_pass(gate_up), plain(gate_up))
+    np.testing.assert_array_equal(swiglu(gate_up), plain(gate_up))  # on CPU: autodiff's gradient
+    grad = lambda f: lambda g, d: jax.vjp(f, g)[1](d)[0]
+    np.testing.assert_allclose(grad(one_pass)(gate_up, d_hidden), grad(plain)(gate_up, d_hidden), atol=1e-6)
+    ops = lambda f: jax.jit(grad(f)).lower(gate_up, d_hidden).compile().as_text()
+    assert re.search(r"= \S+ (pad|concatenate)\(", ops(plain))  # autodiff: two padded halves
+    assert not re.search(r"= \S+ (pad|concatenate)\(", ops(one_pass))
+    bf16 = gate_up.astype(jnp.bfloat16), d_hidden.astype(jnp.bfloat16)
+    np.testing.assert_allclose(
+        grad(one_pass)(*bf16).astype(jnp.float32), grad(plain)(*bf16).astype(jnp.float32), rtol=0.02, atol=0.1
+    )
+
+
+@pytest.mark.parametrize(
+    "setting, dtype, platform, chosen",
+    [
+        ("auto", "bfloat16", "gpu", "cudnn"),
+        ("auto", "float16", "gpu", "cudnn"),
+        ("auto", "float32", "gpu", "einsum"),  # cuDNN's fused attention takes 16-bit inputs only
+        ("auto", "bfloat16", "cpu", "einsum"),
+        ("auto", "bfloat16", "tpu", "einsum"),
+        ("xla", "float32", "gpu", "xla"),
+        ("einsum", "bfloat16", "gpu", "einsum"),
+    ],
+)
+def test_auto_attention_is_cudnn_on_gpu_in_16_bits_only(setting, dtype, platform, chosen):
+    assert attention_implementation(setting, dtype, platform) == chosen
+
+
+def test_auto_attention_on_cpu_is_the_einsum_path():
+    auto = ModelConfig(**{**CFG.__dict__, "attention": "auto", "attention_block": 4})
+    assert auto.validate() == []
+    params = init(CFG)
+    np.testing.assert_array_equal(
+        Transformer(auto).apply({"params": params}, TOKENS),
+        Transformer(ModelConfig(**{**CFG.__dict__, "attention_block": 4})).apply({"params": params}, TOKENS),
+    )
+
+
+def test_the_attention_remat_policy_names_the_fused_attention_of_this_jax():
+    """The policy goes by the primitive's name; a jax that renamed it would silently save nothing."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    assert model._fused_attention_saveable(cudnn_attention._dot_product_attention_fwd_p_wrapper)
+    assert not model._fused_attention_saveable(jax.lax.exp_p)
 
 
 def test_dot_product_attention_equals_the_einsum_path():
