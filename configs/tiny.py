@@ -58,7 +58,8 @@ def get_config() -> ConfigDict:
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.dtype = "float32"  # on CPU bf16 matmuls are slower than f32
-    c.model.remat = "none"  # none | full | dots | dots_no_batch | dots_no_batch_comm
+    # none | full | dots | dots_no_batch | dots_no_batch_comm | dots_no_batch_attention
+    c.model.remat = "none"
     # einsum | xla | cudnn (jax.nn.dot_product_attention; cudnn: GPU, bf16) | auto (cudnn on GPU in
     # bf16, einsum elsewhere). On CPU xla is no faster.
     c.model.attention = "einsum"

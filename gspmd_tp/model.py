@@ -43,6 +43,9 @@ from gspmd_tp.rules import UNCONSTRAINED, axes_of
 COLLECTIVE_OUTPUTS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 
 _save_projections = jax.checkpoint_policies.save_only_these_names(PROJECTION)
+_save_dots_no_batch = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _save_projections
+)
 
 
 def _fused_attention_saveable(prim, *_, **__) -> bool:
@@ -57,16 +60,11 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.save_from_both_policies(  # keep matmul outputs
         jax.checkpoint_policies.checkpoint_dots, _save_projections
     ),
-    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _save_projections
-    ),
+    "dots_no_batch": _save_dots_no_batch,
     # dots_no_batch, plus the fused attention's residuals (model.attention cudnn): the backward
     # pass runs no attention forward again.
     "dots_no_batch_attention": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.save_from_both_policies(
-            jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _save_projections
-        ),
-        _fused_attention_saveable,
+        _save_dots_no_batch, _fused_attention_saveable
     ),
     # dots_no_batch, plus the collective outputs: the backward pass repeats no communication.
     "dots_no_batch_comm": jax.checkpoint_policies.save_from_both_policies(
