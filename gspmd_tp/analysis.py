@@ -82,7 +82,7 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     """
     c, cfg = s.config, s.model_cfg
     mesh_shape = dict(s.mesh.shape)
-    batch_axes = set(axes_of(s.rules.spec((axes.BATCH,))[0]))
+    batch_axes = set(s.rules.batch_axes())
 
     def hidden_axes(name: str) -> set[str]:
         # The axes of `name` in an activation, where the batch has taken its axes first.

@@ -40,7 +40,7 @@ from gspmd_tp import state as state_lib
 from gspmd_tp.errors import ArgumentParser, UserError, exit_from_main, interrupted, warn
 from gspmd_tp.mesh import mesh_string
 from gspmd_tp.model import Decoding, Transformer
-from gspmd_tp.rules import axes_of, check_divisible
+from gspmd_tp.rules import check_divisible
 
 DEFAULT_MAX_NEW_TOKENS = 100
 DEFAULT_TEMPERATURE = 0.8  # a little sharper than the model's distribution, as in nanoGPT
@@ -128,7 +128,7 @@ def fit_length(token_lists: list[list[int]], max_new_tokens: int | None, seq_len
 
 def batch_rows(s: run_setup.Setup, prompts: int) -> int:
     """Rows of the decoding batch: the prompts, rounded up to divide over the mesh axes of `batch`."""
-    ways = math.prod(s.mesh.shape[a] for a in axes_of(s.rules.spec((axes.BATCH,))[0]))
+    ways = math.prod(s.mesh.shape[a] for a in s.rules.batch_axes())
     return -(-prompts // ways) * ways
 
 
@@ -293,7 +293,7 @@ def _fitting_layout(s: run_setup.Setup, compiled_for, layouts) -> str:
     note on stderr where that is the training layout; UserError where neither fits."""
     note = None
     if "decoding" in layouts:
-        gathered = ", ".join(axes_of(s.rules.spec((axes.BATCH,))[0]))
+        gathered = ", ".join(s.rules.batch_axes())
         instead = f"sampling with them in their training layout, gathered over {gathered} for every new token"
         try:
             run_setup.check_memory(

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from gspmd_tp.axes import BATCH, LENGTH, VOCAB
 from gspmd_tp.projection import output_projection
-from gspmd_tp.rules import axes_of
+from gspmd_tp.rules import batch_mesh_axes
 
 
 def cross_entropy_sums(logits_blv, targets_bl, valid_bl=None):
@@ -48,7 +48,7 @@ def batch_shards(batch: int) -> int:
     """Devices a batch of `batch` rows is split over under the logical rules and mesh being traced
     with: the size of the mesh axes `batch` resolves to (1 outside them, or where they do not divide)."""
     mesh = dict(jax.sharding.get_abstract_mesh().shape)
-    shards = math.prod(mesh.get(a, 1) for a in axes_of(nn.logical_to_mesh_axes((BATCH,))[0]))
+    shards = math.prod(mesh.get(a, 1) for a in batch_mesh_axes())
     return shards if batch % shards == 0 else 1
 
 

@@ -18,7 +18,7 @@ import yaml
 from jax.sharding import PartitionSpec
 
 from gspmd_tp import paths
-from gspmd_tp.axes import VOCABULARY
+from gspmd_tp.axes import BATCH, VOCABULARY
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import parse_mesh
 
@@ -51,9 +51,19 @@ class Rules:
         """The mesh PartitionSpec of a tensor whose dimensions have these logical names."""
         return nn.logical_to_mesh_axes(tuple(logical), self.rules)
 
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is sharded over, in order (() where it is replicated)."""
+        return batch_mesh_axes(self.rules)
+
     @property
     def covered(self) -> set[str]:
         return {name for name, _ in self.rules}
+
+
+def batch_mesh_axes(rules: Iterable[tuple[str, MeshAxes]] | None = None) -> tuple[str, ...]:
+    """The mesh axes the batch is sharded over under the (logical name, mesh axes) pairs `rules`, or,
+    where None, under the flax logical axis rules being traced with (in model and step code)."""
+    return axes_of(nn.logical_to_mesh_axes((BATCH,), None if rules is None else tuple(rules))[0])
 
 
 def unsharded(rules: Rules, names: Iterable[str]) -> Rules:

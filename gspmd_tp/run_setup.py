@@ -131,7 +131,7 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     explicit = explicit_projection_grad(model_cfg.projection_grad, platform)
     model_cfg = dataclasses.replace(model_cfg, projection_grad="explicit" if explicit else "xla")
     micro_batch = config.batch_size // config.grad_accum
-    ways, sizes = mesh_ways(mesh.shape, rules.spec((axes.BATCH,))[0])
+    ways, sizes = mesh_ways(mesh.shape, rules.batch_axes())
     if config.grad_accum > 1 and micro_batch % ways:
         raise UserError(
             f"config.batch_size={config.batch_size} / config.grad_accum={config.grad_accum} = {micro_batch} "

@@ -211,7 +211,7 @@ def decoding_shardings(shardings, rules: Rules):
     axes (fsdp.yaml's embed, megatron_2d.yaml's embed on dp) would be gathered again for every token
     in the loop, where one gather before it serves them all (as MaxText and t5x reshard for serving).
     """
-    batch_axes = set(axes_of(rules.spec((axes.BATCH,))[0]))
+    batch_axes = set(rules.batch_axes())
 
     def without_batch_axes(entry):
         if entry is None or isinstance(entry, str):

@@ -17,7 +17,7 @@ from gspmd_tp import axes, data
 from gspmd_tp import loss as loss_lib
 from gspmd_tp import state as state_lib
 from gspmd_tp.model import Transformer
-from gspmd_tp.rules import axes_of, mesh_ways
+from gspmd_tp.rules import axes_of, batch_mesh_axes, mesh_ways
 
 if TYPE_CHECKING:  # run_setup builds the Setup; trainer calls this module
     from gspmd_tp.run_setup import Setup
@@ -62,7 +62,7 @@ def accumulated_grads(model: Transformer, accum: int, param_shardings, params, t
     # Microbatch i takes rows i, i + accum, ...: each stays spread over the batch axes.
     micro = tokens.reshape(b // accum, accum, t).swapaxes(0, 1)
     micro = nn.with_logical_constraint(micro, (None, axes.BATCH, None))
-    batch_axes = axes_of(nn.logical_to_mesh_axes((axes.BATCH,))[0])
+    batch_axes = batch_mesh_axes()
     if sums_per_batch_shard(batch_axes, param_shardings, b // accum):
         return _shard_partial_sums(model, micro, count, batch_axes, params, param_shardings, loss_chunk)
 

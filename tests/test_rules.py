@@ -3,6 +3,7 @@
 import os
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import pytest
 from conftest import small_config
@@ -11,7 +12,7 @@ from gspmd_tp import run_setup
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import make_mesh
-from gspmd_tp.rules import RULES_DIR, load_rules, parse_rules
+from gspmd_tp.rules import RULES_DIR, batch_mesh_axes, load_rules, parse_rules
 
 GOLDEN = Path(__file__).parent / "golden"
 SHIPPED = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
@@ -53,6 +54,14 @@ def test_two_d_falls_back_to_the_free_axis():
     assert rules.spec(("batch", "length", "embed")) == jax.sharding.PartitionSpec("dp", None, "mp")
     assert rules.spec(("embed", "mlp")) == jax.sharding.PartitionSpec("dp", "mp")
     assert rules.spec(("mlp", "embed")) == jax.sharding.PartitionSpec("mp", "dp")
+
+
+@pytest.mark.parametrize("rules_name, expected", [("dp", ("dp", "mp")), ("megatron_2d", ("dp",))])
+def test_batch_axes_are_the_mesh_axes_of_the_batch(rules_name, expected):
+    rules = load_rules(rules_name)  # dp.yaml: [batch, [dp, mp]]; megatron_2d.yaml: [batch, dp]
+    assert rules.batch_axes() == expected
+    with nn.logical_axis_rules(rules.rules):  # as model and step code trace
+        assert batch_mesh_axes() == expected
 
 
 def test_bare_name_and_path_load_the_same_rules():
