@@ -357,10 +357,7 @@ def format_table(report: dict) -> str:
         lines.append(f"jit matmul 2048^3 {dtype}: {rate / 1e9:,.1f} GFLOP/s")
     # The rules column holds the rule file as given (a path, perhaps) and the mesh one the mesh: as
     # wide as the longest, so that the figures stay under their headings.
-    widths = (
-        max([16] + [len(r["rules"]) for r in report["results"]]),
-        max([12] + [len(r["mesh"]) for r in report["results"]]),
-    )
+    widths = rules_lib.column_widths(report["results"], "rules", (16, 12))
     head = f"{_lead('rules', 'mesh', widths)} {'tokens/s':>10} {'step ms':>9} {'min':>7} {'max':>7}"
     compared = [r for r in report["results"] if "variant" in r]
     if compared:

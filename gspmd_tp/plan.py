@@ -46,7 +46,14 @@ from gspmd_tp import analysis, hlo, outputs, run_setup, tpu
 from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError, no_positional_arguments
 from gspmd_tp.mesh import mesh_file_name, mesh_string, parse_mesh
-from gspmd_tp.rules import IndivisibleError, check_distinct, load_rules, resolve_path, short_names
+from gspmd_tp.rules import (
+    IndivisibleError,
+    check_distinct,
+    column_widths,
+    load_rules,
+    resolve_path,
+    short_names,
+)
 
 
 def plan(
@@ -285,8 +292,7 @@ def format_compare(results: list[dict]) -> str:
     """A table: one row per rule file x mesh."""
     # Columns as wide as the longest label and mesh (a path's file name, data=2,model=4), at least
     # as wide as the shipped ones need, so that the figures stay under their headings.
-    nw = max([14] + [len(r["label"]) for r in results])
-    mw = max([12] + [len(r["mesh"]) for r in results])
+    nw, mw = column_widths(results, "label", (14, 12))
     head = (
         f"{'rules':<{nw}} {'mesh':<{mw}} {'params+opt/dev':>15} {'temps/dev':>12} {'comm/dev':>12} "
         f"{'analytical':>12} {'ratio':>6}"

@@ -100,6 +100,19 @@ def short_names(names_or_paths: Iterable[str]) -> dict[str, str]:
     return names
 
 
+def column_widths(
+    rows: Iterable[Mapping[str, str]], rules_key: str, minimums: tuple[int, int]
+) -> tuple[int, int]:
+    """The widths of a compare table's rule-file and mesh columns (plan --compare, bench.py): as wide
+    as the longest `rules_key` and "mesh" of `rows`, and at least `minimums`, so that the figures
+    after them stay under their headings."""
+    rows = list(rows)
+    return (
+        max([minimums[0]] + [len(r[rules_key]) for r in rows]),
+        max([minimums[1]] + [len(r["mesh"]) for r in rows]),
+    )
+
+
 def check_distinct(
     rules_list: list[str], meshes: list[str], device_count: int, rules_flag: str, why: str
 ) -> None:

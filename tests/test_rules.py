@@ -12,7 +12,7 @@ from gspmd_tp import run_setup
 from gspmd_tp import state as state_lib
 from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import make_mesh
-from gspmd_tp.rules import RULES_DIR, batch_mesh_axes, load_rules, parse_rules
+from gspmd_tp.rules import RULES_DIR, batch_mesh_axes, column_widths, load_rules, parse_rules
 
 GOLDEN = Path(__file__).parent / "golden"
 SHIPPED = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
@@ -62,6 +62,13 @@ def test_batch_axes_are_the_mesh_axes_of_the_batch(rules_name, expected):
     assert rules.batch_axes() == expected
     with nn.logical_axis_rules(rules.rules):  # as model and step code trace
         assert batch_mesh_axes() == expected
+
+
+def test_column_widths_are_the_longest_entries_and_at_least_the_minimums():
+    rows = [{"rules": "dp", "mesh": "dp=8"}, {"rules": "/a/long/rule_file.yaml", "mesh": "data=2,model=4"}]
+    assert column_widths(rows, "rules", (16, 12)) == (22, 14)
+    assert column_widths(rows[:1], "rules", (16, 12)) == (16, 12)
+    assert column_widths([], "label", (14, 12)) == (14, 12)
 
 
 def test_bare_name_and_path_load_the_same_rules():
