@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from typing import TYPE_CHECKING
@@ -15,7 +14,6 @@ import jax
 from gspmd_tp import (
     checkpoint,
     checkpoint_files,
-    checkpoint_tool,
     data,
     data_files,
     distributed,
@@ -25,12 +23,13 @@ from gspmd_tp import (
     outputs,
     paths,
     profiling,
+    run_inputs,
     run_setup,
 )
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
 from gspmd_tp.config_keys import changed
-from gspmd_tp.errors import JobError, UserError
+from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import mesh_string
 from gspmd_tp.model import flops_per_token, param_count
 
@@ -101,16 +100,10 @@ def _initial_state(s: Setup, found: list, mngr, imported_params, damaged: dict):
     return state, None, 0
 
 
-_CHANGED_CORPUS = {
-    "train": ("training corpus", "the examples from here on are not those the run would have seen"),
-    "held_out": ("held-out split", "eval_loss from here on does not compare with the rows before"),
-}
-
-
 def _note_corpus_change(saved: dict, now: dict, step: int) -> None:
     """A warning for each token stream whose files changed (in place: config.data is the same run's)
     since checkpoint `step` was saved."""
-    for split, (what, consequence) in _CHANGED_CORPUS.items():
+    for split, (what, consequence) in run_inputs.CORPUS_SPLITS.items():
         before = saved.get(split)
         if before and before != now[split]:
             log(
@@ -179,76 +172,6 @@ def _checked_setup(config, workdir: str) -> Setup:
     return run_setup.setup(config)
 
 
-def _read_inputs(s: Setup, resuming: bool, workdir: str):
-    """(corpus fingerprints, train dataset, eval dataset, imported parameters or None, the sha256
-    of the imported parameters or ""): what the run reads from files, on every process (the digest
-    in a multi-process job only)."""
-    c = s.config
-    # Each glob walked once, its matches read by the three below (a walk of many files costs seconds).
-    matches = data_files.match(c.data, workdir)  # not the run's own files
-    shared = data_files.files_in_both(matches)
-    if shared:
-        overlap = (
-            f"config.data.eval_files and train_files both match {_plural_files(shared)}: the held-out loss "
-            "is measured on text the run trains on"
-        )
-        if not resuming:
-            raise UserError(f"{overlap}; take them out of one of the two")
-        # A run that began so cannot change eval_files (another run) and must stay resumable.
-        log(f"warning: {overlap}")
-    twice = data_files.files_matched_twice(matches)
-    if twice and not resuming:  # on purpose, it weights them; by mistake, a resume need not repeat it
-        files = f"{len(twice)} files" if len(twice) > 1 else "1 file"
-        log(
-            f"note: config.data.train_files matches {files} more than once ({twice[0]}"
-            f"{', ...' if len(twice) > 1 else ''}): each is read, and trained on, once per match"
-        )
-    train_tokens, eval_tokens = data.load_corpus(c.data, workdir, matches)
-    corpus = {"train": data.fingerprint(train_tokens), "held_out": data.fingerprint(eval_tokens)}
-    rows = data.process_rows(s.batch_sharding, c.batch_size)
-    train_ds = data.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, rows)
-    eval_ds = data.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
-    imported, digest = None, None
-    if not resuming and c.init_from:  # read only by a fresh run: a resumed one may have lost the file
-        if not os.path.isfile(c.init_from):
-            raise UserError(f"config.init_from: no file {c.init_from}")
-        # Compared between processes only: one digest of what the import reads anyway.
-        digest = hashlib.sha256() if jax.process_count() > 1 else None
-        imported = checkpoint_tool.import_params(c.init_from, s.abstract_state.params, digest)
-    return corpus, train_ds, eval_ds, imported, digest.hexdigest() if digest else ""
-
-
-def _plural_files(paths: list[str]) -> str:
-    more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
-    return f"{paths[0]}{more}"
-
-
-def _check_same_inputs(corpus: dict, init_from: str, init_digest: str) -> None:
-    """UserError on every process where some process of the job read other tokens or another
-    config.init_from (the same config, other files: a relative path from another directory, a
-    host's own copy that differs). Each process reads only its rows of each batch, and places only
-    its shards of the imported parameters: the job would mix the two."""
-    if jax.process_count() == 1:
-        return
-    splits = list(_CHANGED_CORPUS)
-    found = distributed.first_disagreement([corpus[split]["sha256"] for split in splits] + [init_digest])
-    if found is None:
-        return
-    column, other = found
-    if column == len(splits):
-        raise JobError(
-            f"config.init_from={init_from} read by process {other} of this job differs from process 0's "
-            f"(here: parameters digest {init_digest[:16]}): every process must read the same file (a "
-            "relative path from each process's own directory)"
-        )
-    mine = corpus[splits[column]]
-    raise JobError(
-        f"the {_CHANGED_CORPUS[splits[column]][0]} read by process {other} of this job differs from "
-        f"process 0's (here: {mine['tokens']:,} tokens, sha256 {mine['sha256']}): every process must "
-        "read the same files (config.data's paths; relative ones from each process's own directory)"
-    )
-
-
 def _step_trace(s: Setup, workdir: str, start: int, train_step) -> profiling.StepTrace:
     """config.profile's window of this start's steps; each process of a job traces its own devices."""
     c = s.config.profile
@@ -280,9 +203,9 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
 
     # A file one host lacks or reads otherwise stops every process (one line each), not that one alone.
     corpus, train_ds, eval_ds, imported, init_digest = distributed.agreed(
-        _read_inputs, s, bool(found), workdir
+        run_inputs.read, s, bool(found), workdir, log
     )
-    _check_same_inputs(corpus, c.init_from, init_digest)
+    run_inputs.check_same(corpus, c.init_from, init_digest)
     if eval_batch_count(s, eval_ds) < c.eval_batches:
         log(
             f"config.eval_batches={c.eval_batches} is more than the held-out split's "

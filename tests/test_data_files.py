@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import data_config, documents, small_config, write
 
-from gspmd_tp import data, data_files, evaluate, run_setup, trainer
+from gspmd_tp import data, data_files, evaluate, run_inputs, run_setup, trainer
 from gspmd_tp.errors import UserError
 
 # --- names and globs: ~, recursive globs, spellings of a path, the run's own workdir -----------
@@ -67,16 +67,6 @@ def test_files_inside_the_runs_workdir_are_no_data(tmp_path):
     cfg.train_files = str(tmp_path / "runs" / "**" / "*.jsonl")
     with pytest.raises(UserError, match=r"train_files: no file matches '.*' outside the run's .*/runs/x$"):
         data.load_corpus(cfg, workdir=str(tmp_path / "runs" / "x"))
-
-
-def test_the_trainer_reads_no_data_from_its_own_workdir(tmp_path):
-    write(tmp_path / "data" / "a.jsonl", "".join(f'{{"text": "{"x" * 300}"}}\n' for _ in range(10)))
-    write(tmp_path / "eval.txt", "e" * 300)
-    write(tmp_path / "runs" / "x" / "metrics.jsonl", '{"step": 2, "loss": 5.0}\n')  # as a first start leaves
-    cfg = small_config()
-    cfg.data.train_files, cfg.data.eval_files = str(tmp_path / "**" / "*.jsonl"), str(tmp_path / "eval.txt")
-    corpus = trainer._read_inputs(run_setup.setup(cfg), True, str(tmp_path / "runs" / "x"))[0]
-    assert corpus["train"]["tokens"] == 10 * 301
 
 
 # --- .txt and .jsonl files, and what no glob may match -----------------------------------------
@@ -322,7 +312,7 @@ def test_a_training_start_walks_each_glob_once(tmp_path, monkeypatch):
     def stop(corpus, *_):
         raise ReadAll(corpus)
 
-    monkeypatch.setattr(trainer, "_check_same_inputs", stop)  # called once the inputs are read
+    monkeypatch.setattr(run_inputs, "check_same", stop)  # called once the inputs are read
     with pytest.raises(ReadAll) as read:
         trainer.train(cfg, str(tmp_path / "run"))
     assert read.value.args[0]["train"]["tokens"] == 6 * 401 + 5  # it read every file
