@@ -79,8 +79,6 @@ def check_config(config) -> None:
     for key in ("steps", "skip_steps"):
         if config.profile[key] < 0:
             raise UserError(f"config.profile.{key} must be 0 or more, got {config.profile[key]}")
-    # Before anything is compiled: a read-ahead without bound fills memory while the run trains.
-    data.check_prefetch(config.data.prefetch, config.batch_size, config.seq_len)
     # Every data source yields byte tokens, whatever the files hold.
     if config.model.vocab_size < data.BYTE_VOCAB:
         raise UserError(f"config.model.vocab_size={config.model.vocab_size} is below the 256 byte tokens")

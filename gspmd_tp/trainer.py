@@ -169,7 +169,11 @@ def _checked_setup(config, workdir: str) -> Setup:
     outputs.check_dir(os.path.join(workdir, metrics.TENSORBOARD), "--workdir's tensorboard")
     outputs.check_file(os.path.join(workdir, metrics.JSONL), "--workdir's metrics")
     outputs.check_file(os.path.join(workdir, metrics.REPLACED), "--workdir's replaced metrics")
-    return run_setup.setup(config)
+    s = run_setup.setup(config)
+    # Before anything is compiled: a read-ahead without bound fills memory while the run trains. Only
+    # training reads ahead, so evaluate and generate read a run saved with a larger read-ahead.
+    data.check_prefetch(config.data.prefetch, config.batch_size, config.seq_len)
+    return s
 
 
 def _step_trace(s: Setup, workdir: str, start: int, train_step) -> profiling.StepTrace:

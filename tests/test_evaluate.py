@@ -85,6 +85,23 @@ def test_a_run_saved_before_newer_config_keys_still_evaluates(trained_workdir, t
     assert json.loads(capsys.readouterr().out)["step"] == 4
 
 
+def test_a_run_saved_with_a_read_ahead_over_todays_bound_still_evaluates_and_samples(
+    trained_workdir, tmp_path, capsys
+):
+    """Only training reads ahead: evaluate and generate read a run whose saved config.data.prefetch is
+    over the bound data.check_prefetch sets now (a run saved before there was one)."""
+    old = tmp_path / "old"
+    shutil.copytree(trained_workdir, old)
+    for meta_file in old.glob("checkpoints/*/meta/metadata"):
+        meta = json.loads(meta_file.read_text())
+        meta["config"]["data"]["prefetch"] = 10**9
+        meta_file.write_text(json.dumps(meta))
+    assert evaluate.main(["--workdir", str(old), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 4
+    assert generate.main(["--workdir", str(old), "--prompt=ab", "--max_new_tokens=2"]) == 0
+    assert capsys.readouterr().out.startswith("ab")
+
+
 def test_no_checkpoint_or_metrics_is_one_line(tmp_path, capsys):
     assert evaluate.main(["--workdir", str(tmp_path)]) == 1
     assert "no checkpoint found" in capsys.readouterr().err
