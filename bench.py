@@ -8,10 +8,23 @@
 
 import sys
 
+if __name__ == "__main__":
+    from gspmd_tp.errors import exit_on_ctrl_c_while_importing
+
+    exit_on_ctrl_c_while_importing()
+
 from absl import app, flags, logging
 
 from gspmd_tp import host_devices, paths
-from gspmd_tp.errors import UserError, define_config, no_positional_arguments, parse_flags
+from gspmd_tp.errors import (
+    UserError,
+    ctrl_c_raises,
+    define_config,
+    exit_from_main,
+    interrupted,
+    no_positional_arguments,
+    parse_flags,
+)
 
 _CONFIG = define_config("configs/bench_cpu.py", "A configs/*.py file.")
 _RULES = flags.DEFINE_string("rules", "", "Comma-separated rule files, each once (default: config.rules).")
@@ -47,6 +60,7 @@ def main(argv):
     host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported
     from gspmd_tp import benchmark, outputs
 
+    ctrl_c_raises()  # jax is imported: from here a Ctrl-C is caught below
     rules = [r.strip() for r in _RULES.value.split(",")] if _RULES.value else [config.rules]
     meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
     try:
@@ -71,19 +85,22 @@ def main(argv):
             _ROUNDS.value,
             _ROUND_STEPS.value,
         )
+        # Printed before the file is written: a write that fails after all the timing loses nothing.
+        print(benchmark.to_json(report) if _JSON.value else benchmark.format_table(report), flush=True)
+        if _JSON_OUT.value:
+            try:
+                with outputs.whole_file(_JSON_OUT.value) as partial, open(partial, "w") as f:
+                    f.write(benchmark.to_json(report, indent=1))
+            except OSError as e:
+                raise UserError(f"--json_out={_JSON_OUT.value}: cannot write it ({e.strerror})") from None
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    # Printed before the file is written: a write that fails after all the timing loses nothing.
-    print(benchmark.to_json(report) if _JSON.value else benchmark.format_table(report), flush=True)
-    if _JSON_OUT.value:
-        try:
-            outputs.make_parent(_JSON_OUT.value)
-            with open(_JSON_OUT.value, "w") as f:
-                f.write(benchmark.to_json(report, indent=1))
-        except OSError as e:
-            print(f"error: --json_out={_JSON_OUT.value}: cannot write it ({e.strerror})", file=sys.stderr)
-            sys.exit(1)
+    except KeyboardInterrupt:
+        left = [f"--json_out={_JSON_OUT.value} is as it was"] if _JSON_OUT.value else []
+        if _PROFILE.value:
+            left.append(f"--profile_dir={_PROFILE.value} holds the traces taken before it")
+        exit_from_main(interrupted("; ".join(left) or "nothing written"))
 
 
 if __name__ == "__main__":

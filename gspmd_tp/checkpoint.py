@@ -10,6 +10,9 @@ Also a tool: python -m gspmd_tp.checkpoint info DIR | export DIR OUT.npz (checkp
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: no TPU probe on a host without one
+    from gspmd_tp.errors import exit_on_ctrl_c_while_importing
+
+    exit_on_ctrl_c_while_importing()
     from gspmd_tp import host_devices
 
     host_devices.cpu_platform_where_alone()
@@ -388,5 +391,7 @@ def check_same_run(saved_config: dict, config, where: str) -> None:
 
 if __name__ == "__main__":  # the documented command; the tool is checkpoint_tool's
     from gspmd_tp import checkpoint_tool
+    from gspmd_tp.errors import ctrl_c_raises
 
+    ctrl_c_raises()  # the imports are done: main() catches it
     exit_from_main(checkpoint_tool.main())

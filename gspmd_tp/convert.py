@@ -16,6 +16,9 @@ tabulated in the README section "Hugging Face Llama checkpoints".
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: no TPU probe on a host without one
+    from gspmd_tp.errors import exit_on_ctrl_c_while_importing
+
+    exit_on_ctrl_c_while_importing()
     from gspmd_tp import host_devices
 
     host_devices.cpu_platform_where_alone()
@@ -35,7 +38,15 @@ from ml_collections import ConfigDict
 
 from gspmd_tp import checkpoint, checkpoint_files, hf_layout, outputs, paths, restore, run_setup
 from gspmd_tp import state as state_lib
-from gspmd_tp.errors import UserError, define_config, exit_from_main, interrupted, loaded_config, parse_flags
+from gspmd_tp.errors import (
+    UserError,
+    ctrl_c_raises,
+    define_config,
+    exit_from_main,
+    interrupted,
+    loaded_config,
+    parse_flags,
+)
 from gspmd_tp.mesh import DeviceCountError
 
 # Files of a Hugging Face model directory that are not weights and that to-hf carries over.
@@ -311,4 +322,5 @@ if __name__ == "__main__":
     from absl import app
 
     _define_flags()
+    ctrl_c_raises()  # the imports are done: main() catches it
     app.run(main, flags_parser=functools.partial(parse_flags, load=False))  # to-hf needs no config

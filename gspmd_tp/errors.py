@@ -4,6 +4,7 @@
 import argparse
 import contextlib
 import os
+import signal
 import sys
 
 from gspmd_tp import paths
@@ -27,6 +28,20 @@ def interrupted(left: str = "nothing in the workdir was written") -> int:
     saying what it `left` (a reader such as evaluate writes nothing in the workdir); returns INTERRUPTED."""
     print(f"stopped by Ctrl-C ({left})", file=sys.stderr, flush=True)
     return INTERRUPTED
+
+
+def exit_on_ctrl_c_while_importing() -> None:
+    """Until ctrl_c_raises(): Ctrl-C exits at once, status 130, with interrupted()'s line. Call first
+    thing under __main__: a KeyboardInterrupt raised inside jax's imports (seconds, before main() and
+    its own handler run) prints a traceback through them, or breaks jaxlib's initialisation into an
+    ImportError or an abort; this handler runs only between Python statements, and nothing is written
+    yet."""
+    signal.signal(signal.SIGINT, lambda *_: os._exit(interrupted("nothing written")))
+
+
+def ctrl_c_raises() -> None:
+    """Ctrl-C raises KeyboardInterrupt again (Python's own handler), for main()'s handler to catch."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def exit_from_main(code: int) -> None:

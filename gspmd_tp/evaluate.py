@@ -14,6 +14,9 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # simulated devices must be requested before jax is imported
+    from gspmd_tp.errors import exit_on_ctrl_c_while_importing
+
+    exit_on_ctrl_c_while_importing()
     from gspmd_tp import host_devices, restore
 
     # By default as many as the run's mesh spans, so that it restores under its own mesh.
@@ -28,7 +31,7 @@ import jax
 from gspmd_tp import data, outputs, paths, restore, run_setup, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
-from gspmd_tp.errors import ArgumentParser, UserError, exit_from_main, interrupted, warn
+from gspmd_tp.errors import ArgumentParser, UserError, ctrl_c_raises, exit_from_main, interrupted, warn
 from gspmd_tp.mesh import mesh_string
 
 # data.py's tokens are bytes: each target is one byte of the packed corpus (the separator is the
@@ -223,4 +226,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    ctrl_c_raises()  # the imports are done: main() catches it
     exit_from_main(main())

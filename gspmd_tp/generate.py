@@ -21,6 +21,9 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # simulated devices must be requested before jax is imported
+    from gspmd_tp.errors import exit_on_ctrl_c_while_importing
+
+    exit_on_ctrl_c_while_importing()
     from gspmd_tp import host_devices, restore
 
     # By default as many as the run's mesh spans, so that it restores under its own mesh.
@@ -37,7 +40,7 @@ import numpy as np
 
 from gspmd_tp import axes, data, distributed, paths, restore, run_setup
 from gspmd_tp import state as state_lib
-from gspmd_tp.errors import ArgumentParser, UserError, exit_from_main, interrupted, warn
+from gspmd_tp.errors import ArgumentParser, UserError, ctrl_c_raises, exit_from_main, interrupted, warn
 from gspmd_tp.mesh import mesh_string
 from gspmd_tp.model import Decoding, Transformer
 from gspmd_tp.rules import check_divisible
@@ -406,4 +409,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    ctrl_c_raises()  # the imports are done: main() catches it
     exit_from_main(main())

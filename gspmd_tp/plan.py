@@ -27,6 +27,9 @@ import sys
 if __name__ == "__main__":  # simulated devices must be requested before jax is imported
     import os as _os
 
+    from gspmd_tp.errors import exit_on_ctrl_c_while_importing
+
+    exit_on_ctrl_c_while_importing()
     from gspmd_tp import host_devices
 
     host_devices.request(host_devices.count_from_argv(sys.argv, 8))
@@ -44,7 +47,7 @@ import numpy as np
 
 from gspmd_tp import analysis, hlo, outputs, run_setup, tpu
 from gspmd_tp import step as step_lib
-from gspmd_tp.errors import UserError, no_positional_arguments
+from gspmd_tp.errors import UserError, ctrl_c_raises, exit_from_main, interrupted, no_positional_arguments
 from gspmd_tp.mesh import mesh_file_name, mesh_string, parse_mesh
 from gspmd_tp.rules import (
     IndivisibleError,
@@ -360,8 +363,8 @@ def chart(results: list[dict], path: str) -> None:
     for ax in axs:
         ax.set_xticks(x, labels, fontsize=7, rotation=30, ha="right")
     fig.tight_layout()
-    outputs.make_parent(path)
-    fig.savefig(path, dpi=110)
+    with outputs.whole_file(path) as partial:  # a chart cut short leaves the old one as it was
+        fig.savefig(partial, dpi=110, format=os.path.splitext(path)[1].lstrip(".").lower())
     plt.close(fig)
 
 
@@ -404,6 +407,11 @@ def main(argv) -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        left = [f"--chart={_CHART.value} is as it was"] if _CHART.value else []
+        if _DUMP_HLO.value:
+            left.append(f"--dump_hlo={_DUMP_HLO.value} holds the HLO of the steps compiled before it")
+        exit_from_main(interrupted("; ".join(left) or "nothing written"))
 
 
 if __name__ == "__main__":
@@ -426,4 +434,5 @@ if __name__ == "__main__":
         "target", None, "Compile for a TPU slice, e.g. tpu:v5p:4x4x4 (needs libtpu)."
     )
     _SLICES = flags.DEFINE_integer("slices", 1, "With --target: that many slices joined over DCN.")
+    ctrl_c_raises()  # the imports are done: main() catches it
     app.run(main, flags_parser=parse_flags)
