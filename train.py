@@ -3,6 +3,11 @@
 python train.py --config=configs/tiny.py --workdir=runs/tiny [--config.KEY=VALUE ...]
 """
 
+if __name__ == "__main__":
+    from gspmd_tp.errors import exit_on_ctrl_c_while_importing
+
+    exit_on_ctrl_c_while_importing()  # until stops.run_job takes the stop signals
+
 from absl import app, flags, logging
 
 from gspmd_tp import host_devices, paths

@@ -1,5 +1,5 @@
-"""Ctrl-C on the commands that have no training loop of their own (train.py's is test_faults.py's):
-one line on stderr saying what was left, status 130, never a traceback."""
+"""Ctrl-C on the commands: one line on stderr saying what was left, status 130, never a traceback
+(train.py's once it has begun: test_faults.py)."""
 
 import signal
 import subprocess
@@ -15,6 +15,7 @@ COMMANDS = {
     "convert": ["-m", "gspmd_tp.convert", "to-hf", "--workdir=/nonexistent", "--hf_dir=/nonexistent"],
     "plan": ["-m", "gspmd_tp.plan"],
     "bench": ["bench.py", "--config=configs/bench_cpu.py"],
+    "train": ["train.py", "--workdir=/nonexistent/run"],
 }
 
 
