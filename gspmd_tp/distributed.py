@@ -45,8 +45,10 @@ def initialize(
     A process whose peer stops answering for `heartbeat_timeout_s` exits with an error instead of
     waiting forever in a collective. Process 0 checks the other processes' --num_processes and
     --process_id before JAX joins them (handshake.py): flags that disagree are one line on every
-    process that came. One whose job has not all joined in `join_timeout_s` (a process not started,
-    or started with another address) exits with one line, status 1 (JAX itself would abort with a
+    process that came. With `auto` the job found (cluster_job) goes through the same handshake, so
+    that there too a stop, an error or a death before training stops every process at once. One
+    whose job has not all joined in `join_timeout_s` (a process not started, or started with another
+    address) exits with one line, status 1 (JAX itself would abort with a
     stack trace, blaming a dead task)."""
     if jax.distributed.is_initialized():
         return
@@ -74,11 +76,24 @@ def initialize(
         raise UserError(f"{given}: all three are needed, with 0 <= process_id < num_processes")
     if not explicit and not auto:
         return
+    # The address JAX's coordinator listens on, as the messages name it.
+    where = f"--coordinator_address={coordinator_address}"
+    how = given if explicit else "--distributed"
+    local_device_ids = None
+    found = None if explicit else cluster_job(join_timeout_s)
+    if found is not None:
+        # Found as jax.distributed.initialize() would find it: the job goes through the same
+        # handshake as one given by flags (stops and deaths before training seen at once).
+        coordinator_address, num_processes, process_id, local_device_ids = found
+        host, _, port = coordinator_address.rpartition(":")
+        explicit = True
+        where = f"--distributed's coordinator {coordinator_address} (JAX_COORDINATOR_PORT sets its port)"
+        how = f"--distributed (process {process_id} of {num_processes}, coordinator {coordinator_address})"
     if explicit and process_id == 0 and _port_taken(int(port)):
         handshake.ask_the_first_process_0(host, int(port), num_processes)
         raise UserError(
-            f"--coordinator_address={coordinator_address}: port {port} is already in use on this host "
-            "(another job's coordinator?); choose a free port for process 0"
+            f"{where}: port {port} is already in use on this host (another job's coordinator?); choose "
+            "a free port for process 0"
         )
     # CPU processes exchange collectives over gloo; accelerators bring their own transport.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -89,7 +104,6 @@ def initialize(
         "initialization_timeout": join_timeout_s + 60,
     }
     joined = threading.Event()
-    how = given if explicit else "--distributed"
     threading.Thread(target=_give_up_unless, args=(joined, join_timeout_s, how), daemon=True).start()
     try:
         if explicit and process_id == 0:
@@ -98,7 +112,11 @@ def initialize(
             handshake.report(host, int(port), process_id, num_processes, coordinator_address)
         if explicit:
             jax.distributed.initialize(
-                coordinator_address, num_processes=num_processes, process_id=process_id, **timeouts
+                coordinator_address,
+                num_processes=num_processes,
+                process_id=process_id,
+                local_device_ids=local_device_ids,
+                **timeouts,
             )
         else:
             jax.distributed.initialize(**timeouts)
@@ -107,15 +125,29 @@ def initialize(
     except (ValueError, RuntimeError) as e:
         # No cluster environment for --distributed, a coordinator port already taken, ...
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        failed = (
-            "--distributed (no TPU pod or SLURM job found?)"
-            if not explicit
-            else f"--coordinator_address={coordinator_address}"
-        )
+        failed = "--distributed (no TPU pod or SLURM job found?)" if not explicit else where
         raise UserError(f"{failed}: joining the job failed: {first}") from None
     finally:
         joined.set()
     check_device_counts()
+
+
+def cluster_job(timeout_s: int) -> tuple[str, int, int, list[int] | None] | None:
+    """(coordinator address, process count, this process's id, local device ids) of the cluster job
+    (SLURM, a TPU pod, ...) that jax.distributed.initialize() with no arguments would join, found
+    the way it finds them; None where it finds no job of two processes or more, or where this jax
+    offers no such lookup (its own initialize() then finds the job, without the handshake)."""
+    try:
+        from jax._src.clusters import ClusterEnv
+
+        address, count, process_id, local = ClusterEnv.auto_detect_unset_distributed_params(
+            None, None, None, None, None, timeout_s
+        )
+    except (ImportError, AttributeError, TypeError, ValueError, RuntimeError):
+        return None  # a lookup that fails here fails in initialize() too, which says why
+    if address is None or count is None or process_id is None or count < 2:
+        return None
+    return address, count, process_id, None if local is None else list(local)
 
 
 def _give_up_unless(joined: threading.Event, seconds: int, how: str) -> None:

@@ -572,3 +572,68 @@ def test_share_gives_each_process_its_row():
 
     assert distributed.read(distributed.share([3, -5, 7])).tolist() == [[3, -5, 7]]
     assert distributed.read(distributed.share(np.int32(4))).tolist() == [[4]]
+
+
+def slurm_job(workdir, steps, *extra):
+    """The job as SLURM starts it: train.py --distributed on each of 2 tasks on this host, each told
+    its place by SLURM's variables (the coordinator's port by JAX_COORDINATOR_PORT)."""
+    port = free_port()
+    procs = []
+    for task in range(2):
+        e = env(4)
+        e.update(
+            SLURM_JOB_ID="4242", SLURM_NTASKS="2", SLURM_PROCID=str(task), SLURM_LOCALID=str(task),
+            SLURM_STEP_NODELIST="localhost", SLURM_STEP_NUM_NODES="1", JAX_COORDINATOR_PORT=str(port),
+        )  # fmt: skip
+        args = [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *SMALL,
+            f"--workdir={workdir}",
+            f"--config.steps={steps}",
+        ]
+        procs.append(
+            subprocess.Popen([*args, "--distributed", *extra], cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        )  # fmt: skip
+    return procs
+
+
+def test_a_job_found_by_distributed_goes_through_the_handshake(tmp_path):
+    """--distributed (a SLURM job here; a TPU pod alike) joins through the same handshake as the
+    flags: a process killed before training stops the other at once. Before, that process waited
+    for it in a collective until the heartbeat timeout (100 s) and JAX aborted it."""
+    procs = slurm_job(tmp_path / "run", 100_000, "--heartbeat_timeout_s=100")
+    try:
+        for line in procs[0].stdout:  # every process joined and compared configs; compiling now
+            if line.startswith("gspmd_tp: "):
+                break
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.time()
+        _, err = procs[0].communicate(timeout=60)
+        took = time.time() - killed
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 1, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        "stopped: process 1 died (killed or crashed) before training began; no checkpoint was written"
+    )
+    assert took < 20, took
+    assert not (tmp_path / "run").exists()
+
+
+def test_cluster_job_is_what_jax_finds(monkeypatch):
+    from gspmd_tp import distributed
+
+    for name in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.cluster_job(5) is None  # no cluster: jax.distributed.initialize() says so
+    slurm = dict(
+        SLURM_JOB_ID="7", SLURM_STEP_NODELIST="node[003-010],gpu2", SLURM_NTASKS="16", SLURM_PROCID="9"
+    )
+    for name, value in {**slurm, "SLURM_LOCALID": "1", "JAX_COORDINATOR_PORT": "1234"}.items():
+        monkeypatch.setenv(name, value)
+    assert distributed.cluster_job(5) == ("node003:1234", 16, 9, [1])
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert distributed.cluster_job(5) is None  # one process: nothing to join
