@@ -101,8 +101,10 @@ class StopSignal:
 
     def finishing(self) -> None:
         """The loop is over: from now on a first signal only says that the run ends once its last
-        checkpoint is written, which it is waiting for anyway; a second still exits at once."""
+        checkpoint is written, which it is waiting for anyway; a second still exits at once. And a
+        peer's exit from here on is its own (handshake.training_ended)."""
         self._finishing = True
+        handshake.training_ended()
 
     def requested(self) -> bool:
         """True once a stop signal arrived (on any process, when there are several).

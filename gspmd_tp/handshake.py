@@ -16,9 +16,11 @@ So each process says when it is done with the socket: `training` once its loop b
 on its stops and its end are the loop's, which every process sees), `bye` where it exits on
 purpose (the run's end, or an error that every process reports itself). An end of file without
 either is a death: process 0 passes it on to the others, and every process stops at once.
-`training` covers a close only once this process's loop began too: a peer cannot end its loop
-without this one's. An error of this process alone (a file or a limit of its host; a bug) it tells
-as `error PROCESS MESSAGE`, and the others stop at once too, naming it.
+`training` covers a close only once this process's own loop is over too (its last save, then its
+exit): while that loop runs, a close without `bye` is a death as well, which its next collective
+would otherwise wait for until the heartbeat timeout. An error of this process alone (a file or a
+limit of its host; a bug) it tells as `error PROCESS MESSAGE`, and the others stop at once too,
+naming it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ _peers: dict[socket.socket, int] = {}
 _process_id = 0
 _telling = threading.Event()
 _began = threading.Event()
+_ended = threading.Event()  # this process's training loop is over (training_ended)
 _following: tuple | None = None
 _death = threading.Event()  # the thread that follows the peers saw one die or fail
 
@@ -184,12 +187,25 @@ def before_training() -> bool:
     return _telling.is_set()
 
 
+def training_has_begun() -> bool:
+    """Whether this process's training loop began (training_began)."""
+    return _began.is_set()
+
+
 def training_began() -> None:
     """From now on this process's stops are the training loop's (which every process sees), and
     so is its end: the others no longer take its socket's close for a death."""
     _telling.clear()
     _began.set()
     _send(_peers, _TRAINING + b"\n")
+
+
+def training_ended() -> None:
+    """This process's training loop is over (it waits for its last save, then exits): from now on a
+    peer's close is its own exit, whatever it said before. While the loop runs, a peer that closes
+    without `bye` died (or exited at once: a second stop signal, a failed step), and this process,
+    whose next collective would wait for it until the heartbeat timeout, is told at once."""
+    _ended.set()
 
 
 def leave() -> None:
@@ -203,8 +219,9 @@ def follow(on_stop, on_death, on_error) -> None:
     """From the moment the job's flags agree (now, where they did), on a background thread: calls
     on_stop(signum, process) once another process of the job told its stop (tell_stop),
     on_error(process, message) once one told its error (tell_error), or on_death(process) once one
-    died before its training loop began (its end of the socket closed without `training` or
-    `bye`); process 0 first passes each on to the others. Nothing in a one-process job."""
+    died: its end of the socket closed without `bye`, and without `training` or before this
+    process's loop was over (training_ended); process 0 first passes each on to the others. Nothing
+    in a one-process job."""
     global _following
     _following = (on_stop, on_death, on_error)
     if _peers:
@@ -213,7 +230,7 @@ def follow(on_stop, on_death, on_error) -> None:
 
 def a_peer_died(seconds: float) -> bool:
     """Whether the thread that follow() started sees another process of the job die (or stop with
-    an error) before training, waiting at most `seconds` for it: a collective may fail on the
+    an error before training), waiting at most `seconds` for it: a collective may fail on the
     closed connection first, and that thread names the process."""
     return bool(_following and _peers) and _death.wait(seconds)
 
@@ -231,7 +248,7 @@ def _follow(on_stop, on_death, on_error) -> threading.Thread:
                     data = b""
                 if not data:
                     del partial[conn]
-                    if said.get(conn) == _BYE or (said.get(conn) == _TRAINING and _began.is_set()):
+                    if said.get(conn) == _BYE or (said.get(conn) == _TRAINING and _ended.is_set()):
                         continue  # that process exited its own way
                     _death.set()
                     _pass_on(conn, _DIED + f"{_peers[conn]}\n".encode())

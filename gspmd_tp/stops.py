@@ -1,5 +1,6 @@
 """How a training job ends outside its training loop: stop signals, a peer's stop, death or error
-before training began, and errors, each as one line and an exit status.
+before training began (a peer's death during training too), and errors, each as one line and an exit
+status.
 
 The training loop saves and stops on a signal itself (faults.py); around it (joining the job,
 compiling, restoring, exiting) this module's handlers take over. No jax import at module level:
@@ -148,7 +149,14 @@ def _peer_stopped(signum: int, process: int):
 
 
 def _peer_died(process: int):
-    _peer_ended(f"stopped: process {process} died (killed or crashed) {_BEFORE}")
+    if not handshake.training_has_begun():
+        _peer_ended(f"stopped: process {process} died (killed or crashed) {_BEFORE}")
+    # During training: the peer may also have exited at once (a second stop signal, a failed step),
+    # and a save of this process may be in flight (left unfinished: the next start removes it).
+    _peer_ended(
+        f"stopped: process {process} died during training (killed or crashed, or exited at once); "
+        "run again to resume from the newest complete checkpoint"
+    )
 
 
 def _peer_failed(process: int, message: str):
