@@ -9,6 +9,7 @@ of their name, so the split does not depend on file order or seed.
 from __future__ import annotations
 
 import hashlib
+import os
 import queue
 import sysconfig
 import threading
@@ -34,14 +35,15 @@ def padded_vocab(size: int = BYTE_VOCAB, multiple: int = 128) -> int:
 
 def _stdlib_documents() -> list[tuple[str, bytes]]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    docs = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        # site-packages is not the standard library; test/ is mostly fixtures, not prose-like code.
-        if "site-packages" in rel.parts or rel.parts[0] == "test":
-            continue
-        docs.append((str(rel), path.read_bytes()))
-    return docs
+    paths = []
+    # site-packages is not the standard library; test/ is mostly fixtures, not prose-like code. Both
+    # are left unwalked: of the ~13,000 .py files under the root ~1,000 are kept, and a walk of them
+    # all took a second of every run's start (as Path.rglob, symbolic links to directories are not
+    # followed; the documents and their order are the same).
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "site-packages" and not (top == str(root) and d == "test")]
+        paths += [Path(top, f) for f in files if f.endswith(".py")]
+    return [(str(path.relative_to(root)), path.read_bytes()) for path in sorted(paths)]
 
 
 def _held_out(name: str, fraction: float) -> bool:
