@@ -185,6 +185,19 @@ def trained_workdir(tmp_path_factory):
     return workdir
 
 
+@pytest.fixture(scope="session")
+def fsdp_job(tmp_path_factory):
+    """(workdir, each process's (stdout, stderr), losses) of a train.py job of 2 processes x 4 devices
+    under fsdp that trained 2 steps (checkpoints at 1 and 2) and traced step 2 (config.profile). One
+    start for two serial tests: test_multiprocess damages and resumes it, test_profiling reads its
+    traces."""
+    from test_multiprocess import FSDP, finish, losses, start
+
+    run = tmp_path_factory.mktemp("fsdp_job")
+    outs = finish(start(run, 2, *FSDP, "--config.profile.steps=1", "--config.profile.skip_steps=1"))
+    return run, outs, losses(run)
+
+
 # A config.json as transformers' LlamaConfig writes it: 8 query heads on 4 key/value heads (grouped),
 # so megatron's mp=4 divides kv_heads.
 LLAMA = dict(

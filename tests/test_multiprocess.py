@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,13 +24,28 @@ SMALL = [
     "--config.batch_size=8",
     "--config.seq_len=32",
     "--config.model.d_model=64",
-    "--config.model.num_layers=2",
+    "--config.model.num_layers=1",  # no test here needs more: each compile is shorter (~0.7 s of CPU)
     "--config.model.mlp_dim=128",
     "--config.log_every=1",
     "--config.eval_every=100",
     "--config.eval_batches=1",
     "--config.checkpoint_every=2",
 ]
+
+
+def small(*overrides):
+    """The config train.py makes of SMALL and `overrides` (--config.KEY=VALUE flags)."""
+    from configs import tiny
+
+    c = tiny.get_config()
+    for flag in [*SMALL[1:], *overrides]:
+        key, value = flag.removeprefix("--config.").split("=", 1)
+        *parents, leaf = key.split(".")
+        target = c
+        for part in parents:
+            target = target[part]
+        target[leaf] = value == "True" if isinstance(target[leaf], bool) else type(target[leaf])(value)
+    return c
 
 
 def free_port() -> int:
@@ -126,45 +142,55 @@ def losses(workdir):
     return {r["step"]: r["loss"] for r in rows}
 
 
-def test_two_processes_match_one_and_checkpoints_move_both_ways(tmp_path):
-    # The learning-rate schedule follows config.steps, so both runs stop and resume at 2 and 4.
-    for steps in (2, 4, 6):
-        finish(start(tmp_path / "one", steps, processes=1))
-    want = losses(tmp_path / "one")
+def test_two_processes_match_one_and_checkpoints_move_both_ways(tmp_path, capsys):
+    from gspmd_tp import trainer
 
+    # A constant learning rate (no warmup, no decay): the schedule does not follow config.steps, so
+    # one uninterrupted run of 6 steps is what the mixed run must match, stopped and resumed at 2
+    # and 4, and each one-process start compiles the same step (the compilation cache serves it).
+    constant = ("--config.optim.warmup_steps=0", "--config.optim.min_lr_ratio=1.0")
+    one = tmp_path / "one"
+    # 1 process x 8 devices (this one, as train.py runs it), checkpoints at 2, 4 and 6
+    trainer.train(small(*constant, "--config.steps=6"), str(one))
+    want = losses(one)
+
+    # The mixed run: a copy of that run without its checkpoints of steps 4 and 6.
     run = tmp_path / "mixed"
-    finish(start(run, 2, processes=1))  # 1 process x 8 devices
+    shutil.copytree(one, run, ignore=lambda d, names: ["4", "6"] if Path(d).name == "checkpoints" else [])
     # Resumed by 2 processes x 4 devices, tensor parallel across both: every device needs every row,
     # so each process reads the whole batch, not half of it.
-    outs = finish(start(run, 4, "--config.rules=megatron_1d", "--config.mesh=dp=1,mp=8"))
+    outs = finish(start(run, 4, *constant, "--config.rules=megatron_1d", "--config.mesh=dp=1,mp=8"))
     assert "resumed from step 2" in outs[0][0]
     assert not [ln for ln in outs[1][0].splitlines() if ln.startswith(("step", "gspmd_tp", "resumed"))]
-    finish(start(run, 6, processes=1))  # and back to 1 process
+    capsys.readouterr()
+    trainer.train(small(*constant, "--config.steps=6"), str(run))  # and back to 1 process x 8 devices
+    assert "resumed from step 4" in capsys.readouterr().out
     got = losses(run)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     for step, loss in want.items():
         assert abs(got[step] - loss) <= 1e-5 * abs(loss), (step, got[step], loss)
 
 
-def test_a_checkpoint_one_process_cannot_read_is_skipped_by_every_process(tmp_path):
+FSDP = ("--config.rules=fsdp", "--config.mesh=dp=8,mp=1", "--config.checkpoint_every=1")
+
+
+def test_a_checkpoint_one_process_cannot_read_is_skipped_by_every_process(fsdp_job):
     """Under fsdp each process writes and reads only its own shards. With process 1's shards of
-    step 4 garbled, process 0 alone would resume from step 4; both resume from step 2."""
-    run, fsdp = tmp_path / "run", ("--config.rules=fsdp", "--config.mesh=dp=8,mp=1")
-    finish(start(run, 4, *fsdp))
-    first = losses(run)
-    for f in (run / "checkpoints" / "4" / "state" / "ocdbt.process_1" / "d").iterdir():
+    step 2 garbled, process 0 alone would resume from step 2; both resume from step 1."""
+    run, _, first = fsdp_job
+    for f in (run / "checkpoints" / "2" / "state" / "ocdbt.process_1" / "d").iterdir():
         f.write_bytes(b"\0garbage" * 16)
-    (out, _), (_, err) = finish(start(run, 5, *fsdp))
-    step_4 = run / "checkpoints" / "4"
+    (out, _), (_, err) = finish(start(run, 3, *FSDP))
+    step_2 = run / "checkpoints" / "2"
     assert (
-        f"warning: skipping checkpoint {step_4}: partial or corrupted "
+        f"warning: skipping checkpoint {step_2}: partial or corrupted "
         "(process 1 of this job could not read its part: see its warning)\nwarning: moved "
     ) in out
-    assert "resumed from step 2" in out
-    assert f"warning: process 1: {step_4} is partial or corrupted (" in err
-    assert sorted(os.listdir(run / "checkpoints")) == ["2", "4", "5"]
-    # Step 3 trained again from step 2's state on both processes: the loss it saw then.
-    assert sorted(losses(run)) == [1, 2, 3, 4, 5] and losses(run)[3] == first[3]
+    assert "resumed from step 1" in out
+    assert f"warning: process 1: {step_2} is partial or corrupted (" in err
+    assert sorted(os.listdir(run / "checkpoints")) == ["1", "2", "3"]
+    # Step 2 trained again from step 1's state on both processes: the loss it saw then.
+    assert sorted(losses(run)) == [1, 2, 3] and losses(run)[2] == first[2]
 
 
 @pytest.mark.parametrize(
@@ -260,17 +286,9 @@ def test_processes_that_read_other_data_are_refused_before_training(tmp_path):
 def test_processes_that_read_other_initial_parameters_are_refused_before_training(tmp_path):
     """config.init_from=init.npz from two directories holding different files: before, each process
     placed its own shards of its own file and both trained on from the mixture, exit 0."""
-    from configs import tiny
     from gspmd_tp import checkpoint_tool, run_setup
 
-    c = tiny.get_config()
-    for flag in SMALL[1:]:
-        key, value = flag.removeprefix("--config.").split("=")
-        *parents, leaf = key.split(".")
-        target = c
-        for part in parents:
-            target = target[part]
-        target[leaf] = type(target[leaf])(value)
+    c = small()
     shapes = {k: v.shape for k, v in checkpoint_tool._flat(run_setup.setup(c).abstract_state.params).items()}
     for i in range(2):
         rng = np.random.default_rng(i)
@@ -288,7 +306,7 @@ def wait_for_training(workdir):
     metrics = Path(workdir) / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and metrics.read_text()) and time.time() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert metrics.exists(), "the job never started training"
 
 
@@ -483,13 +501,13 @@ def test_a_job_that_never_fully_joins_is_one_line_after_join_timeout_s(tmp_path)
     args = [*SMALL, f"--workdir={tmp_path / 'run'}", *job]
     t = time.time()
     done = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args, "--join_timeout_s=3"],
+        [sys.executable, str(ROOT / "train.py"), *args, "--join_timeout_s=1"],
         env=env(4), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 1, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: --coordinator_address='{address}' --num_processes=2 --process_id=0: the job's processes "
-        "did not all join within --join_timeout_s=3: start every process, each with the same coordinator "
+        "did not all join within --join_timeout_s=1: start every process, each with the same coordinator "
         "address and process count and its own process id from 0"
     )
     assert time.time() - t < 60
@@ -586,14 +604,17 @@ def test_bad_job_flags_are_named_before_joining(args, message):
         distributed.initialize(*args)
 
 
-def test_a_coordinator_port_already_taken_is_one_line():
+def test_a_coordinator_port_already_taken_is_one_line(monkeypatch):
     """Process 0 checks the port before jax's coordination service binds it (whose failed bind
     could take the whole process down with a segmentation fault)."""
     import socket
 
-    from gspmd_tp import distributed
+    from gspmd_tp import distributed, handshake
     from gspmd_tp.errors import UserError
 
+    # What listens there never answers whether it is a process 0 still waiting for its job: that
+    # question's wait (5 s) is cut to half a second.
+    monkeypatch.setattr(handshake, "_READ_S", 0.5)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -99,13 +99,11 @@ def test_a_trace_cut_short_ends_at_the_last_step_dispatched(tmp_path):
 
 
 @pytest.mark.serial
-def test_each_process_of_a_job_traces_its_own_devices(tmp_path):
-    from test_multiprocess import finish, start
-
-    outs = finish(start(tmp_path, 3, "--config.profile.steps=1", "--config.profile.skip_steps=1"))
+def test_each_process_of_a_job_traces_its_own_devices(fsdp_job):
+    run, outs, _ = fsdp_job
     [line] = [x for x in outs[0][0].splitlines() if x.startswith("profile:")]
     assert line.startswith("profile: steps 2..2 traced in ")
-    assert f"{tmp_path / profiling.PROFILE / 'process_0'}" in line
+    assert f"{run / profiling.PROFILE / 'process_0'}" in line
     assert "profile:" not in outs[1][0]  # process 0 logs
     for i in (0, 1):
-        assert profiling.newest_trace(str(tmp_path / profiling.PROFILE / f"process_{i}"))
+        assert profiling.newest_trace(str(run / profiling.PROFILE / f"process_{i}"))
