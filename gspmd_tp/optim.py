@@ -99,8 +99,10 @@ SCHEDULE_KEYS = ("optim.lr", "optim.warmup_steps", "optim.min_lr_ratio", "steps"
 
 def note_schedule_change(saved_config: dict, config, step: int, count: int, log) -> None:
     """Logs one line where a resumed run's schedule differs from the one its checkpoint at `step`
-    was trained on (a new config.steps stretches the cosine decay): what changed and the learning
-    rate of the next step (the optimizer's update `count`), before and now."""
+    was trained on (a new config.steps stretches the cosine decay): what changed, and the learning
+    rate of the first step from the next one on (the optimizer's update `count`) whose rate differs,
+    before and now. Nothing where every step left trains at the rate it would have (a constant
+    schedule, a warmup that ends before the decay it changed)."""
     now = config.to_dict()
     saved = laid_over(now, saved_config)  # keys added since: as now
     changed = []
@@ -112,10 +114,16 @@ def note_schedule_change(saved_config: dict, config, step: int, count: int, log)
         return
     old = make_schedule(ml_collections.ConfigDict(saved["optim"]), saved["steps"])
     new = make_schedule(config.optim, config.steps)
+    counts = np.arange(count, max(count + 1, config.steps))
+    now_lr, before_lr = np.asarray(new(counts)), np.asarray(old(counts))
+    differs = np.flatnonzero(~np.isclose(now_lr, before_lr, rtol=1e-6, atol=0))
+    if not differs.size:
+        return
+    first = differs[0]
     log(
         f"note: the learning-rate schedule differs from the one step {step} was trained on "
-        f"({', '.join(changed)}): step {step + 1} trains at lr {float(new(count)):.3e}, "
-        f"not {float(old(count)):.3e}"
+        f"({', '.join(changed)}): step {step + 1 + first} trains at lr {now_lr[first]:.3e}, "
+        f"not {before_lr[first]:.3e}"
     )
 
 

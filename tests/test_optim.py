@@ -45,3 +45,34 @@ def test_the_update_writes_no_clipped_gradient(monkeypatch):
     assert _passes_writing(optim.make_optimizer(c, 10)[0], (512, 256)) == 3
     monkeypatch.setattr(optim, "clip_by_global_norm", optax.clip_by_global_norm)
     assert _passes_writing(optim.make_optimizer(c, 10)[0], (512, 256)) == 4
+
+
+@pytest.mark.parametrize(
+    "saved, now, count, said",
+    [
+        # A constant rate: a new config.steps changes no step's rate, so nothing is said (it said
+        # "step 3 trains at lr 3.000e-03, not 3.000e-03").
+        ({"steps": 4, "optim.warmup_steps": 0, "optim.min_lr_ratio": 1.0}, {"steps": 6}, 2, None),
+        # The decay stretched: from the next step on.
+        ({"steps": 4, "optim.warmup_steps": 1}, {"steps": 6}, 2, 3),
+        # Still warming up, the warmup unchanged: the first step whose rate differs is named, the
+        # second after the warmup's end (the decay's first is its peak in both).
+        ({"steps": 10, "optim.warmup_steps": 5}, {"steps": 20}, 2, 7),
+    ],
+)
+def test_a_schedule_change_is_noted_at_the_first_step_whose_rate_differs(saved, now, count, said):
+    before = small_config(**saved)
+    config = small_config(**{**saved, **now})
+    lines = []
+    optim.note_schedule_change(before.to_dict(), config, count, count, lines.append)
+    if said is None:
+        assert lines == []
+        return
+    old = optim.make_schedule(before.optim, before.steps)(said - 1)
+    new = optim.make_schedule(config.optim, config.steps)(said - 1)
+    assert lines == [
+        f"note: the learning-rate schedule differs from the one step {count} was trained on "
+        f"(config.steps {before.steps} -> {config.steps}): step {said} trains at lr {float(new):.3e}, "
+        f"not {float(old):.3e}"
+    ]
+    assert float(new) != pytest.approx(float(old), rel=1e-6)

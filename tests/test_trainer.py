@@ -124,11 +124,14 @@ def test_a_resumed_run_replaces_the_rows_of_the_steps_it_trains_again(trained_wo
     assert [json.loads(line) for line in (workdir / "metrics_replaced.jsonl").read_text().splitlines()] == [
         before[2]
     ]
-    # The decay now runs to step 6: the note gives the rate step 3 trains at, and the old one.
+    # The decay now runs to step 6. Step 3 still trains at the peak (the warmup's 2 steps are over,
+    # the decay's first step is its peak in both); the note gives the rate of step 4, the first that
+    # differs, and the old one.
     old, new = optim.make_schedule(small_config().optim, 4), optim.make_schedule(small_config().optim, 6)
+    assert float(new(2)) == float(old(2)) and float(new(3)) != float(old(3))
     assert (
         "note: the learning-rate schedule differs from the one step 2 was trained on (config.steps 4 -> 6): "
-        f"step 3 trains at lr {float(new(2)):.3e}, not {float(old(2)):.3e}"
+        f"step 4 trains at lr {float(new(3)):.3e}, not {float(old(3)):.3e}"
     ) in out
     assert rows[2]["learning_rate"] == pytest.approx(float(new(2)))
     assert "note: changed since" not in out  # config.steps is the schedule note's
