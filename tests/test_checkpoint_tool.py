@@ -1,5 +1,6 @@
 """The checkpoint tool (python -m gspmd_tp.checkpoint info | export) and the import of its .npz."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -59,11 +60,13 @@ def test_export_to_an_unwritable_path_is_one_line_before_reading(tmp_path, monke
     assert err == "error: OUT=/dev/null/params.npz: /dev/null is a file, not a directory"
 
 
-def test_init_from_starts_a_fresh_run_from_exported_parameters(tmp_path, capsys):
-    c = small_config(steps=2, log_every=1, eval_every=100)
-    first = trainer.train(c, str(tmp_path / "a"))
+def test_init_from_starts_a_fresh_run_from_exported_parameters(trained_workdir, tmp_path, capsys):
+    # The shared 4-step run's last parameters. Its step 1 trained the initial parameters on the batch
+    # a fresh run's step 1 trains on: the loss of a run that started from init.
+    first = json.loads((trained_workdir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1
     out = str(tmp_path / "a.npz")
-    checkpoint_tool.export_params(str(tmp_path / "a"), out)
+    checkpoint_tool.export_params(str(trained_workdir), out)
     capsys.readouterr()
     second = trainer.train(
         small_config(steps=1, init_from=out, rules="fsdp", mesh="dp=8,mp=1"), str(tmp_path / "b")
