@@ -193,9 +193,11 @@ def training_has_begun() -> bool:
 
 
 def training_began() -> None:
-    """From now on this process's stops are the training loop's (which every process sees), and
-    so is its end: the others no longer take its socket's close for a death."""
+    """From now on this process's stops are the training loop's (which every process sees); the
+    others take its socket's close without `bye` for a death only while their own loops run (whose
+    collectives would wait for it), not once they are over too."""
     _telling.clear()
+    _ended.clear()  # a library caller's second run in this process
     _began.set()
     _send(_peers, _TRAINING + b"\n")
 

@@ -165,6 +165,7 @@ def alone(monkeypatch, peers=None, process_id=0):
     monkeypatch.setattr(handshake, "_peers", {})
     monkeypatch.setattr(handshake, "_telling", threading.Event())
     monkeypatch.setattr(handshake, "_began", threading.Event())
+    monkeypatch.setattr(handshake, "_ended", threading.Event())
     monkeypatch.setattr(handshake, "_death", threading.Event())
     monkeypatch.setattr(handshake, "_following", None)
     if peers is not None:
@@ -214,21 +215,26 @@ def test_a_reset_connection_is_a_death_too(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "words, began, heard",
+    "words, loop, heard",
     [
-        ([b"bye\n"], False, []),  # an error every process reports, or a run with nothing to train
-        ([b"training\n"], True, []),  # the run's end: both trained
-        ([b"training\n", b"bye\n"], True, []),
+        ([b"bye\n"], "not begun", []),  # an error every process reports, or a run with nothing to train
+        ([b"bye\n"], "running", []),  # an error every process reports, found in the loop
+        ([b"training\n"], "ended", []),  # the run's end: both loops are over
+        ([b"training\n", b"bye\n"], "running", []),
         # Its loop waits for this process's in a collective: it cannot have ended on purpose.
-        ([b"training\n"], False, [("died", 1)]),
-        ([b"trai", b"ning\n"], True, []),  # a word that comes in two pieces
-        ([b"training"], True, [("died", 1)]),  # not a whole line: not a word
+        ([b"training\n"], "not begun", [("died", 1)]),
+        # This process's loop runs: its next collective would wait for the dead one.
+        ([b"training\n"], "running", [("died", 1)]),
+        ([b"trai", b"ning\n"], "ended", []),  # a word that comes in two pieces
+        ([b"training"], "ended", [("died", 1)]),  # not a whole line: not a word
     ],
 )
-def test_a_close_after_training_or_bye_is_no_death(monkeypatch, words, began, heard):
+def test_a_close_after_bye_or_once_both_loops_ended_is_no_death(monkeypatch, words, loop, heard):
     ends = fake_peers(monkeypatch, 0, [1])
-    if began:
-        handshake._began.set()
+    if loop != "not begun":
+        handshake.training_began()
+    if loop == "ended":
+        handshake.training_ended()
     got, thread = follow()
     for word in words:
         ends[1].sendall(word)
