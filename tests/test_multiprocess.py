@@ -302,6 +302,28 @@ def test_processes_that_read_other_initial_parameters_are_refused_before_trainin
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def process_1_killed(procs, once) -> tuple[str, float]:
+    """SIGKILL to process 1 of the job, `once` returned: process 0's stderr, and how long after the
+    kill it ended (within 90 s; every process is killed after)."""
+    try:
+        once()
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.time()
+        _, err = procs[0].communicate(timeout=90)
+        return err, time.time() - killed
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def compiling(proc) -> None:
+    """Returns once the process printed its first line: every process joined and compared configs,
+    and it compiles now."""
+    for line in proc.stdout:
+        if line.startswith("gspmd_tp: "):
+            return
+
+
 def wait_for_training(workdir):
     metrics = Path(workdir) / "metrics.jsonl"
     deadline = time.time() + 120
@@ -316,15 +338,7 @@ def test_a_peer_killed_during_training_stops_the_others_at_once(tmp_path):
     probably died"), or, for 3 of 16 kills, the others waited until the heartbeat timeout and JAX
     ended them with its own message and thread dumps."""
     procs = start(tmp_path / "run", 100_000, "--config.checkpoint_every=100000", "--heartbeat_timeout_s=100")
-    try:
-        wait_for_training(tmp_path / "run")
-        procs[1].send_signal(signal.SIGKILL)
-        killed = time.time()
-        _, err = procs[0].communicate(timeout=90)
-        took = time.time() - killed
-    finally:
-        for p in procs:
-            p.kill()
+    err, took = process_1_killed(procs, once=lambda: wait_for_training(tmp_path / "run"))
     assert procs[0].returncode == 1, err[-2000:]
     assert err.strip().splitlines()[-1] == (
         "stopped: process 1 died during training (killed or crashed, or exited at once); run again to "
@@ -363,10 +377,7 @@ def test_sigterm_while_compiling_is_one_line_on_every_process(tmp_path):
     """jax.distributed.initialize's preemption notifier takes SIGTERM over; train.py takes it back."""
     procs = start(tmp_path / "run", 100_000)
     try:
-        # Printed once every process joined and compared configs (gloo's own lines come first).
-        for line in procs[0].stdout:
-            if line.startswith("gspmd_tp: "):
-                break
+        compiling(procs[0])  # gloo's own lines come first
         for p in procs:
             p.send_signal(signal.SIGTERM)
         for p in procs:
@@ -386,9 +397,7 @@ def test_sigterm_to_one_process_before_training_stops_every_process_at_once(tmp_
     timeout (100 s) and JAX aborted them with a stack trace."""
     procs = start(tmp_path / "run", 100_000)
     try:
-        for line in procs[0].stdout:  # every process joined and compared configs; compiling now
-            if line.startswith("gspmd_tp: "):
-                break
+        compiling(procs[0])
         procs[signalled].send_signal(signal.SIGTERM)
         sent = time.time()
         errs = [p.communicate(timeout=60)[1] for p in procs]
@@ -413,17 +422,7 @@ def test_a_process_killed_before_training_stops_the_others_at_once(tmp_path, job
     --distributed finds it (a SLURM job here; a TPU pod alike) goes through the same handshake."""
     launch = start if job == "flags" else slurm_job
     procs = launch(tmp_path / "run", 100_000, "--heartbeat_timeout_s=100")
-    try:
-        for line in procs[0].stdout:  # every process joined and compared configs; compiling now
-            if line.startswith("gspmd_tp: "):
-                break
-        procs[1].send_signal(signal.SIGKILL)
-        killed = time.time()
-        _, err = procs[0].communicate(timeout=60)
-        took = time.time() - killed
-    finally:
-        for p in procs:
-            p.kill()
+    err, took = process_1_killed(procs, once=lambda: compiling(procs[0]))
     assert procs[0].returncode == 1, err[-2000:]
     assert err.strip().splitlines()[-1] == (
         "stopped: process 1 died (killed or crashed) before training began; no checkpoint was written"
