@@ -8,11 +8,13 @@ of their name, so the split does not depend on file order or seed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import queue
 import sysconfig
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import grain
@@ -33,7 +35,8 @@ def padded_vocab(size: int = BYTE_VOCAB, multiple: int = 128) -> int:
     return -(-size // multiple) * multiple
 
 
-def _stdlib_documents() -> list[tuple[str, bytes]]:
+@functools.cache  # read once per process: a trainer's evaluate, a library caller's second run
+def _stdlib_documents() -> tuple[tuple[str, bytes], ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     paths = []
     # site-packages is not the standard library; test/ is mostly fixtures, not prose-like code. Both
@@ -43,7 +46,7 @@ def _stdlib_documents() -> list[tuple[str, bytes]]:
     for top, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d != "site-packages" and not (top == str(root) and d == "test")]
         paths += [Path(top, f) for f in files if f.endswith(".py")]
-    return [(str(path.relative_to(root)), path.read_bytes()) for path in sorted(paths)]
+    return tuple((str(path.relative_to(root)), path.read_bytes()) for path in sorted(paths))
 
 
 def _held_out(name: str, fraction: float) -> bool:
@@ -53,7 +56,7 @@ def _held_out(name: str, fraction: float) -> bool:
     return digest % 100_000 < fraction * 100_000
 
 
-def _pack(docs: list[tuple[str, bytes]]) -> np.ndarray:
+def _pack(docs: Sequence[tuple[str, bytes]]) -> np.ndarray:
     """Concatenates documents, each followed by the separator, into one uint8 token stream."""
     parts = []
     for _, text in docs:

@@ -103,22 +103,6 @@ def write(path, text: str | bytes):
     return str(path)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def stdlib_corpus_read_once():
-    """The default corpus (the standard library's sources) read once per test process: each
-    trainer.train, evaluate or generate of a test config read and sorted some 2,000 files again, about
-    1 s of a 2-step run's 3 s. The files do not change during the session; load_corpus only reads the
-    list it gets. Subprocesses (train.py, bench.py) still read it themselves."""
-    import functools
-
-    from gspmd_tp import data
-
-    original = data._stdlib_documents
-    data._stdlib_documents = functools.cache(original)
-    yield
-    data._stdlib_documents = original
-
-
 @pytest.fixture
 def config():
     """A fresh small config per test."""
