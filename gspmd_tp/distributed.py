@@ -48,8 +48,8 @@ def initialize(
     process that came. With `auto` the job found (cluster_job) goes through the same handshake, so
     that there too a stop, an error or a death before training stops every process at once. One
     whose job has not all joined in `join_timeout_s` (a process not started, or started with another
-    address) exits with one line, status 1 (JAX itself would abort with a
-    stack trace, blaming a dead task)."""
+    address) exits with one line, status 1 (JAX itself would abort with a stack trace, blaming a
+    dead task)."""
     if jax.distributed.is_initialized():
         return
     if num_processes < 1:
