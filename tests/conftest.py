@@ -54,6 +54,20 @@ def child_env(**extra) -> dict:
     return {**env, **extra}
 
 
+# python -c: a command run as `python -m` / `python FILE` would run it, with one function replaced by a
+# Ctrl-C (KeyboardInterrupt) once its imports are done. Fields: module and name (what is replaced),
+# argv0, run ("run_module" or "run_path") and target (the module or file).
+CTRL_C_AT = """
+import runpy, sys
+import {module} as module
+def ctrl_c(*_, **__):
+    raise KeyboardInterrupt
+module.{name} = ctrl_c
+sys.argv = [{argv0!r}, *sys.argv[1:]]
+runpy.{run}({target!r}, run_name="__main__")
+"""
+
+
 def small_config(**overrides):
     """configs/tiny.py shrunk for tests: every mesh of 8 devices divides it, GQA included."""
     c = tiny.get_config()

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import LLAMA, child_env, small_config
+from conftest import CTRL_C_AT, LLAMA, child_env, small_config
 
 from gspmd_tp import checkpoint, checkpoint_files, convert, outputs
 from gspmd_tp import state as state_lib
@@ -336,18 +336,6 @@ def test_an_import_cut_short_by_ctrl_c_leaves_no_checkpoints(tmp_path, hf_models
     assert not run.exists()  # the workdir it created, with the lock, went too
 
 
-# python -m gspmd_tp.convert with one function replaced by a Ctrl-C.
-_INTERRUPTED = """
-import runpy, sys
-import gspmd_tp.{module} as module
-def ctrl_c(*_, **__):
-    raise KeyboardInterrupt
-setattr(module, "{name}", ctrl_c)
-sys.argv = ["convert", *sys.argv[1:]]
-runpy.run_module("gspmd_tp.convert", run_name="__main__")
-"""
-
-
 @pytest.mark.parametrize(
     "command, at, left",
     [
@@ -358,7 +346,9 @@ runpy.run_module("gspmd_tp.convert", run_name="__main__")
 def test_ctrl_c_is_one_line_and_status_130(tmp_path, command, at, left):
     """Was KeyboardInterrupt's traceback, from inside jax or orbax."""
     run, out = tmp_path / "run", tmp_path / "hf"
-    script = _INTERRUPTED.format(module=at[0], name=at[1])
+    script = CTRL_C_AT.format(
+        module=f"gspmd_tp.{at[0]}", name=at[1], argv0="convert", run="run_module", target="gspmd_tp.convert"
+    )
     result = subprocess.run(
         [sys.executable, "-c", script, command, f"--workdir={run}", f"--hf_dir={out}"],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,

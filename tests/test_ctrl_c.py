@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, child_env
+from conftest import CTRL_C_AT, ROOT, child_env
 
 COMMANDS = {
     "evaluate": ["-m", "gspmd_tp.evaluate", "--workdir=/nonexistent"],
@@ -44,18 +44,6 @@ def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130(command):
     assert _said(err) == ["stopped by Ctrl-C (nothing written)"], _said(err)[-20:]
 
 
-# The command run with one function replaced by a Ctrl-C, once its imports are done.
-_INTERRUPTED = """
-import runpy, sys
-import {module} as module
-def ctrl_c(*_, **__):
-    raise KeyboardInterrupt
-module.{name} = ctrl_c
-sys.argv = [{argv0!r}, *sys.argv[1:]]
-runpy.{run}({target!r}, run_name="__main__")
-"""
-
-
 @pytest.mark.parametrize(
     "command, flags, left",
     [
@@ -87,7 +75,7 @@ def test_ctrl_c_while_plan_or_bench_works_is_one_line_and_leaves_old_reports(tmp
         run = dict(module="gspmd_tp.step", name="compile_train_step", argv0="plan", run="run_module")
         run["target"] = "gspmd_tp.plan"
     result = subprocess.run(
-        [sys.executable, "-c", _INTERRUPTED.format(**run), *(f.format(tmp=tmp_path) for f in flags)],
+        [sys.executable, "-c", CTRL_C_AT.format(**run), *(f.format(tmp=tmp_path) for f in flags)],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 130, result.stderr[-2000:]
