@@ -60,6 +60,9 @@ def get_config() -> ConfigDict:
     c.model.dtype = "float32"  # on CPU bf16 matmuls are slower than f32
     # none | full | dots | dots_no_batch | dots_no_batch_comm | dots_no_batch_attention
     c.model.remat = "none"
+    # Activations also kept under the remat policy, comma-separated: attn_in, attn_out, mlp_in,
+    # mlp_out, query, key, mlp_hidden, weights (more memory, fewer elementwise passes recomputed)
+    c.model.remat_save = ""
     # einsum | xla | cudnn (jax.nn.dot_product_attention; cudnn: GPU, bf16) | auto (cudnn on GPU in
     # bf16, einsum elsewhere). On CPU xla is no faster.
     c.model.attention = "einsum"

@@ -5,10 +5,12 @@
 #
 #   bash docs/bench_gpu.sh OUT_DIR [VARIANT ...]
 #
-# A VARIANT is NAME:OVERRIDES[:ENV]: OVERRIDES are config overrides joined by "," (or "-" for none),
+# A VARIANT is NAME:OVERRIDES[:ENV]: OVERRIDES are config overrides joined by " " (or "-" for none),
 # ENV environment settings joined by ";", e.g.
 #   "b16_cublas:batch_size=16:XLA_FLAGS=--xla_gpu_enable_triton_gemm=false;XLA_PYTHON_CLIENT_MEM_FRACTION=0.9"
-# With no VARIANT, the sweep below.
+#   "norms_saved:model.remat_save=attn_in,mlp_in batch_size=16"
+# With no VARIANT, the sweep below. CONFIG (default configs/llama_1b.py), STEPS, WARMUP and PER_RUN_S
+# (each run's time limit) may be set in the environment.
 set -u
 out=${1:?usage: bash docs/bench_gpu.sh OUT_DIR [VARIANT ...]}
 shift
@@ -21,22 +23,22 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 if [ $# -eq 0 ]; then
   set -- \
     "llama_1b:-" \
-    "scan_dots_no_batch:model.scan_layers=true,model.remat=dots_no_batch" \
+    "scan_dots_no_batch:model.scan_layers=true model.remat=dots_no_batch" \
     "dots_no_batch:model.remat=dots_no_batch" \
     "remat_full:model.remat=full" \
-    "cudnn_b16:batch_size=16,model.remat=dots_no_batch" \
-    "xla_attention_b16:model.attention=xla,batch_size=16,model.remat=dots_no_batch"
+    "cudnn_b16:batch_size=16 model.remat=dots_no_batch" \
+    "xla_attention_b16:model.attention=xla batch_size=16 model.remat=dots_no_batch"
 fi
 for v in "$@"; do
   IFS=: read -r name overrides env <<<"$v"
   args=()
   if [ "$overrides" != "-" ]; then
-    IFS=, read -ra kv <<<"$overrides"
+    read -ra kv <<<"$overrides"
     for o in "${kv[@]}"; do args+=("--config.$o"); done
   fi
   IFS=";" read -ra envs <<<"${env:-}"
   echo "=== $name: ${args[*]} ${envs[*]}"
-  env "${envs[@]}" timeout "$per_run" python3 bench.py --config=configs/llama_1b.py --rules=dp \
+  env "${envs[@]}" timeout "$per_run" python3 bench.py --config="${CONFIG:-configs/llama_1b.py}" --rules=dp \
     --meshes=dp=1,mp=1 --steps="$steps" --warmup="$warmup" "${args[@]}" \
     --json_out="$out/json/$name.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tail -n 4
   echo "=== $name: exit ${PIPESTATUS[0]}"

@@ -41,6 +41,10 @@ from gspmd_tp.rules import UNCONSTRAINED, axes_of
 # whole-width (an all-gather under sequence parallelism and 2D) and its output once reduced to the
 # residual stream's layout (an all-reduce or reduce-scatter under tensor parallelism).
 COLLECTIVE_OUTPUTS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+# Every named activation that model.remat_save may keep on top of the remat policy: the collective
+# outputs (attn_in and mlp_in are also the norms' outputs), the queries and keys after rotary
+# embedding, SwiGLU's output, and the weights in the compute dtype.
+SAVEABLE_NAMES = (*COLLECTIVE_OUTPUTS, "query", "key", "mlp_hidden", "weights")
 
 _save_projections = jax.checkpoint_policies.save_only_these_names(PROJECTION)
 _save_dots_no_batch = jax.checkpoint_policies.save_from_both_policies(
@@ -74,6 +78,16 @@ REMAT_POLICIES = {
 }
 
 
+def remat_policy(cfg):
+    """The remat policy of config.model: REMAT_POLICIES[remat], also keeping model.remat_save's names."""
+    policy = REMAT_POLICIES[cfg.remat]
+    if not cfg.saved_names:
+        return policy
+    return jax.checkpoint_policies.save_from_both_policies(
+        policy, jax.checkpoint_policies.save_only_these_names(*cfg.saved_names)
+    )
+
+
 ATTENTION_IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "auto")
 # The ModelConfig fields that are sizes: each must be positive.
 SIZES = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
@@ -96,6 +110,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     dtype: str = "float32"  # compute dtype; parameters are always float32
     remat: str = "none"  # a key of REMAT_POLICIES
+    # Named activations (SAVEABLE_NAMES, comma-separated) kept on top of the remat policy's, so the
+    # backward pass reads them instead of recomputing them: memory for elementwise passes.
+    remat_save: str = ""
     # einsum: the attention written out, its scores annotated with logical axes; xla / cudnn:
     # jax.nn.dot_product_attention with that implementation (cudnn: fused flash attention, GPU
     # only, bf16/fp16); auto: cudnn on GPU in bf16/fp16, einsum elsewhere (attention_implementation).
@@ -109,6 +126,11 @@ class ModelConfig:
     # The projections' weight gradients: explicit transposes the smaller operand itself (faster on
     # XLA:CPU, BENCHMARKS.md); xla leaves it to autodiff; auto: explicit on CPU, xla elsewhere.
     projection_grad: str = "auto"
+
+    @property
+    def saved_names(self) -> tuple[str, ...]:
+        """model.remat_save as a tuple of names."""
+        return tuple(n.strip() for n in self.remat_save.split(",") if n.strip())
 
     @property
     def group(self) -> int:
@@ -134,6 +156,17 @@ class ModelConfig:
             problems.append(f"model.head_dim must be even for rotary embedding, got {self.head_dim}")
         if self.remat not in REMAT_POLICIES:
             problems.append(f"model.remat {self.remat!r} is not one of {sorted(REMAT_POLICIES)}")
+        unknown = [n for n in self.saved_names if n not in SAVEABLE_NAMES]
+        if unknown:
+            problems.append(
+                f"model.remat_save {self.remat_save!r}: {', '.join(map(repr, unknown))} not among "
+                f"{', '.join(SAVEABLE_NAMES)}"
+            )
+        elif self.saved_names and self.remat == "none":
+            problems.append(
+                f"model.remat_save {self.remat_save!r} needs a model.remat policy: with 'none' every "
+                "activation is kept already"
+            )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             problems.append(f"model.dtype {self.dtype!r} is not float32, bfloat16 or float16")
         if self.attention_block < 0:
@@ -191,6 +224,11 @@ _WHOLE_WIDTH = (BATCH, LENGTH, None)
 
 def _param(module, name, init, shape, names):
     return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+
+
+def _weight(w, dtype):
+    """A float32 weight in the compute dtype, named "weights" (model.remat_save may keep it)."""
+    return checkpoint_name(w.astype(dtype), "weights")
 
 
 # The key/value cache of one layer: logical names only, so a rule file decides where it lives.
@@ -318,13 +356,15 @@ class Attention(nn.Module):
         )
         w_out = _param(self, "out", out_init, (cfg.num_heads, hd, cfg.d_model), (HEADS, HEAD_DIM, EMBED))
 
-        qkv = project(x_ble, w_qkv.astype(dtype), (EMBED, KV_HEADS, None, HEAD_DIM), 1, explicit)
+        qkv = project(x_ble, _weight(w_qkv, dtype), (EMBED, KV_HEADS, None, HEAD_DIM), 1, explicit)
         qkv = _constrain(qkv, (BATCH, LENGTH, KV_HEADS, None, HEAD_DIM))
         q = qkv[:, :, :, :group].reshape(b, length, cfg.num_heads, hd)
         q = _constrain(rotary(q, positions, cfg.rope_theta) * hd**-0.5, (BATCH, LENGTH, HEADS, HEAD_DIM))
+        q = checkpoint_name(q, "query")
         k = _constrain(
             rotary(qkv[:, :, :, group], positions, cfg.rope_theta), (BATCH, LENGTH, KV_HEADS, HEAD_DIM)
         )
+        k = checkpoint_name(k, "key")
         v = _constrain(qkv[:, :, :, group + 1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
 
         implementation = attention_implementation(cfg.attention, cfg.dtype)
@@ -357,7 +397,7 @@ class Attention(nn.Module):
                 )
             out = out.reshape(b, length, cfg.num_heads, hd)
         out = _constrain(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
-        y = project(out, w_out.astype(dtype), (HEADS, HEAD_DIM, EMBED), 2, explicit)
+        y = project(out, _weight(w_out, dtype), (HEADS, HEAD_DIM, EMBED), 2, explicit)
         # No _constrain_cotangent here (see there): XLA:CPU then gathers this gradient once per
         # consumer under 2D, one extra all-gather per layer that the TPU compiler does not make.
         return _constrain(y, (BATCH, NORM_LENGTH, EMBED))
@@ -423,11 +463,11 @@ class FeedForward(nn.Module):
             (cfg.mlp_dim, cfg.d_model),
             (MLP, EMBED),
         )
-        gate_up = project(x_ble, w_in.astype(dtype), (EMBED, None, MLP), 1, explicit)
+        gate_up = project(x_ble, _weight(w_in, dtype), (EMBED, None, MLP), 1, explicit)
         gate_up = _constrain(gate_up, (BATCH, LENGTH, None, MLP))
         hidden = swiglu(gate_up)
-        hidden = _constrain(hidden, (BATCH, LENGTH, MLP))
-        y = project(hidden, w_out.astype(dtype), (MLP, EMBED), 1, explicit)
+        hidden = checkpoint_name(_constrain(hidden, (BATCH, LENGTH, MLP)), "mlp_hidden")
+        y = project(hidden, _weight(w_out, dtype), (MLP, EMBED), 1, explicit)
         return _constrain(_constrain_cotangent(y, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))
 
 
@@ -478,7 +518,7 @@ class Transformer(nn.Module):
 
         block = Block
         if cfg.remat != "none":
-            block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+            block = nn.remat(Block, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers:
             stack = nn.scan(
                 block,

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.ad_checkpoint import saved_residuals  # jax.ad_checkpoint.print_saved_residuals' list
 
 from gspmd_tp import model
 from gspmd_tp.model import ModelConfig, Transformer, attention_implementation, rotary, swiglu
@@ -95,6 +96,31 @@ def test_remat_policies_give_the_same_gradients(policy):
         np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.parametrize(
+    "policy, saved",
+    [("full", "attn_in,mlp_in"), ("dots_no_batch", "query,key"), ("dots_no_batch", "mlp_hidden,weights")],
+)
+def test_remat_save_keeps_its_names_and_changes_no_gradient(policy, saved):
+    unrolled = ModelConfig(**{**CFG.__dict__, "scan_layers": False})  # names stay visible outside a scan
+    params = init(unrolled)
+    cfg = ModelConfig(**{**unrolled.__dict__, "remat": policy, "remat_save": saved})
+    apply = lambda c: lambda p: Transformer(c).apply({"params": p}, TOKENS).mean()
+    kept = lambda c: {
+        name
+        for _, where in saved_residuals(apply(c), params)
+        for name in model.SAVEABLE_NAMES
+        if f"named '{name}'" in where
+    }
+    assert kept(cfg) == set(saved.split(","))
+    assert not kept(ModelConfig(**{**cfg.__dict__, "remat_save": ""}))  # the policy alone keeps none
+    for g0, g1 in zip(
+        jax.tree.leaves(jax.grad(apply(unrolled))(params)),
+        jax.tree.leaves(jax.grad(apply(cfg))(params)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-8)
+
+
 @pytest.mark.parametrize("remat", ["none", "dots_no_batch"])
 def test_projection_grad_settings_give_the_same_gradients(remat):
     params = init(CFG)
@@ -159,6 +185,13 @@ def test_config_validation_names_the_problem():
         "model.norm_eps must be 0 or more, got -1e-05",
     ]
     assert len(ModelConfig(rope_theta=float("nan"), norm_eps=float("nan")).validate()) == 2
+    assert ModelConfig(remat="full", remat_save="mlp_in, queries").validate() == [
+        "model.remat_save 'mlp_in, queries': 'queries' not among attn_in, attn_out, mlp_in, mlp_out, "
+        "query, key, mlp_hidden, weights"
+    ]
+    assert ModelConfig(remat_save="mlp_in").validate() == [
+        "model.remat_save 'mlp_in' needs a model.remat policy: with 'none' every activation is kept already"
+    ]
 
 
 def test_swiglu_one_pass_gradient_is_autodiffs_without_padded_halves():
