@@ -72,6 +72,9 @@ def get_config() -> ConfigDict:
     c.model.scan_layers = True
     # auto | explicit | xla: the projections' weight gradients (auto: explicit on CPU, faster there)
     c.model.projection_grad = "auto"
+    # auto | fused | one_pass | xla: the SwiGLU MLP's gradient (auto: fused on GPU where mlp is not
+    # split over a mesh axis, one_pass on other GPU runs, xla elsewhere)
+    c.model.mlp_grad = "auto"
 
     c.optim = ConfigDict()
     c.optim.lr = 3e-3  # small model, short run: a high peak rate

@@ -60,7 +60,15 @@ RUN_IDENTITY = (
     "data.eval_fraction",
 )
 # Model keys that change how the model computes, not what its parameters are: they may differ.
-FREE_MODEL_KEYS = ("dtype", "remat", "remat_save", "attention", "attention_block", "projection_grad")
+FREE_MODEL_KEYS = (
+    "dtype",
+    "remat",
+    "remat_save",
+    "attention",
+    "attention_block",
+    "projection_grad",
+    "mlp_grad",
+)
 
 
 def manager(workdir: str, keep: int, async_save: bool = True) -> ocp.CheckpointManager:

@@ -92,6 +92,7 @@ ATTENTION_IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "auto")
 # The ModelConfig fields that are sizes: each must be positive.
 SIZES = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
 PROJECTION_GRADS = ("auto", "explicit", "xla")
+MLP_GRADS = ("auto", "fused", "one_pass", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +127,12 @@ class ModelConfig:
     # The projections' weight gradients: explicit transposes the smaller operand itself (faster on
     # XLA:CPU, BENCHMARKS.md); xla leaves it to autodiff; auto: explicit on CPU, xla elsewhere.
     projection_grad: str = "auto"
+    # The SwiGLU MLP's gradient. xla: autodiff's (its two halves zero-padded and added); one_pass:
+    # SwiGLU's gradient as one elementwise pass; fused: the whole MLP's backward written out, SwiGLU's
+    # output recomputed in the same pass as its gradient rather than in a pass of its own. auto: fused
+    # on GPU where no mesh axis splits `mlp` (and mlp_hidden is not in remat_save), one_pass on GPU
+    # otherwise, xla elsewhere (mlp_implementation).
+    mlp_grad: str = "auto"
 
     @property
     def saved_names(self) -> tuple[str, ...]:
@@ -175,6 +182,8 @@ class ModelConfig:
             problems.append(
                 f"model.projection_grad {self.projection_grad!r} is not one of {PROJECTION_GRADS}"
             )
+        if self.mlp_grad not in MLP_GRADS:
+            problems.append(f"model.mlp_grad {self.mlp_grad!r} is not one of {MLP_GRADS}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             problems.append(f"model.attention {self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
         elif self.attention == "cudnn" and self.dtype == "float32":
@@ -418,6 +427,17 @@ def _swiglu(gate_up):
     return nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
 
 
+def _swiglu_grads(gate_up, d_hidden):
+    """(d gate, d up), each shaped like d_hidden, computed in float32 and returned in gate_up's dtype."""
+    x = gate_up.astype(jnp.float32)
+    gate, up = x[..., 0, :], x[..., 1, :]
+    d = d_hidden.astype(jnp.float32)
+    sigmoid = jax.nn.sigmoid(gate)
+    d_gate = d * up * sigmoid * (1 + gate * (1 - sigmoid))
+    d_up = d * gate * sigmoid
+    return d_gate.astype(gate_up.dtype), d_up.astype(gate_up.dtype)
+
+
 @jax.custom_vjp
 def _swiglu_one_pass(gate_up):
     return _swiglu(gate_up)
@@ -430,17 +450,64 @@ def _swiglu_forward(gate_up):
 def _swiglu_backward(gate_up, d_hidden):
     # Each element takes the gate's or the up's derivative by its index on the stacked axis
     # (no concatenate, no zero-padded halves).
-    x = gate_up.astype(jnp.float32)
-    gate, up = x[..., :1, :], x[..., 1:, :]
-    d = d_hidden.astype(jnp.float32)[..., None, :]
-    sigmoid = jax.nn.sigmoid(gate)
-    d_gate = d * up * sigmoid * (1 + gate * (1 - sigmoid))
-    d_up = d * gate * sigmoid
+    d_gate, d_up = _swiglu_grads(gate_up, d_hidden)
     is_gate = jax.lax.broadcasted_iota(jnp.int32, gate_up.shape, gate_up.ndim - 2) == 0
-    return (jnp.where(is_gate, d_gate, d_up).astype(gate_up.dtype),)
+    return (jnp.where(is_gate, d_gate[..., None, :], d_up[..., None, :]),)
 
 
 _swiglu_one_pass.defvjp(_swiglu_forward, _swiglu_backward)
+
+
+def mlp_implementation(cfg: ModelConfig, platform: str | None = None) -> str:
+    """The MLP gradient config.model.mlp_grad means on `platform` (by default JAX's default backend)
+    under the current logical axis rules: "auto" is fused on GPU where no mesh axis splits `mlp`
+    (its input gradient is two products, which would take two all-reduces there) and mlp_hidden is
+    not kept by remat_save (the fused backward recomputes it), one_pass elsewhere on GPU, xla on
+    other platforms."""
+    if cfg.mlp_grad != "auto":
+        return cfg.mlp_grad
+    if (platform or jax.default_backend()) != "gpu":
+        return "xla"
+    split = axes_of(nn.logical_to_mesh_axes((MLP,))[0])
+    return "one_pass" if split or "mlp_hidden" in cfg.saved_names else "fused"
+
+
+def _mlp_forward(x_ble, w_in, w_out):
+    gate_up = _constrain(jnp.tensordot(x_ble, w_in, axes=1), (BATCH, LENGTH, None, MLP))
+    hidden = _constrain(_swiglu(gate_up), (BATCH, LENGTH, MLP))
+    return jnp.tensordot(hidden, w_out, axes=1), gate_up
+
+
+@jax.custom_vjp
+def fused_mlp(x_ble, w_in, w_out):
+    """down(silu(gate) * up) of x (batch, length, embed), w_in (embed, 2, mlp), w_out (mlp, embed),
+    with its backward written out: SwiGLU's output, which the down projection's weight gradient
+    needs, is recomputed in the same elementwise pass that computes SwiGLU's gradient (both read
+    gate_up and write three arrays of one shape), where autodiff under remat recomputes it in a pass
+    of its own; the gate and up gradients stay apart, so the input gradient is two products
+    accumulated and the weight gradient two products stacked. Under remat the residuals are what
+    autodiff keeps: the input, the weights and the gate_up product."""
+    return _mlp_forward(x_ble, w_in, w_out)[0]
+
+
+def _fused_mlp_fwd(x_ble, w_in, w_out):
+    y, gate_up = _mlp_forward(x_ble, w_in, w_out)
+    return y, (x_ble, w_in, w_out, gate_up)
+
+
+def _fused_mlp_bwd(res, dy):
+    x_ble, w_in, w_out, gate_up = res
+    names = (BATCH, LENGTH, MLP)
+    d_hidden = _constrain(jnp.einsum("ble,me->blm", dy, w_out), names)
+    hidden = _constrain(_swiglu(gate_up), names)
+    d_gate, d_up = (_constrain(d, names) for d in _swiglu_grads(gate_up, d_hidden))
+    dx = jnp.einsum("blm,em->ble", d_gate, w_in[:, 0]) + jnp.einsum("blm,em->ble", d_up, w_in[:, 1])
+    d_w_in = jnp.stack([jnp.einsum("ble,blm->em", x_ble, d) for d in (d_gate, d_up)], axis=1)
+    d_w_out = jnp.einsum("blm,ble->me", hidden, dy)
+    return dx, d_w_in, d_w_out
+
+
+fused_mlp.defvjp(_fused_mlp_fwd, _fused_mlp_bwd)
 
 
 class FeedForward(nn.Module):
@@ -463,11 +530,15 @@ class FeedForward(nn.Module):
             (cfg.mlp_dim, cfg.d_model),
             (MLP, EMBED),
         )
-        gate_up = project(x_ble, _weight(w_in, dtype), (EMBED, None, MLP), 1, explicit)
-        gate_up = _constrain(gate_up, (BATCH, LENGTH, None, MLP))
-        hidden = swiglu(gate_up)
-        hidden = checkpoint_name(_constrain(hidden, (BATCH, LENGTH, MLP)), "mlp_hidden")
-        y = project(hidden, _weight(w_out, dtype), (MLP, EMBED), 1, explicit)
+        implementation = mlp_implementation(cfg)
+        if implementation == "fused":
+            y = fused_mlp(x_ble, _weight(w_in, dtype), _weight(w_out, dtype))
+        else:
+            gate_up = project(x_ble, _weight(w_in, dtype), (EMBED, None, MLP), 1, explicit)
+            gate_up = _constrain(gate_up, (BATCH, LENGTH, None, MLP))
+            hidden = swiglu(gate_up, one_pass_gradient=implementation == "one_pass")
+            hidden = checkpoint_name(_constrain(hidden, (BATCH, LENGTH, MLP)), "mlp_hidden")
+            y = project(hidden, _weight(w_out, dtype), (MLP, EMBED), 1, explicit)
         return _constrain(_constrain_cotangent(y, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))
 
 

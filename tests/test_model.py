@@ -289,3 +289,63 @@ def test_attention_choice_is_validated():
         "model.attention_block=64 applies to einsum attention only; with model.attention 'xla' set it to 0"
     ]
     assert ModelConfig(attention="einsum", attention_block=64).validate() == []
+
+
+@pytest.mark.parametrize("remat", ["none", "dots_no_batch"])
+def test_fused_mlp_gradient_equals_autodiffs(remat):
+    unrolled = ModelConfig(**{**CFG.__dict__, "scan_layers": False, "remat": remat, "projection_grad": "xla"})
+    params = init(unrolled)
+    apply = lambda c: lambda p: Transformer(c).apply({"params": p}, TOKENS).mean()
+    cfgs = {g: ModelConfig(**{**unrolled.__dict__, "mlp_grad": g}) for g in ("xla", "one_pass", "fused")}
+    grads = {g: jax.grad(apply(c))(params) for g, c in cfgs.items()}
+    for g in ("one_pass", "fused"):
+        for a, b in zip(jax.tree.leaves(grads["xla"]), jax.tree.leaves(grads[g]), strict=True):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-8)
+    if remat != "none":  # the fused backward keeps what autodiff keeps (the gate_up product), no more
+        kept = lambda c: sorted(a.str_short() for a, _ in saved_residuals(apply(c), params))
+        assert kept(cfgs["fused"]) == kept(cfgs["xla"])
+
+
+def test_fused_mlp_recomputes_swiglu_beside_its_gradient():
+    """The fused backward's SwiGLU output and its two gradients come from one read of gate_up: the
+    three are one elementwise expression of (gate_up, d_hidden), where autodiff's recompute is a
+    separate function of gate_up alone that runs before d_hidden exists."""
+    x = jax.random.normal(jax.random.key(4), (2, 6, 8))
+    w_in = jax.random.normal(jax.random.key(5), (8, 2, 16)) * 0.3
+    w_out = jax.random.normal(jax.random.key(6), (16, 8)) * 0.3
+    dy = jax.random.normal(jax.random.key(7), (2, 6, 8))
+
+    def plain(x, w_in, w_out):
+        return jnp.tensordot(swiglu(jnp.tensordot(x, w_in, axes=1), one_pass_gradient=False), w_out, axes=1)
+
+    vjp = lambda f: jax.vjp(f, x, w_in, w_out)[1](dy)
+    for a, b in zip(vjp(plain), vjp(model.fused_mlp), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    text = str(jax.make_jaxpr(lambda *a: jax.vjp(model.fused_mlp, *a)[1](dy))(x, w_in, w_out))
+    assert "concatenate" not in text and "pad" not in text
+
+
+@pytest.mark.parametrize(
+    "mlp_grad, platform, rules, saved, chosen",
+    [
+        ("auto", "cpu", "dp", "", "xla"),
+        ("auto", "gpu", "dp", "", "fused"),
+        ("auto", "gpu", "fsdp", "", "fused"),
+        ("auto", "gpu", "megatron_1d", "", "one_pass"),  # mlp split: dx would take two all-reduces
+        ("auto", "gpu", "dp", "mlp_hidden", "one_pass"),  # kept, so nothing to recompute
+        ("fused", "cpu", "megatron_1d", "", "fused"),
+        ("xla", "gpu", "dp", "", "xla"),
+    ],
+)
+def test_mlp_implementation(mlp_grad, platform, rules, saved, chosen):
+    from gspmd_tp.rules import load_rules
+
+    cfg = ModelConfig(mlp_grad=mlp_grad, remat="full" if saved else "none", remat_save=saved)
+    with nn.logical_axis_rules(load_rules(rules).rules):
+        assert model.mlp_implementation(cfg, platform) == chosen
+
+
+def test_mlp_grad_setting_is_checked():
+    assert ModelConfig(mlp_grad="manual").validate() == [
+        "model.mlp_grad 'manual' is not one of ('auto', 'fused', 'one_pass', 'xla')"
+    ]
