@@ -2,8 +2,9 @@
 
     python train.py --config=configs/llama_1b.py --workdir=runs/llama_1b
 
-For accelerators: bfloat16 compute, cuDNN's fused attention on GPU, layers unrolled, and
-rematerialization that keeps matmul outputs and the attention's; FSDP over every device by default
+For accelerators: bfloat16 compute, cuDNN's fused attention on GPU, layers unrolled,
+rematerialization that keeps matmul outputs and the attention's, and (model.mlp_grad auto) the MLP's
+backward written out on GPU; FSDP over every device by default
 (--config.rules=megatron_1d --config.mesh=dp=-1,mp=8 for tensor parallelism inside a host). With
 byte tokens it has 0.97B parameters. On one H100 it needs XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 (BENCHMARKS.md: "The ~1B config on one H100").

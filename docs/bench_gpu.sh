@@ -23,6 +23,7 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 if [ $# -eq 0 ]; then
   set -- \
     "llama_1b:-" \
+    "one_pass_mlp:model.mlp_grad=one_pass" \
     "scan_dots_no_batch:model.scan_layers=true model.remat=dots_no_batch" \
     "dots_no_batch:model.remat=dots_no_batch" \
     "remat_full:model.remat=full" \

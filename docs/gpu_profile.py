@@ -5,6 +5,9 @@
 Compiles the step, writes its optimized HLO to DIR/step_hlo.txt, warms it up, traces --steps
 steps with jax.profiler into DIR/trace, and sums the device's kernel time per HLO instruction
 (DIR/kernels.json; the top rows printed), so that a fusion's time can be read beside what it fuses.
+CUDA graphs are switched off (--xla_gpu_enable_command_buffer=, added to XLA_FLAGS): inside one the
+trace sees a single command_buffer kernel for the whole step. Without them the H100 step ran at the
+same speed (769.6 against 768.3 ms, BENCHMARKS.md).
 """
 
 import collections
@@ -15,6 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
 from absl import app, flags
 

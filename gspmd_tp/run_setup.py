@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 
+import flax.linen as nn
 import jax
 import optax
 
@@ -17,7 +18,7 @@ from gspmd_tp import state as state_lib
 from gspmd_tp.config_keys import check_keys, ours
 from gspmd_tp.errors import UserError, warn
 from gspmd_tp.mesh import make_mesh, mesh_string
-from gspmd_tp.model import ModelConfig
+from gspmd_tp.model import ModelConfig, mlp_implementation
 from gspmd_tp.projection import explicit_projection_grad
 from gspmd_tp.rules import Rules, load_rules, mesh_ways
 
@@ -127,7 +128,11 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
         raise UserError(f"config.model.attention='cudnn' needs GPU devices; this run's are {platform}")
     # "auto" follows the devices the step compiles for, not the host (a TPU plan made on a laptop).
     explicit = explicit_projection_grad(model_cfg.projection_grad, platform)
-    model_cfg = dataclasses.replace(model_cfg, projection_grad="explicit" if explicit else "xla")
+    with nn.logical_axis_rules(rules.rules):
+        mlp_grad = mlp_implementation(model_cfg, platform)
+    model_cfg = dataclasses.replace(
+        model_cfg, projection_grad="explicit" if explicit else "xla", mlp_grad=mlp_grad
+    )
     micro_batch = config.batch_size // config.grad_accum
     ways, sizes = mesh_ways(mesh.shape, rules.batch_axes())
     if config.grad_accum > 1 and micro_batch % ways:

@@ -15,6 +15,13 @@ def test_auto_projection_grad_follows_the_run_devices():
     )
 
 
+def test_auto_mlp_grad_follows_the_run_devices():
+    """auto: autodiff's MLP gradient for CPU devices (the GPU choice: test_model.test_mlp_implementation);
+    a setting given is kept, and the saved config names what ran."""
+    assert run_setup.setup(small_config()).model_cfg.mlp_grad == "xla"
+    assert run_setup.setup(small_config(**{"model.mlp_grad": "fused"})).model_cfg.mlp_grad == "fused"
+
+
 @pytest.mark.parametrize(
     "key, value, message",
     [

@@ -43,6 +43,16 @@ def test_sharded_run_equals_single_device(reference, rules, mesh):
     assert history[2][0] < history[0][0]  # it learns
 
 
+@pytest.mark.parametrize(
+    "rules, mesh", [("fsdp", "dp=8,mp=1"), ("megatron_1d", "dp=2,mp=4"), ("megatron_2d", "dp=4,mp=2")]
+)
+def test_fused_mlp_gradient_sharded_equals_single_device(reference, rules, mesh):
+    """model.mlp_grad=fused (auto's GPU choice where mlp is unsplit; forced here under splits too)."""
+    c = small_config(rules=rules, mesh=mesh, **{"model.mlp_grad": "fused"})
+    _, history = run_steps(c, batches(c))
+    np.testing.assert_allclose(np.array(history), np.array(reference), rtol=1e-5)
+
+
 def test_grad_accum_config_trains_like_full_batch():
     full = small_config(batch_size=16)
     _, h1 = run_steps(full, token_batches(full, 2))
