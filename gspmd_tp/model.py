@@ -185,6 +185,11 @@ class ModelConfig:
             )
         if self.mlp_grad not in MLP_GRADS:
             problems.append(f"model.mlp_grad {self.mlp_grad!r} is not one of {MLP_GRADS}")
+        elif self.mlp_grad == "fused" and "mlp_hidden" in self.saved_names:
+            problems.append(
+                "model.remat_save keeps mlp_hidden, which model.mlp_grad 'fused' never reads (its "
+                "backward recomputes SwiGLU's output beside its gradient): drop one of the two"
+            )
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             problems.append(f"model.attention {self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
         elif self.attention == "cudnn" and self.dtype == "float32":

@@ -312,3 +312,7 @@ def test_mlp_grad_setting_is_checked():
     assert ModelConfig(mlp_grad="manual").validate() == [
         "model.mlp_grad 'manual' is not one of ('auto', 'fused', 'one_pass', 'xla')"
     ]
+    assert ModelConfig(mlp_grad="fused", remat="full", remat_save="mlp_hidden").validate() == [
+        "model.remat_save keeps mlp_hidden, which model.mlp_grad 'fused' never reads (its backward "
+        "recomputes SwiGLU's output beside its gradient): drop one of the two"
+    ]
