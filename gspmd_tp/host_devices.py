@@ -14,6 +14,7 @@ has glibc back that heap with transparent huge pages: the step's arrays are tens
 import ctypes
 import glob
 import os
+import signal
 import sys
 
 _FLAG = "xla_force_host_platform_device_count"
@@ -24,12 +25,15 @@ _ACCELERATOR_NODES = ("/dev/nvidia[0-9]*", "/dev/accel*", "/dev/vfio/[0-9]*", "/
 # glibc >= 2.35 reads this tunable at process start only: malloc then madvises its heap MADV_HUGEPAGE.
 _HUGE_PAGES = "glibc.malloc.hugetlb=1"
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+# Set across use_huge_pages' restart, while Ctrl-C is held blocked through it (release_ctrl_c).
+_CTRL_C_HELD = "GSPMD_TP_CTRL_C_HELD"
 
 
 def request(count: int, tune: bool = True) -> None:
     """Asks XLA for `count` host (CPU) devices unless XLA_FLAGS already names a count; with
     `tune` and count > 0, also `use_huge_pages()` (which may restart the process) and `tune_malloc()`.
-    Also `cpu_platform_where_alone()`."""
+    Also `cpu_platform_where_alone()`, and `release_ctrl_c()` after a restart."""
+    release_ctrl_c()
     cpu_platform_where_alone()
     if count > 0 and tune:
         use_huge_pages()
@@ -95,7 +99,23 @@ def use_huge_pages() -> None:
     os.environ["GLIBC_TUNABLES"] = f"{tunables}:{_HUGE_PAGES}" if tunables else _HUGE_PAGES
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, sys.orig_argv)
+    # Between exec and the new process's own Ctrl-C handler a SIGINT would kill it by the default
+    # action, without a word: it is held blocked instead (the mask and a pending signal survive
+    # exec) until request() releases it in the new process, where the handler is in place.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    os.environ[_CTRL_C_HELD] = "1"
+    try:
+        os.execv(sys.executable, sys.orig_argv)
+    except OSError:
+        release_ctrl_c()
+        raise
+
+
+def release_ctrl_c() -> None:
+    """Unblocks the Ctrl-C that use_huge_pages held blocked across its restart (a pending one is
+    then delivered to the handler now in place); nothing where this process was not restarted."""
+    if os.environ.pop(_CTRL_C_HELD, None):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def tune_malloc() -> bool:

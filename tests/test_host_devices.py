@@ -88,6 +88,39 @@ def test_request_restarts_the_process_once_with_huge_pages(tmp_path, monkeypatch
     assert tuned[2] == want
 
 
+_CTRL_C_SCRIPT = """
+import os, signal, sys
+print("run", signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []),
+      signal.SIGINT in signal.sigpending(), flush=True)
+from gspmd_tp.errors import exit_on_ctrl_c_while_importing
+exit_on_ctrl_c_while_importing()
+from gspmd_tp import host_devices
+exec_for_real = os.execv
+def execv(*args):  # Ctrl-C just as the process restarts
+    os.kill(os.getpid(), signal.SIGINT)
+    exec_for_real(*args)
+os.execv = execv
+host_devices.request(8, tune=True)
+print("tuned", flush=True)
+"""
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc only")
+def test_ctrl_c_during_the_restart_reaches_the_new_process_handler(tmp_path, monkeypatch):
+    """A SIGINT between exec and the new process's handler killed it by the default action (status
+    -2, no line): it is held blocked across the restart and delivered once the handler is in place."""
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    if not host_devices.huge_pages_missing():
+        pytest.skip("no huge pages on this host: nothing restarts")
+    script = tmp_path / "s.py"
+    script.write_text(_CTRL_C_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    # The first run: Ctrl-C free; the second: Ctrl-C held blocked and pending, then handled.
+    assert proc.stdout.splitlines() == ["run False False", "run True True"]
+    assert proc.returncode == 130 and proc.stderr.splitlines() == ["stopped by Ctrl-C (nothing written)"]
+
+
 def test_a_process_not_run_from_a_script_file_is_not_restarted(monkeypatch):
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     if not host_devices.huge_pages_missing():
