@@ -14,14 +14,12 @@ import jax.numpy as jnp
 from gspmd_tp.axes import BATCH, LENGTH, MLP
 
 
-def swiglu(gate_up, one_pass_gradient: bool | None = None):
-    """silu(gate) * up of gate_up (..., 2, mlp), gate first. With `one_pass_gradient` (by default
-    on GPU only), its gradient is one elementwise pass that writes the stacked array: autodiff of
-    the two slices adds two zero-padded halves instead, more memory traffic on the largest
-    activations (on an H100 the llama_1b step is 1.017x faster in one pass; on CPU it was slower,
-    BENCHMARKS.md)."""
-    if one_pass_gradient is None:
-        one_pass_gradient = jax.default_backend() == "gpu"
+def swiglu(gate_up, one_pass_gradient: bool = False):
+    """silu(gate) * up of gate_up (..., 2, mlp), gate first. With `one_pass_gradient` its gradient is
+    one elementwise pass that writes the stacked array: autodiff of the two slices adds two
+    zero-padded halves instead, more memory traffic on the largest activations (on an H100 the
+    llama_1b step is 1.017x faster in one pass; on CPU it was slower, BENCHMARKS.md). Which one a
+    run takes is model.mlp_implementation's choice."""
     return _swiglu_one_pass(gate_up) if one_pass_gradient else _swiglu(gate_up)
 
 

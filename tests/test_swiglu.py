@@ -16,7 +16,7 @@ def test_swiglu_one_pass_gradient_is_autodiffs_without_padded_halves():
     plain = lambda g: nn.silu(g[..., 0, :]) * g[..., 1, :]
     one_pass = lambda g: swiglu(g, one_pass_gradient=True)
     np.testing.assert_array_equal(one_pass(gate_up), plain(gate_up))
-    np.testing.assert_array_equal(swiglu(gate_up), plain(gate_up))  # on CPU: autodiff's gradient
+    np.testing.assert_array_equal(swiglu(gate_up), plain(gate_up))  # by default: autodiff's gradient
     grad = lambda f: lambda g, d: jax.vjp(f, g)[1](d)[0]
     np.testing.assert_allclose(grad(one_pass)(gate_up, d_hidden), grad(plain)(gate_up, d_hidden), atol=1e-6)
     ops = lambda f: jax.jit(grad(f)).lower(gate_up, d_hidden).compile().as_text()
