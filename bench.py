@@ -47,7 +47,8 @@ _VARIANTS = flags.DEFINE_string(
     "",
     "Time the config against variants of it instead, in alternating rounds (--rounds x "
     "--round_steps timed steps each, in place of --steps): sets of config overrides, ';' between "
-    "sets, ',' inside one (model.remat=none;model.attention_block=128).",
+    "sets, ',' inside one (model.remat=none;model.attention_block=128); an item with no '=' "
+    "continues the value before it (model.remat_save=attn_in,mlp_in).",
 )
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "With --variants: alternating rounds.")
 _ROUND_STEPS = flags.DEFINE_integer("round_steps", 3, "With --variants: timed steps per round.")

@@ -191,12 +191,17 @@ def bench_one(
 def parse_variants(text: str) -> list[dict[str, str]]:
     """[{"model.remat": "none"}, {"model.attention_block": "128", "model.dtype": "bfloat16"}] from
     "model.remat=none;model.attention_block=128,model.dtype=bfloat16": sets of config overrides,
-    `;` between sets and `,` inside one."""
+    `;` between sets and `,` inside one. An item with no `=` continues the value before it, so
+    list values read as written: "model.remat_save=attn_in,mlp_in"."""
     variants = []
     for part in text.split(";"):
         overrides = {}
         for item in part.split(","):
             key, eq, value = item.strip().partition("=")
+            if not eq and key and overrides:  # "a,b" in a list value: the last key's value goes on
+                last = next(reversed(overrides))
+                overrides[last] += "," + key
+                continue
             if key in ("mesh", "rules"):  # its "," would split a mesh; and every row has its own
                 flag = "--meshes" if key == "mesh" else "--rules"
                 raise UserError(

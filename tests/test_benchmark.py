@@ -166,6 +166,13 @@ def test_parse_variants():
         {"model.remat": "none"},
         {"model.attention_block": "128", "model.dtype": "bfloat16"},
     ]
+    # A list value keeps its commas: an item with no "=" continues the value before it.
+    assert benchmark.parse_variants(
+        "model.remat_save=attn_in,mlp_in,model.remat=full;model.remat_save=key"
+    ) == [
+        {"model.remat_save": "attn_in,mlp_in", "model.remat": "full"},
+        {"model.remat_save": "key"},
+    ]
     with pytest.raises(UserError, match="'model.remat' in 'model.remat' is not KEY=VALUE"):
         benchmark.parse_variants("model.remat")
     with pytest.raises(UserError, match=r"--variants: mesh is chosen by --meshes, not by a variant"):
