@@ -4,6 +4,7 @@
     python -m gspmd_tp.plan --config=configs/tiny.py --compare=megatron_1d,megatron_2d \
         --meshes="dp=8,mp=1 dp=2,mp=4" --chart=plan.png
     python -m gspmd_tp.plan --config=configs/llama_1b.py --target=tpu:v5p:4x4x4 --config.mesh=dp=-1,mp=4
+    python -m gspmd_tp.plan --config=configs/llama_1b.py --target=gpu:h100:8 --config.mesh=dp=-1,mp=8
 
 Per parameter and optimizer-state leaf: shape, logical axes, resolved PartitionSpec, bytes per
 device, and a flag where a large leaf is replicated over a mesh axis that could shard it. Per
@@ -14,10 +15,12 @@ the bytes each device sends per step under a ring algorithm, against an analytic
 With --target=tpu:GENERATION:TOPOLOGY (libtpu installed: `pip install 'jax[tpu]==0.10.2'`) the
 step is compiled by the real TPU compiler for a slice that is not attached, on a mesh built from
 that slice's devices; plan then also says whether the step fits in the chip's HBM and estimates
-the step time from FLOPs / peak and bytes / interconnect bandwidth.
+the step time from FLOPs / peak and bytes / interconnect bandwidth. With --target=gpu:KIND[:HOSTSxGPUS]
+(the CUDA plugin and cuDNN installed: `pip install -e '.[gpu-plan]'`) the same, from XLA's GPU
+compiler run without a GPU (no autotuning: its kernel choices are the defaults).
 
-The per-leaf table and the analytical model are in gspmd_tp/analysis.py, the TPU chip figures and
-the estimate in gspmd_tp/tpu.py; this module compiles, measures, compares and reports.
+The per-leaf table and the analytical model are in gspmd_tp/analysis.py, the chip figures and
+the estimate in gspmd_tp/targets.py; this module compiles, measures, compares and reports.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ if __name__ == "__main__":  # simulated devices must be requested before jax is 
 
     host_devices.request(host_devices.count_from_argv(sys.argv, 8))
     if any(a.startswith("--target") for a in sys.argv):
-        # Compile for a TPU that is not attached: libtpu must not try to open one.
+        # Compile for a TPU or GPUs that are not attached: JAX must not try to open one.
         _os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import contextlib
@@ -45,7 +48,7 @@ import os
 import jax
 import numpy as np
 
-from gspmd_tp import analysis, hlo, outputs, run_setup, tpu
+from gspmd_tp import analysis, hlo, outputs, run_setup, targets
 from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError, ctrl_c_raises, exit_from_main, interrupted, no_positional_arguments
 from gspmd_tp.mesh import mesh_file_name, mesh_string, parse_mesh
@@ -69,14 +72,14 @@ def plan(
 ) -> dict:
     """Everything plan reports for one config (rule file and mesh included), as a JSON-able dict.
 
-    With `target` ("tpu:v5p:4x4x4") the step is compiled for that TPU slice instead of the local
+    With `target` ("tpu:v5p:4x4x4", "gpu:h100:8") the step is compiled for it instead of the local
     devices; `s` is the config's setup where it is already made. With `dump_hlo` the compiled
     step's HLO goes to DIR/LABEL_MESH.hlo.txt, LABEL the rule file's name unless given.
     """
     if s is None:
-        s = run_setup.setup(config, tpu.target_devices(target, slices) if target else None)
+        s = run_setup.setup(config, targets.target_devices(target, slices) if target else None)
     rows = analysis.leaf_table(s)
-    with tpu.no_cache_writes() if target else contextlib.nullcontext():
+    with targets.no_cache_writes() if target else contextlib.nullcontext():
         compiled = step_lib.compile_train_step(s)
     text = compiled.as_text()
     mesh = mesh_string(s.mesh)  # resolved: dp=-1 shows as the size it stands for
@@ -100,11 +103,11 @@ def plan(
     backend = device.platform
     analytical = analysis.analytical_bytes(s, rows, backend)
     measured = sum(v["ring_bytes_per_device"] for v in collectives.values())
-    estimate = tpu.estimate(s, stats, measured, target) if target else None
+    estimate = targets.estimate(s, stats, measured, target) if target else None
     return {
         "target": target,
         "device_kind": device.device_kind,
-        "tpu": estimate,
+        "estimate": estimate,
         "rules": s.rules.source,
         "label": label,  # the rule file's name, or its short_names label in a --compare
         "mesh": mesh,
@@ -148,17 +151,28 @@ def _mb(x: float) -> str:
     return f"{x / 2**20:,.3f} MiB"
 
 
-def _tpu_lines(t: dict | None) -> list[str]:
+def _estimate_lines(t: dict | None) -> list[str]:
     if not t:
         return []
     if "fits" not in t:
-        return [f"  {t['device_kind']}: no HBM/peak figures in the table; no fit or time estimate"]
+        return [f"  {t['device_kind']}: no memory/peak figures in the table; no fit or time estimate"]
     verdict = "fits" if t["fits"] else "DOES NOT FIT"
-    return [
-        f"  HBM needed / per device {_mb(t['hbm_needed']):>14} / {_mb(t['hbm_per_device'])}: {verdict}",
-        f"  step time estimate: {t['step_s_estimate'] * 1e3:.2f} ms (compute {t['compute_s'] * 1e3:.2f} ms"
-        f" at peak + communication {t['comm_s'] * 1e3:.2f} ms at ICI bandwidth; no overlap assumed)",
+    share = t.get("memory_fraction")
+    of = f" (JAX's {share:.0%} of the GPU; XLA_PYTHON_CLIENT_MEM_FRACTION sets it)" if share else ""
+    lines = [
+        f"  HBM needed / per device {_mb(t['hbm_needed']):>14} / {_mb(t['hbm_per_device'])}{of}: {verdict}"
     ]
+    if "step_s_estimate" in t:
+        step, compute, comm = (t[k] * 1e3 for k in ("step_s_estimate", "compute_s", "comm_s"))
+        lines.append(
+            f"  step time estimate: {step:.2f} ms (compute {compute:.2f} ms at peak + communication "
+            f"{comm:.2f} ms at {t['link']} bandwidth; no overlap assumed)"
+        )
+    else:
+        lines.append(
+            "  step time: not estimated across GPU hosts (the network's share of the bytes is not modelled)"
+        )
+    return lines
 
 
 def _ratio(p: dict) -> str:
@@ -201,7 +215,7 @@ def format_plan(p: dict) -> str:
         f"  optimizer state     {_mb(m['opt_state']):>14} {_mb(m['ideal_opt_state']):>14}",
         f"  step arguments      {_mb(m['arguments']):>14}",
         f"  step temporaries    {_mb(m['temporaries']):>14}",
-        *_tpu_lines(p["tpu"]),
+        *_estimate_lines(p["estimate"]),
         "",
         f"collectives per step (compiled HLO, {p['backend']} backend)"
         "   count        bytes   ring bytes/device",
@@ -251,7 +265,7 @@ def compare(
     compiles: a rule file, mesh or config the user can fix, a rule file or mesh given twice however
     spelt, or one paired with nothing, raises UserError; a model size the mesh cannot divide is
     reported as that combination's row (`error`)."""
-    devices = tpu.target_devices(target, slices) if target else None
+    devices = targets.target_devices(target, slices) if target else None
     count = len(devices) if devices is not None else jax.device_count()
     check_distinct(rules_list, meshes, count, "--compare", "each rule file x mesh is planned once")
     labels = short_names(rules_list)
@@ -301,8 +315,10 @@ def format_compare(results: list[dict]) -> str:
         f"{'analytical':>12} {'ratio':>6}"
     )
     lines = [head]
-    timed = [r for r in results if r.get("tpu") and r["tpu"].get("fits")]
-    best = min(timed, key=lambda r: r["tpu"]["step_s_estimate"]) if timed else None
+    timed = [
+        r for r in results if (r.get("estimate") or {}).get("fits") and "step_s_estimate" in r["estimate"]
+    ]
+    best = min(timed, key=lambda r: r["estimate"]["step_s_estimate"]) if timed else None
     if timed:
         lines[0] += f" {'est. step':>10} {'fits':>5}"
     for r in results:
@@ -317,8 +333,8 @@ def format_compare(results: list[dict]) -> str:
             f"{_mb(r['bytes_per_device']):>12} {_mb(r['analytical_bytes_per_device']):>12} "
             f"{_ratio(r).split(':')[0]:>6}"
         )
-        t = r.get("tpu") or {}
-        if "fits" in t:
+        t = r.get("estimate") or {}
+        if "step_s_estimate" in t:
             lines[-1] += f" {t['step_s_estimate'] * 1e3:>8.2f}ms {'yes' if t['fits'] else 'NO':>5}"
             lines[-1] += "  <- best" if r is best else ""
     for r in results:
@@ -337,7 +353,7 @@ def chart(results: list[dict], path: str) -> None:
     ok = [r for r in results if "error" not in r]
     labels = [f"{r['label']}\n{r['mesh']}" for r in ok]
     x = np.arange(len(ok))
-    timed = [r for r in ok if (r.get("tpu") or {}).get("step_s_estimate")]
+    timed = [r for r in ok if (r.get("estimate") or {}).get("step_s_estimate")]
     panels = 3 if timed else 2
     fig, axs = plt.subplots(panels, 1, figsize=(min(16, 4 + 0.8 * len(ok)), 4 * panels))
     ax1, ax2 = axs[0], axs[1]
@@ -355,10 +371,12 @@ def chart(results: list[dict], path: str) -> None:
     ax2.legend()
     if timed:
         ax3 = axs[2]
-        est = [(r.get("tpu") or {}).get("step_s_estimate", 0) * 1e3 for r in ok]
-        colors = ["tab:green" if (r.get("tpu") or {}).get("fits") else "tab:red" for r in ok]
+        est = [(r.get("estimate") or {}).get("step_s_estimate", 0) * 1e3 for r in ok]
+        colors = ["tab:green" if (r.get("estimate") or {}).get("fits") else "tab:red" for r in ok]
         ax3.bar(x, est, 0.6, color=colors)
-        ax3.set_title("estimated step time (FLOPs / peak + bytes / ICI; red: does not fit in HBM)")
+        ax3.set_title(
+            "estimated step time (FLOPs / peak + bytes / interconnect; red: does not fit in memory)"
+        )
         ax3.set_ylabel("ms")
     for ax in axs:
         ax.set_xticks(x, labels, fontsize=7, rotation=30, ha="right")
@@ -431,7 +449,10 @@ if __name__ == "__main__":
         "dump_hlo", None, "Write the compiled train step's HLO text here (with --compare, one file each)."
     )
     _TARGET = flags.DEFINE_string(
-        "target", None, "Compile for a TPU slice, e.g. tpu:v5p:4x4x4 (needs libtpu)."
+        "target",
+        None,
+        "Compile for a TPU slice (tpu:v5p:4x4x4; needs libtpu) or GPUs not attached "
+        "(gpu:h100:8, gpu:h100:2x8 for 2 hosts of 8; needs the gpu-plan extra).",
     )
     _SLICES = flags.DEFINE_integer("slices", 1, "With --target: that many slices joined over DCN.")
     ctrl_c_raises()  # the imports are done: main() catches it

@@ -18,7 +18,7 @@ from gspmd_tp import state as state_lib
 from gspmd_tp.config_keys import check_keys, ours
 from gspmd_tp.errors import UserError, warn
 from gspmd_tp.mesh import make_mesh, mesh_string
-from gspmd_tp.model import ModelConfig, mlp_implementation
+from gspmd_tp.model import ModelConfig, attention_implementation, mlp_implementation
 from gspmd_tp.projection import explicit_projection_grad
 from gspmd_tp.rules import Rules, load_rules, mesh_ways
 
@@ -131,7 +131,10 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     with nn.logical_axis_rules(rules.rules):
         mlp_grad = mlp_implementation(model_cfg, platform)
     model_cfg = dataclasses.replace(
-        model_cfg, projection_grad="explicit" if explicit else "xla", mlp_grad=mlp_grad
+        model_cfg,
+        projection_grad="explicit" if explicit else "xla",
+        mlp_grad=mlp_grad,
+        attention=attention_implementation(model_cfg.attention, model_cfg.dtype, platform),
     )
     micro_batch = config.batch_size // config.grad_accum
     ways, sizes = mesh_ways(mesh.shape, rules.batch_axes())

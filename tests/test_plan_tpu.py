@@ -12,7 +12,7 @@ import pytest
 from conftest import small_config
 from test_train_cli import ROOT
 
-from gspmd_tp import plan, tpu
+from gspmd_tp import plan, targets
 from gspmd_tp.errors import UserError
 from gspmd_tp.rules import RULES_DIR
 
@@ -36,8 +36,10 @@ def tpu_plan(rules, **overrides):
 def test_every_rule_file_compiles_for_a_tpu_slice(rules):
     p = tpu_plan(rules)
     assert p["backend"] == "tpu" and p["device_kind"] == "TPU v5 lite" and p["devices"] == 8
-    assert p["tpu"]["fits"] and p["tpu"]["hbm_per_device"] == 16 * 2**30
-    assert p["tpu"]["step_s_estimate"] == pytest.approx(p["tpu"]["compute_s"] + p["tpu"]["comm_s"])
+    assert p["estimate"]["fits"] and p["estimate"]["hbm_per_device"] == 16 * 2**30
+    assert p["estimate"]["step_s_estimate"] == pytest.approx(
+        p["estimate"]["compute_s"] + p["estimate"]["comm_s"]
+    )
     assert p["bytes_per_device"] > 0
 
 
@@ -81,9 +83,12 @@ def test_multi_slice_target_puts_dp_across_slices():
     assert p["devices"] == 16
 
 
-def test_bad_target_is_one_line():
-    with pytest.raises(UserError, match=r"--target 'gpu:h100': expected tpu:GENERATION:TOPOLOGY"):
-        tpu.target_devices("gpu:h100")
+@pytest.mark.parametrize("target", ["tpu:v5e", "cpu:8", "v5e:2x4"])
+def test_bad_target_is_one_line(target):
+    with pytest.raises(
+        UserError, match=rf"--target '{target}': expected tpu:GENERATION:TOPOLOGY .* or gpu:KIND"
+    ):
+        targets.target_devices(target)
 
 
 def test_sequence_parallel_on_tpu_reduce_scatters_the_same_bytes():
@@ -104,8 +109,8 @@ def test_v4_devices_are_tensorcores_two_to_a_chip():
     """libtpu's compile-only v4 slice has a device per TensorCore (a v4 slice in its default megacore
     mode shows one per chip), so each device gets half the chip's HBM, FLOP/s and bandwidth."""
     p = plan.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"), target="tpu:v4:2x2x1")
-    assert p["devices"] == 8 and p["tpu"]["device_kind"] == "TPU v4"
-    assert p["tpu"]["devices_per_chip"] == 2 and p["tpu"]["hbm_per_device"] == 16 * 2**30
+    assert p["devices"] == 8 and p["estimate"]["device_kind"] == "TPU v4"
+    assert p["estimate"]["devices_per_chip"] == 2 and p["estimate"]["hbm_per_device"] == 16 * 2**30
 
 
 def test_planning_for_a_slice_twice_reads_nothing_stale_from_the_compilation_cache():
@@ -128,7 +133,7 @@ def test_planning_for_a_slice_twice_reads_nothing_stale_from_the_compilation_cac
      ("v9:2x2", None)],
 )  # fmt: skip
 def test_the_slice_is_named_to_libtpu_as_cloud_tpu_names_it(topology, name):
-    assert tpu._accelerator_type(topology) == name
+    assert targets._accelerator_type(topology) == name
 
 
 def test_planning_for_a_slice_prints_no_libtpu_warning():
