@@ -241,6 +241,32 @@ def _param(module, name, init, shape, names):
     return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def embed_lookup(table, tokens, dtype):
+    """The rows of a float32 `table` for `tokens`, in the compute `dtype`.
+
+    The table is cast before the lookup, so where a rule file splits the vocabulary the all-reduce
+    that assembles the rows moves `dtype` bytes (each row is non-zero on one device only, so the sum
+    is exact in any dtype): half a float32 lookup's on bfloat16 models. The gradient still adds
+    every position's row gradient into the table in float32, as autodiff of take-then-cast does.
+    """
+    return jnp.take(table.astype(dtype), tokens, axis=0)
+
+
+def _embed_lookup_fwd(table, tokens, dtype):
+    # The table's shape rides along in an empty (vocab, 0) array of its dtype.
+    return embed_lookup(table, tokens, dtype), (tokens, jnp.zeros((table.shape[0], 0), table.dtype))
+
+
+def _embed_lookup_bwd(dtype, residuals, g):
+    tokens, empty = residuals
+    table = jnp.zeros((empty.shape[0], g.shape[-1]), empty.dtype)
+    return table.at[tokens].add(g.astype(empty.dtype)), None
+
+
+embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)
+
+
 def _weight(w, dtype):
     """A float32 weight in the compute dtype, named "weights" (model.remat_save may keep it)."""
     return checkpoint_name(w.astype(dtype), "weights")
@@ -500,7 +526,10 @@ class Transformer(nn.Module):
         embedding = _param(
             self, "embedding", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED)
         )
-        x_ble = jnp.take(embedding, tokens_bl, axis=0).astype(dtype)
+        if dtype == embedding.dtype:
+            x_ble = jnp.take(embedding, tokens_bl, axis=0)
+        else:
+            x_ble = embed_lookup(embedding, tokens_bl, dtype)
         # Look up whole sequences, then split them: a vocabulary-sharded lookup on split sequences
         # makes GSPMD all-reduce the gradient of the whole table under sequence parallelism.
         x_ble = _constrain(x_ble, (BATCH, LENGTH, EMBED))

@@ -316,3 +316,22 @@ def test_mlp_grad_setting_is_checked():
         "model.remat_save keeps mlp_hidden, which model.mlp_grad 'fused' never reads (its backward "
         "recomputes SwiGLU's output beside its gradient): drop one of the two"
     ]
+
+
+def test_embed_lookup_in_bf16_gives_take_then_cast_exactly_and_its_float32_gradient():
+    """The table is cast before the lookup (so a vocabulary-parallel all-reduce moves bf16 rows);
+    rows and gradient are bit for bit those of looking up in float32 and casting after."""
+    table = jax.random.normal(jax.random.key(0), (256, 64), jnp.float32)
+    tokens = jax.random.randint(jax.random.key(1), (4, 32), 0, 256)
+    weights = jax.random.normal(jax.random.key(2), (4, 32, 64), jnp.float32)
+    old = jnp.take(table, tokens, axis=0).astype(jnp.bfloat16)
+    new = model.embed_lookup(table, tokens, jnp.bfloat16)
+    assert new.dtype == jnp.bfloat16 and np.array_equal(np.asarray(new), np.asarray(old))
+
+    def loss(lookup):
+        return lambda t: jnp.sum(lookup(t).astype(jnp.float32) * weights)
+
+    g_old = jax.grad(loss(lambda t: jnp.take(t, tokens, axis=0).astype(jnp.bfloat16)))(table)
+    g_new = jax.grad(loss(lambda t: model.embed_lookup(t, tokens, jnp.bfloat16)))(table)
+    assert g_new.dtype == jnp.float32 and np.array_equal(np.asarray(g_new), np.asarray(g_old))
+    assert np.count_nonzero(np.asarray(g_new).any(axis=1)) == len(np.unique(np.asarray(tokens)))
