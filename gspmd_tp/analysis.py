@@ -76,7 +76,9 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     reduce-scattered. XLA:CPU lowers reduce-scatter as all-reduce plus slice, so on the CPU
     backend a reduce-scatter costs an all-reduce. On the TPU backend a float32 model's products
     read bf16 operands (JAX's default precision) and the compiler gathers them after the cast:
-    weights and the all-gather half of a sequence-parallel or 2D pair count 2 bytes an element.
+    weights and the all-gather half of a sequence-parallel or 2D pair count 2 bytes an element. The
+    GPU compiler likewise gathers a weight after its cast to the compute dtype, and, as on the TPU,
+    a weight's gradient leaves its products in the compute dtype and is reduced in it.
     `unmodelled` lists shardings the analysis does not cover (head_dim, layers, length): there the
     total is not what the rule file needs.
     """
@@ -98,6 +100,12 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     # What an all-gather moves per byte of a product's operand: the TPU compiler rounds float32
     # operands to bfloat16 (JAX's default precision) and gathers them after the cast.
     gather = 2 / act_bytes if backend == "tpu" else 1.0
+    # And per byte of a float32 weight: gathered after its cast, to bf16 on the TPU and to the
+    # compute dtype on the GPU; XLA:CPU gathers the float32 weight.
+    weight_gather = {"tpu": 0.5, "gpu": act_bytes / 4}.get(backend, 1.0)
+    # A weight used in products gets its gradient in the compute dtype and is reduced before the
+    # float32 update (seen in TPU and GPU HLO); XLA:CPU promotes that reduction to float32.
+    gradient = act_bytes / 4
     activation = (c.batch_size // k // d_ways) * c.seq_len * cfg.d_model * act_bytes
     # (all-reduces per microbatch, the mesh axes they run over), one entry per kind.
     reductions = [
@@ -169,10 +177,9 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
         g = math.prod(mesh_shape[a] for a in batch_axes - used)
         f = math.prod(mesh_shape[a] for a in batch_axes & used)
         local = row["bytes_per_device"]
+        matrix = len(row["shape"]) > 1
         if g > 1:
-            # A weight used in bf16 matmuls gets a bf16 gradient, reduced before the float32
-            # update (seen in TPU HLO); XLA:CPU promotes that all-reduce to float32.
-            per_reduction = 2 * (g - 1) / g * local * (act_bytes / 4 if len(row["shape"]) > 1 else 1)
+            per_reduction = 2 * (g - 1) / g * local * (gradient if matrix else 1)
             data_parallel += dp_reductions * per_reduction
         if f > 1 and row["path"] == "params/embedding" and not cfg.tie_embeddings:
             # A lookup table split on embed is read where it lies: each device looks up its own
@@ -186,8 +193,8 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
             # scanned or unrolled (XLA:CPU and the TPU compiler both gather again rather than keep
             # every layer's gathered copy); the output projection's gathered copy is kept.
             gathers = 2 if row["path"].startswith("params/layers") else 1
-            fsdp_gather += k * gathers * (f - 1) / f * gathered * (gather if len(row["shape"]) > 1 else 1)
-            fsdp_reduce += k * (f - 1) / f * gathered * (2 if backend == "cpu" else 1)
+            fsdp_gather += k * gathers * (f - 1) / f * gathered * (weight_gather if matrix else 1)
+            fsdp_reduce += k * (f - 1) / f * gathered * (2 if backend == "cpu" else gradient if matrix else 1)
     return {
         "tensor_parallel": tensor_parallel,
         "data_parallel": data_parallel,

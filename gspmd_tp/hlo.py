@@ -178,6 +178,14 @@ def collectives(text: str, num_devices: int) -> list[Collective]:
     runs = executions(text)
     found: list[tuple[Collective, str | None]] = []
     for comp, lines in comps.items():
+        # An asynchronous collective's start returns its operands beside its results; the done
+        # instruction returns the results alone, so its type is what the collective produces.
+        done = {}
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if m and m.group(3).endswith("-done"):
+                operand = re.match(r"\s*%?([\w.\-]+)", m.group(4))
+                done[operand.group(1) if operand else ""] = m.group(2)
         for line in lines:
             m = _INSTRUCTION.match(line)
             if not m:
@@ -186,9 +194,9 @@ def collectives(text: str, num_devices: int) -> list[Collective]:
             kind = op.removesuffix("-start")
             if kind not in KINDS or op.endswith("-done"):
                 continue
-            result = result_type
-            if op.endswith("-start") and kind in ("all-gather", "collective-permute"):
-                # (operand, result[, ...]) tuples: the result is the second element.
+            result = done.get(name, result_type) if op.endswith("-start") else result_type
+            if op.endswith("-start") and name not in done and kind in ("all-gather", "collective-permute"):
+                # (operand, result[, ...]) tuples with no done beside them: the result is the second.
                 shapes = _SHAPE.findall(result_type)
                 result = "{}[{}]".format(*shapes[1]) if len(shapes) > 1 else result_type
             size, groups = shape_bytes(result), group_size(rest, num_devices)

@@ -117,3 +117,29 @@ def test_an_async_collective_split_into_start_continuation_and_done_counts_once(
     (found,) = hlo.collectives(text, num_devices=8)
     assert found.kind == "all-gather" and found.executions == 1 and found.result_bytes == 4 * 32 * 64 * 2
     assert hlo.summarize([found])["all-gather"]["count"] == 1
+
+
+def test_gpu_async_collectives_count_the_results_their_done_returns():
+    """XLA's GPU compiler returns a combined start's operands beside its results,
+    ((operands...), (results...)); the done instruction returns the results alone. Counting the
+    start's whole tuple made a reduce-scatter eight times too large on 8 devices."""
+    text = """\
+ENTRY %main (a: bf16[2048,64], b: f32[2048], c: bf16[256,64]) -> bf16[256,64] {
+  %a = bf16[2048,64]{1,0} parameter(0)
+  %b = f32[2048]{0} parameter(1)
+  %c = bf16[256,64]{1,0} parameter(2)
+  %rs-start = ((bf16[2048,64]{1,0}, f32[2048]{0}), (bf16[256,64]{1,0}, f32[256]{0})) reduce-scatter-start(%a, %b), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+  %rs-done = (bf16[256,64]{1,0}, f32[256]{0}) reduce-scatter-done(%rs-start)
+  %ag-start = ((bf16[256,64]{1,0}, bf16[256,64]{1,0}), (bf16[2048,64]{1,0}, bf16[2048,64]{1,0})) all-gather-start(%c, %c), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}
+  %ag-done = (bf16[2048,64]{1,0}, bf16[2048,64]{1,0}) all-gather-done(%ag-start)
+  %one-start = (bf16[256,64]{1,0}, bf16[2048,64]{1,0}) all-gather-start(%c), channel_id=3, replica_groups=[1,8]<=[8], dimensions={0}
+  %one-done = bf16[2048,64]{1,0} all-gather-done(%one-start)
+  ROOT %r = bf16[256,64]{1,0} get-tuple-element(%rs-done), index=0
+}
+"""  # noqa: E501
+    found = {c.name: c for c in hlo.collectives(text, num_devices=8)}
+    assert set(found) == {"rs-start", "ag-start", "one-start"}
+    assert found["rs-start"].result_bytes == 256 * 64 * 2 + 256 * 4
+    assert found["rs-start"].ring_bytes == 7 * (256 * 64 * 2 + 256 * 4)
+    assert found["ag-start"].result_bytes == 2 * 2048 * 64 * 2
+    assert found["one-start"].result_bytes == 2048 * 64 * 2
