@@ -180,3 +180,11 @@ def test_plan_cli_for_gpus_prints_the_report():
     assert "target gpu:h100:8: 8 NVIDIA H100 80GB HBM3 devices" in r.stdout
     assert "JAX's 75% of the GPU" in r.stdout and "at NVLink bandwidth" in r.stdout
     assert "Traceback" not in r.stderr
+
+
+def test_without_the_cuda_plugin_a_gpu_target_says_what_to_install(monkeypatch):
+    from jax._src import lib
+
+    monkeypatch.setattr(lib, "cuda_versions", None)
+    with pytest.raises(UserError, match=r"needs JAX's CUDA plugin: pip install -e '\.\[gpu-plan\]'"):
+        targets.target_devices("gpu:h100:8")
