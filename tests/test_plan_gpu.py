@@ -3,7 +3,6 @@ gpu-plan extra, which the test extra installs), for H100s that are not attached.
 
 import copy
 import functools
-import os
 import re
 import subprocess
 import sys
@@ -31,19 +30,15 @@ def gpu_plan(target="gpu:h100:8", rules="megatron_1d", mesh="dp=2,mp=4", **overr
     return copy.deepcopy(_planned(target, rules, mesh, **overrides))
 
 
-@functools.cache
-def _llama_1b_on_one_h100(tmp_dir):
+@pytest.fixture(scope="module")
+def llama_1b_planned(tmp_path_factory):
     """The ~1B config as BENCHMARKS times it on an H100 (rules dp, batch 32 x 2048), with its HLO."""
     c = llama_1b.get_config()
     c.rules, c.mesh = "dp", "dp=1,mp=1"
-    p = plan.plan(c, dump_hlo=tmp_dir, target="gpu:h100")
-    (name,) = os.listdir(tmp_dir)
-    return p, open(os.path.join(tmp_dir, name)).read()
-
-
-@pytest.fixture(scope="module")
-def llama_1b_planned(tmp_path_factory):
-    return _llama_1b_on_one_h100(str(tmp_path_factory.mktemp("hlo")))
+    hlo_dir = tmp_path_factory.mktemp("hlo")
+    p = plan.plan(c, dump_hlo=str(hlo_dir), target="gpu:h100")
+    (path,) = hlo_dir.iterdir()
+    return p, path.read_text()
 
 
 def test_the_1b_step_compiles_for_an_h100_with_cudnn_attention_and_the_fused_mlp_gradient(llama_1b_planned):
