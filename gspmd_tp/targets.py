@@ -74,9 +74,8 @@ def target_devices(target: str, slices: int = 1) -> list:
         kwargs = {"num_slices": slices} if slices > 1 else {}
         return list(topologies.get_topology_desc(topology_name=topology, platform="tpu", **kwargs).devices)
     except Exception as e:  # libtpu missing, or a topology it does not know
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
-            f"--target {target!r}: cannot describe this TPU topology ({first}); "
+            f"--target {target!r}: cannot describe this TPU topology ({_first_line(e)}); "
             f"is libtpu installed (pip install 'jax[tpu]==0.10.2')?"
         ) from None
 
@@ -99,22 +98,23 @@ def _gpu_devices(target: str, spec: str) -> list:
     _memory_fraction()  # a bad XLA_PYTHON_CLIENT_MEM_FRACTION fails here, before anything compiles
     from jax.experimental import topologies
 
+    target_config = _gpu_target_config(chip, *_cuda_versions())
     try:
-        versions = _cuda_versions()
         topology = topologies.get_topology_desc(
-            platform="cuda",
-            target_config=_gpu_target_config(chip, *versions),
-            topology=f"1x{hosts}x{per_host}",
+            platform="cuda", target_config=target_config, topology=f"1x{hosts}x{per_host}"
         )
-    except UserError:
-        raise
-    except Exception as e:  # the CUDA plugin missing, or a topology it cannot describe
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except Exception as e:  # a topology the CUDA plugin cannot describe
         raise UserError(
-            f"--target {target!r}: cannot describe these GPUs ({first}); is the CUDA plugin installed "
-            f"({GPU_PLAN_EXTRA})?"
+            f"--target {target!r}: cannot describe these GPUs ({_first_line(e)}); "
+            f"is the CUDA plugin installed ({GPU_PLAN_EXTRA})?"
         ) from None
     return list(topology.devices)
+
+
+def _first_line(e: Exception) -> str:
+    """An exception's first line, or its type's name where it says nothing."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _cuda_versions() -> tuple[int, int]:
