@@ -3,6 +3,11 @@
 Counts go through loops: a collective inside a while body counts once per iteration, with the trip
 count read from the loop's backend_config (`known_trip_count`) or, failing that, from the constant
 its condition compares the induction variable against.
+
+Where the devices sit in islands joined by a slower network (GPU hosts, TPU slices), each collective
+also says how many islands its groups span: the TPU compiler writes a multi-slice program's
+data-center-network (DCN) collectives as host-transfer sends to the "megascale" runtime, which are
+counted here as collectives of their own across the slices.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
+
+import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {
@@ -35,6 +42,8 @@ class Collective:
     group_size: int  # devices taking part in each group
     executions: int  # times it runs per call of the program (loop trip counts applied)
     op_name: str = ""  # the jax operation it came from (HLO metadata), to trace it to the model
+    islands: int = 1  # the most islands (GPU hosts, TPU slices) one of its groups spans
+    per_island: int = 0  # where islands > 1: the fewest devices of one group in one island
 
     @property
     def ring_bytes(self) -> float:
@@ -60,23 +69,60 @@ def shape_bytes(text: str) -> int:
     return total
 
 
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """HLO's iota device list "[4,2]T(1,0)": 0..N-1 laid out in `dims`, transposed by `perm`, flattened."""
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    return (ids.transpose([int(p) for p in perm.split(",")]) if perm else ids).ravel()
+
+
+def replica_groups(attributes: str, num_devices: int) -> list[tuple[int, ...]]:
+    """The device groups of a collective, from any of the HLO spellings of replica_groups (explicit
+    lists, iota "[G,S]<=[dims]T(perm)", mesh['x'=2,'y'=4] {'y'}) or a permute's source-target pairs.
+    In the partitioned programs compiled here the ids are partition ids: positions in the mesh's
+    device list."""
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attributes)
+    if m:
+        groups = [tuple(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        groups = [g for g in groups if g]
+        return groups or [tuple(range(num_devices))]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attributes)
+    if m:
+        ids = _iota(m.group(3), m.group(4)).reshape(int(m.group(1)), int(m.group(2)))
+        return [tuple(int(i) for i in row) for row in ids]
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]([^{]*)\{([^}]*)\}", attributes)
+    if m:
+        sizes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        listed = re.findall(r"'([^']+)'", m.group(3))
+        order = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", m.group(2))
+        ids = _iota(*order.groups()) if order else np.arange(math.prod(n for _, n in sizes))
+        ids = ids.reshape([n for _, n in sizes])
+        names = [a for a, _ in sizes]
+        # The group runs along the listed axes: move them last, one group per row.
+        kept = [i for i, a in enumerate(names) if a not in listed] + [names.index(a) for a in listed]
+        width = math.prod(n for a, n in sizes if a in listed)
+        return [tuple(int(i) for i in row) for row in ids.transpose(kept).reshape(-1, width)]
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attributes)
+    if m:
+        return [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+    return [tuple(range(num_devices))]
+
+
 def group_size(attributes: str, num_devices: int) -> int:
     """Devices per replica group, from any of the HLO spellings of replica_groups."""
-    m = re.search(r"replica_groups=\{(\{[\d,]*\})", attributes)
-    if m:
-        first = m.group(1).strip("{}")
-        return len(first.split(",")) if first else num_devices
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attributes)
-    if m:
-        return int(m.group(2))
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attributes)
-    if m:
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
-    m = re.search(r"source_target_pairs=\{([^}]*(?:\}[^}]*)*)\}", attributes)
-    if m:
-        return 2
-    return num_devices
+    return len(replica_groups(attributes, num_devices)[0])
+
+
+def _spread(groups: list[tuple[int, ...]], island_of) -> tuple[int, int]:
+    """(the most islands one group spans, the fewest devices of such a group in one island)."""
+    spans, fewest = 1, 0
+    for g in groups:
+        counts = np.bincount([island_of[i] for i in g])
+        counts = counts[counts > 0]
+        if len(counts) > 1:
+            spans = max(spans, len(counts))
+            fewest = min(fewest or int(counts.min()), int(counts.min()))
+    return spans, fewest
 
 
 def _computations(text: str) -> tuple[dict[str, list[str]], str]:
@@ -167,12 +213,56 @@ def classify(text: str) -> dict[str, str]:
     return out
 
 
-def collectives(text: str, num_devices: int) -> list[Collective]:
+_MEGASCALE = re.compile(r'_xla_megascale_target="\{([^}]*)\}[^"]*",_xla_megascale_transfer_type="(\w+)"')
+_RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]*)"')
+
+
+def _megascale(comp: str, lines: list[str], runs: dict[str, int]) -> list[Collective]:
+    """The DCN collectives of a multi-slice TPU program: one send to the megascale runtime each
+    (its recv, under the same rendezvous name, holds what it produces), across the slices named in
+    its target ("{1,2,3,4}x{0:3}": slices 1-4, each device 0-3 of its slice with its peers)."""
+    received = {}
+    for line in lines:
+        m = _INSTRUCTION.match(line)
+        rendezvous = _RENDEZVOUS.search(line)
+        if m and m.group(3) == "recv" and rendezvous:
+            received[rendezvous.group(1)] = _SHAPE.findall(m.group(2))[:1]
+    found = []
+    for line in lines:
+        m, target = _INSTRUCTION.match(line), _MEGASCALE.search(line)
+        if not (m and target and m.group(3) == "send"):
+            continue
+        slices = 0
+        for part in target.group(1).split(","):
+            first, _, last = part.partition(":")
+            slices += int(last) - int(first) + 1 if last else 1
+        rendezvous = _RENDEZVOUS.search(line)
+        result = received.get(rendezvous.group(1) if rendezvous else "") or _SHAPE.findall(m.group(2))[:1]
+        kind = target.group(2).lower().replace("_", "-")
+        found.append(
+            Collective(
+                kind=kind if kind in KINDS else "collective-permute",
+                name=m.group(1),
+                computation=comp,
+                result_bytes=shape_bytes("{}[{}]".format(*result[0])) if result else 0,
+                group_size=slices,
+                executions=runs.get(comp, 0),
+                op_name=_op_name(line),
+                islands=slices,
+                per_island=1,
+            )
+        )
+    return found
+
+
+def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]:
     """Every collective of the program with its bytes, group size and execution count.
 
     One collective, one entry: the TPU compiler splits an asynchronous collective into a start
     fusion and continuation fusions (async_collective_fusion) that each hold a copy of the
-    instruction with the same channel_id; one copy is counted, the most executed.
+    instruction with the same channel_id; one copy is counted, the most executed. `island_of`
+    maps a partition id to its island (a GPU's host) where the devices sit in several; a
+    multi-slice TPU program's DCN transfers are counted across its slices whatever it is.
     """
     comps, _ = _computations(text)
     runs = executions(text)
@@ -199,19 +289,23 @@ def collectives(text: str, num_devices: int) -> list[Collective]:
                 # (operand, result[, ...]) tuples with no done beside them: the result is the second.
                 shapes = _SHAPE.findall(result_type)
                 result = "{}[{}]".format(*shapes[1]) if len(shapes) > 1 else result_type
-            size, groups = shape_bytes(result), group_size(rest, num_devices)
+            groups = replica_groups(rest, num_devices)
+            size = shape_bytes(result)
+            spans, per_island = _spread(groups, island_of) if island_of is not None else (1, 0)
             if kind == "all-reduce" and comp.startswith("all-reduce-scatter"):
                 # The TPU compiler writes a reduce-scatter as a fused all-reduce + dynamic-slice
                 # computation named all-reduce-scatter; it moves what a reduce-scatter moves.
-                kind, size = "reduce-scatter", size // groups
+                kind, size = "reduce-scatter", size // len(groups[0])
             c = Collective(
                 kind=kind,
                 name=name,
                 computation=comp,
                 result_bytes=size,
-                group_size=groups,
+                group_size=len(groups[0]),
                 executions=runs.get(comp, 0),
                 op_name=_op_name(rest),
+                islands=spans,
+                per_island=per_island,
             )
             channel = re.search(r"\bchannel_id=(\d+)", rest)
             found.append((c, channel.group(1) if channel else None))
@@ -219,7 +313,8 @@ def collectives(text: str, num_devices: int) -> list[Collective]:
     for c, channel in found:
         if channel is not None and (channel not in kept or c.executions > kept[channel].executions):
             kept[channel] = c
-    return [c for c, channel in found if channel is None or kept[channel] is c]
+    dcn = [c for comp, lines in comps.items() for c in _megascale(comp, lines, runs)]
+    return [c for c, channel in found if channel is None or kept[channel] is c] + dcn
 
 
 def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:

@@ -103,7 +103,15 @@ def _hybrid(shape, mesh_axes, devices, slices: int, spec: str):
         )
     ici = (shape[0] // slices,) + tuple(shape[1:])
     dcn = (slices,) + (1,) * (len(shape) - 1)
-    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+    try:
+        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+    except (ValueError, AssertionError, NotImplementedError):
+        # Slices mesh_utils cannot lay out (a TPU v4's compile-only devices are its TensorCores, two
+        # to a chip): each slice's devices in order, the slices one after another on the first axis.
+        by_slice = sorted({d.slice_index for d in devices})
+        return np.concatenate(
+            [np.asarray([d for d in devices if d.slice_index == i]).reshape(ici) for i in by_slice]
+        )
 
 
 def mesh_string(mesh: Mesh) -> str:

@@ -20,7 +20,9 @@ the step time from FLOPs / peak and bytes / interconnect bandwidth. With --targe
 compiler run without a GPU (no autotuning: its kernel choices are the defaults).
 
 The per-leaf table and the analytical model are in gspmd_tp/analysis.py, the chip figures and
-the estimate in gspmd_tp/targets.py; this module compiles, measures, compares and reports.
+the estimate in gspmd_tp/targets.py; this module compiles, measures, compares and reports. Across
+GPU hosts (gpu:h100:2x8) and TPU slices (--slices) the bytes that cross the network are counted
+apart and timed at its bandwidth (--network_gbps).
 """
 
 from __future__ import annotations
@@ -69,12 +71,14 @@ def plan(
     slices: int = 1,
     s: run_setup.Setup | None = None,
     label: str | None = None,
+    network_gbps: float | None = None,
 ) -> dict:
     """Everything plan reports for one config (rule file and mesh included), as a JSON-able dict.
 
     With `target` ("tpu:v5p:4x4x4", "gpu:h100:8") the step is compiled for it instead of the local
     devices; `s` is the config's setup where it is already made. With `dump_hlo` the compiled
     step's HLO goes to DIR/LABEL_MESH.hlo.txt, LABEL the rule file's name unless given.
+    `network_gbps` is the bandwidth between hosts or slices, per chip, for the target's estimate.
     """
     if s is None:
         s = run_setup.setup(config, targets.target_devices(target, slices) if target else None)
@@ -90,7 +94,11 @@ def plan(
         with open(os.path.join(dump_hlo, name), "w") as f:
             f.write(text)
     n = s.mesh.size
-    found = hlo.collectives(text, n)
+    device = s.mesh.devices.flat[0]
+    backend = device.platform
+    # GPU hosts are islands on the network (a TPU program names its DCN transfers itself).
+    hosts = [d.process_index for d in s.mesh.devices.flat]
+    found = hlo.collectives(text, n, hosts if backend == "gpu" and len(set(hosts)) > 1 else None)
     collectives = hlo.summarize(found)
     largest = sorted(found, key=lambda c: -c.ring_bytes * c.executions)[:8]
     stats = compiled.memory_analysis()
@@ -99,11 +107,9 @@ def plan(
         kind: sum(r["bytes_per_device"] for r in rows if r["kind"] == kind)
         for kind in ("params", "opt_state")
     }
-    device = s.mesh.devices.flat[0]
-    backend = device.platform
     analytical = analysis.analytical_bytes(s, rows, backend)
     measured = sum(v["ring_bytes_per_device"] for v in collectives.values())
-    estimate = targets.estimate(s, stats, measured, target) if target else None
+    estimate = targets.estimate(s, stats, found, target, network_gbps) if target else None
     return {
         "target": target,
         "device_kind": device.device_kind,
@@ -127,6 +133,8 @@ def plan(
         "collectives": {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in collectives.items()},
         "bytes_per_device": measured,
         "bytes_per_device_by_type": {k: v["ring_bytes_per_device"] for k, v in collectives.items()},
+        # Of which between GPU hosts or TPU slices.
+        "network_bytes_per_device": sum(c.ring_bytes * c.executions for c in found if c.islands > 1),
         "analytical_bytes_per_device": analytical["total"],
         "analytical": analytical,
         # No ratio against a total that leaves out some of the sharding (analysis.analytical_bytes).
@@ -138,6 +146,7 @@ def plan(
             {
                 "kind": c.kind,
                 "group_size": c.group_size,
+                "islands": c.islands,
                 "executions": c.executions,
                 "ring_bytes_per_device": c.ring_bytes * c.executions,
                 "op_name": c.op_name,
@@ -163,14 +172,21 @@ def _estimate_lines(t: dict | None) -> list[str]:
         f"  HBM needed / per device {_mb(t['hbm_needed']):>14} / {_mb(t['hbm_per_device'])}{of}: {verdict}"
     ]
     if "step_s_estimate" in t:
-        step, compute, comm = (t[k] * 1e3 for k in ("step_s_estimate", "compute_s", "comm_s"))
+        step, compute, link = (t[k] * 1e3 for k in ("step_s_estimate", "compute_s", "comm_link_s"))
+        comm = f"{link:.2f} ms at {t['link']} bandwidth"
+        if t["network_bytes_per_device"]:
+            gbps = t["network_bandwidth"] * 8 * t["devices_per_chip"] / 1e9
+            per = "GPU" if t.get("memory_fraction") else "chip"
+            network = f"{t['comm_network_s'] * 1e3:.2f} ms over the {t['network']}"
+            comm += f" + {network} at {gbps:g} Gb/s per {per}"
         lines.append(
             f"  step time estimate: {step:.2f} ms (compute {compute:.2f} ms at peak + communication "
-            f"{comm:.2f} ms at {t['link']} bandwidth; no overlap assumed)"
+            f"{comm}; no overlap assumed)"
         )
     else:
         lines.append(
-            "  step time: not estimated across GPU hosts (the network's share of the bytes is not modelled)"
+            f"  step time: not estimated: no {t['network']} bandwidth for {t['device_kind']} in the table "
+            "(--network_gbps=N gives it, per chip)"
         )
     return lines
 
@@ -227,8 +243,12 @@ def format_plan(p: dict) -> str:
                 f"{_mb(p['bytes_per_device_by_type'][kind]):>14}"
             )
     a = p["analytical"]
+    lines.append(f"  {'total':<40} {'':>8} {'':>14} {_mb(p['bytes_per_device']):>14}")
+    if p["network_bytes_per_device"]:
+        between = "GPU hosts" if p["backend"] == "gpu" else "slices (DCN)"
+        lines.append(f"  {'of which between ' + between:<40} {'':>8} {'':>14} "
+                     f"{_mb(p['network_bytes_per_device']):>14}")  # fmt: skip
     lines += [
-        f"  {'total':<40} {'':>8} {'':>14} {_mb(p['bytes_per_device']):>14}",
         "",
         f"analytical bytes/device: {_mb(a['total'])} (tensor parallel {_mb(a['tensor_parallel'])}, "
         f"data parallel {_mb(a['data_parallel'])}, fsdp gather {_mb(a['fsdp_gather'])}, "
@@ -238,9 +258,11 @@ def format_plan(p: dict) -> str:
         "largest collectives (ring bytes/device per step, the jax op they come from):",
     ]
     for c in p["largest_collectives"]:
+        islands = f"[across {c['islands']} {'hosts' if p['backend'] == 'gpu' else 'slices'}]"
+        where = " ".join(filter(None, [_short_op(c["op_name"]), islands if c["islands"] > 1 else ""]))
         lines.append(
             f"  {c['kind']:<18} group {c['group_size']:<3} x{c['executions']:<4} "
-            f"{_mb(c['ring_bytes_per_device']):>12}  {_short_op(c['op_name'])}"
+            f"{_mb(c['ring_bytes_per_device']):>12}  {where}"
         )
     return "\n".join(lines)
 
@@ -259,6 +281,7 @@ def compare(
     target=None,
     slices: int = 1,
     dump_hlo: str | None = None,
+    network_gbps: float | None = None,
 ) -> list[dict]:
     """plan() for every rule file x mesh whose axes are the rule file's mesh_axes (rule files with
     other axis names compare with meshes in theirs). Every combination is set up before anything
@@ -300,7 +323,9 @@ def compare(
     if all(s is None for _, _, s in prepared):
         raise UserError(f"no rule file x mesh of --compare fits this model; first: {prepared[0][1]['error']}")
     return [
-        plan(c, dump_hlo, target, slices, s=s, label=labels[rules]) if s is not None else c
+        plan(c, dump_hlo, target, slices, s=s, label=labels[rules], network_gbps=network_gbps)
+        if s is not None
+        else c
         for rules, c, s in prepared
     ]
 
@@ -402,6 +427,11 @@ def main(argv) -> None:
             raise UserError(f"--slices={_SLICES.value} needs --target (slices of a TPU target)")
         if _SLICES.value < 1:
             raise UserError(f"--slices={_SLICES.value}: a target has at least 1 slice")
+        network = _NETWORK_GBPS.value
+        if network is not None and not _TARGET.value:
+            raise UserError(f"--network_gbps={network:g} needs --target (the network of a target's hosts)")
+        if network is not None and not 0 < network < float("inf"):
+            raise UserError(f"--network_gbps={network:g}: expected a bandwidth above 0, in Gb/s per chip")
         if _CHART.value:
             outputs.check_image(_CHART.value, "--chart")
         if _DUMP_HLO.value:
@@ -413,14 +443,16 @@ def main(argv) -> None:
                     f"--compare={_COMPARE.value}: an empty rule file name (comma-separated names)"
                 )
             meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
-            results = compare(config, rules_list, meshes, _TARGET.value, _SLICES.value, _DUMP_HLO.value)
+            results = compare(
+                config, rules_list, meshes, _TARGET.value, _SLICES.value, _DUMP_HLO.value, network
+            )
             if _CHART.value:
                 chart(results, _CHART.value)
             print(json.dumps({"results": results}) if _JSON.value else format_compare(results))
             if _CHART.value and not _JSON.value:
                 print(f"chart: {_CHART.value}")
         else:
-            p = plan(config, _DUMP_HLO.value, _TARGET.value, _SLICES.value)
+            p = plan(config, _DUMP_HLO.value, _TARGET.value, _SLICES.value, network_gbps=network)
             print(json.dumps(p) if _JSON.value else format_plan(p))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -455,5 +487,11 @@ if __name__ == "__main__":
         "(gpu:h100:8, gpu:h100:2x8 for 2 hosts of 8; needs the gpu-plan extra).",
     )
     _SLICES = flags.DEFINE_integer("slices", 1, "With --target: that many slices joined over DCN.")
+    _NETWORK_GBPS = flags.DEFINE_float(
+        "network_gbps",
+        None,
+        "With --target: the network between GPU hosts or TPU slices, in Gb/s per GPU or chip each way "
+        "(default: a DGX's NIC per GPU; the DCN of TPU v5e and v5p).",
+    )
     ctrl_c_raises()  # the imports are done: main() catches it
     app.run(main, flags_parser=parse_flags)

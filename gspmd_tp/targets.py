@@ -14,28 +14,32 @@ from gspmd_tp.errors import UserError
 # Per chip, from the Cloud TPU system-architecture pages (cloud.google.com/tpu/docs): HBM
 # bytes, dense bf16 FLOP/s, and inter-chip interconnect (ICI) bandwidth in bytes/s
 # (v4 2,400 Gbps, v5e 1,600 Gbps, v5p 4,800 Gbps, v6e 3,584 Gbps). Keys are jax device_kind.
+# Data-center network (DCN) bandwidth per chip where those pages give it: v5p 50 Gbps per chip,
+# v5e two 100 Gbps NICs per host of 8 chips; for v4 and v6e plan's --network_gbps supplies it.
 TPU_CHIPS = {
     "TPU v4": {"hbm": 32 * 2**30, "flops": 275e12, "ici": 2400e9 / 8},
-    "TPU v5 lite": {"hbm": 16 * 2**30, "flops": 197e12, "ici": 1600e9 / 8},
-    "TPU v5": {"hbm": 95 * 10**9, "flops": 459e12, "ici": 4800e9 / 8},
+    "TPU v5 lite": {"hbm": 16 * 2**30, "flops": 197e12, "ici": 1600e9 / 8, "network": 200e9 / 8 / 8},
+    "TPU v5": {"hbm": 95 * 10**9, "flops": 459e12, "ici": 4800e9 / 8, "network": 50e9 / 8},
     "TPU v6 lite": {"hbm": 32 * 2**30, "flops": 918e12, "ici": 3584e9 / 8},
 }
 
 
 # Per GPU (the SXM parts), from NVIDIA's data sheets: memory as the device reports it, dense bf16
-# FLOP/s, NVLink bandwidth each way in bytes/s, and what the compiler tunes its kernels for:
+# FLOP/s, NVLink bandwidth each way in bytes/s, the network between hosts (a DGX/HGX system's one
+# NIC per GPU: 400 Gb/s ConnectX-7 with H100 and H200, 200 Gb/s HDR with A100; plan's
+# --network_gbps for another cluster), and what the compiler tunes its kernels for:
 # streaming multiprocessors, their FP32 lanes, boost clock, memory bandwidth, L2 cache, compute
 # capability and shared memory per multiprocessor (and per block, opted in).
 GPU_CHIPS = {
     "h100": {"name": "NVIDIA H100 80GB HBM3", "memory": 84_929_347_584, "flops": 989e12, "link": 450e9,
-             "sms": 132, "lanes": 128, "clock_ghz": 1.98, "memory_bandwidth": 3.35e12, "l2": 50 * 2**20,
-             "capability": (9, 0), "smem": 233_472, "smem_optin": 232_448},
+             "network": 400e9 / 8, "sms": 132, "lanes": 128, "clock_ghz": 1.98, "memory_bandwidth": 3.35e12,
+             "l2": 50 * 2**20, "capability": (9, 0), "smem": 233_472, "smem_optin": 232_448},
     "h200": {"name": "NVIDIA H200", "memory": 150_754_820_096, "flops": 989e12, "link": 450e9,
-             "sms": 132, "lanes": 128, "clock_ghz": 1.98, "memory_bandwidth": 4.8e12, "l2": 50 * 2**20,
-             "capability": (9, 0), "smem": 233_472, "smem_optin": 232_448},
+             "network": 400e9 / 8, "sms": 132, "lanes": 128, "clock_ghz": 1.98, "memory_bandwidth": 4.8e12,
+             "l2": 50 * 2**20, "capability": (9, 0), "smem": 233_472, "smem_optin": 232_448},
     "a100": {"name": "NVIDIA A100-SXM4-80GB", "memory": 85_899_345_920, "flops": 312e12, "link": 300e9,
-             "sms": 108, "lanes": 64, "clock_ghz": 1.41, "memory_bandwidth": 2.039e12, "l2": 40 * 2**20,
-             "capability": (8, 0), "smem": 167_936, "smem_optin": 166_912},
+             "network": 200e9 / 8, "sms": 108, "lanes": 64, "clock_ghz": 1.41, "memory_bandwidth": 2.039e12,
+             "l2": 40 * 2**20, "capability": (8, 0), "smem": 167_936, "smem_optin": 166_912},
 }  # fmt: skip
 GPU_PLAN_EXTRA = "pip install -e '.[gpu-plan]'"
 # JAX's allocator takes this share of a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
@@ -192,12 +196,15 @@ def _chip(device_kind: str) -> dict | None:
                  if device_kind.startswith(k)), None)  # fmt: skip
 
 
-def estimate(s: run_setup.Setup, stats, bytes_per_device: float, target: str) -> dict:
+def estimate(s: run_setup.Setup, stats, found: list, target: str, network_gbps: float | None = None) -> dict:
     """Memory fit and a step-time estimate for a TPU or GPU target: compute = FLOPs / peak,
-    communication = bytes / interconnect bandwidth (ICI; NVLink on one GPU host), added (no overlap
-    assumed). On GPUs the memory is JAX's share (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unset), and
-    across GPU hosts no time is estimated (the network's share of the bytes is not modelled). An
-    estimate, not a measurement."""
+    communication = each collective's ring bytes / the bandwidth it runs at, added (no overlap
+    assumed). A collective inside one island (a TPU slice, a GPU host) runs at the interconnect's
+    bandwidth (ICI, NVLink); one whose groups span islands at the network's (DCN, the hosts' NICs),
+    times the fewest devices its group has in one island (each device's share goes through its
+    own NIC, as NCCL's rings and the TPU's hierarchical reductions do), at most the interconnect's.
+    `network_gbps` (per chip or GPU) overrides the table. On GPUs the memory is JAX's share
+    (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unset). An estimate, not a measurement."""
     from gspmd_tp.model import flops_per_token
 
     kind = s.mesh.devices.flat[0].device_kind
@@ -211,27 +218,43 @@ def estimate(s: run_setup.Setup, stats, bytes_per_device: float, target: str) ->
     if target.startswith("gpu:"):
         chip = GPU_CHIPS[target.split(":")[1]]
         fraction = _memory_fraction()
-        hosts = len({d.process_index for d in s.mesh.devices.flat})
         out = {"device_kind": kind, "devices_per_chip": 1, "hbm_needed": needed, "memory_fraction": fraction}
-        memory, flops, link = chip["memory"] * fraction, chip["flops"], chip["link"] if hosts == 1 else None
-        out["link"] = "NVLink" if hosts == 1 else None
+        out.update(link="NVLink", network="network between hosts")
+        memory, flops, link, network = chip["memory"] * fraction, chip["flops"], chip["link"], chip["network"]
+        per_chip = 1
     else:
         chip = _chip(kind)
         topology = target.split(":")[2]
         chips = math.prod(int(d) for d in topology.split("x"))
         slices = max(1, len({getattr(d, "slice_index", 0) for d in s.mesh.devices.flat}))
         per_chip = max(1, round(s.mesh.size / chips / slices))
-        out = {"device_kind": kind, "devices_per_chip": per_chip, "hbm_needed": needed, "link": "ICI"}
+        out = {"device_kind": kind, "devices_per_chip": per_chip, "hbm_needed": needed}
+        out.update(link="ICI", network="DCN")
         if chip is None:
             return out
         memory, flops, link = chip["hbm"] / per_chip, chip["flops"] / per_chip, chip["ici"] / per_chip
+        network = chip.get("network", 0) / per_chip or None
+    if network_gbps is not None:
+        network = network_gbps * 1e9 / 8 / per_chip
     out.update(hbm_per_device=memory, fits=needed <= memory)
-    if link is None:
-        return out
+    near = sum(c.ring_bytes * c.executions for c in found if c.islands <= 1)
+    far = [c for c in found if c.islands > 1 and c.ring_bytes]
+    out.update(network_bytes_per_device=sum(c.ring_bytes * c.executions for c in far))
+    if far and network is None:
+        return out  # no bandwidth for the bytes between islands: the fit alone
     step_flops = flops_per_token(s.model_cfg, s.config.seq_len) * s.config.batch_size * s.config.seq_len
     compute_s = step_flops / s.mesh.size / flops
-    comm_s = bytes_per_device / link
-    return {**out, "compute_s": compute_s, "comm_s": comm_s, "step_s_estimate": compute_s + comm_s}
+    link_s = near / link
+    network_s = sum(c.ring_bytes * c.executions / min(link, c.per_island * network) for c in far)
+    return {
+        **out,
+        "network_bandwidth": network,
+        "compute_s": compute_s,
+        "comm_s": link_s + network_s,
+        "comm_link_s": link_s,
+        "comm_network_s": network_s,
+        "step_s_estimate": compute_s + link_s + network_s,
+    }
 
 
 def _memory_fraction() -> float:

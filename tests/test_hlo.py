@@ -143,3 +143,78 @@ ENTRY %main (a: bf16[2048,64], b: f32[2048], c: bf16[256,64]) -> bf16[256,64] {
     assert found["rs-start"].ring_bytes == 7 * (256 * 64 * 2 + 256 * 4)
     assert found["ag-start"].result_bytes == 2 * 2048 * 64 * 2
     assert found["one-start"].result_bytes == 2048 * 64 * 2
+
+
+@pytest.mark.parametrize(
+    "attributes, groups",
+    [
+        ("replica_groups={{0,2},{1,3}}, to_apply=%add", [(0, 2), (1, 3)]),
+        ("replica_groups={}, to_apply=%add", [(0, 1, 2, 3)]),
+        ("replica_groups=[2,2]<=[4], dimensions={0}", [(0, 1), (2, 3)]),
+        ("replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}", [(0, 2), (1, 3)]),
+        ("replica_groups=mesh['x'=2,'y'=2] {'x'}, use_global_device_ids=true", [(0, 2), (1, 3)]),
+        (
+            "replica_groups=mesh['x'=2,'y'=2], device_ids=([2,2]T(1,0)) {'y'}, dimensions={0}",
+            [(0, 2), (1, 3)],
+        ),
+        ("source_target_pairs={{0,1},{1,2},{2,3}}", [(0, 1), (1, 2), (2, 3)]),
+    ],
+)
+def test_replica_groups_in_every_spelling(attributes, groups):
+    assert hlo.replica_groups(attributes, num_devices=4) == groups
+    assert hlo.group_size(attributes, num_devices=4) == len(groups[0])
+
+
+def test_groups_that_span_islands_say_how_many_and_how_thinly():
+    """Two hosts of four: a group over devices 0-3 stays on host 0; {0,4} spans both hosts with one
+    device on each; {0,1,4,5} spans both with two on each."""
+    text = """\
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %inside = f32[8]{0} all-reduce(%a), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add
+  %dp = f32[8]{0} all-reduce(%a), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add
+  %pairs = f32[8]{0} all-reduce(%a), channel_id=3, replica_groups={{0,1,4,5},{2,3,6,7}}, to_apply=%add
+  ROOT %r = f32[8]{0} add(%inside, %dp)
+}
+"""
+    hosts = [0, 0, 0, 0, 1, 1, 1, 1]
+    found = {c.name: (c.islands, c.per_island) for c in hlo.collectives(text, 8, hosts)}
+    assert found == {"inside": (1, 0), "dp": (2, 1), "pairs": (2, 2)}
+    assert {c.islands for c in hlo.collectives(text, 8)} == {1}  # no islands given
+
+
+def test_megascale_sends_are_the_dcn_collectives_of_a_multi_slice_program():
+    """Written as the TPU compiler writes them for two slices of four devices: an all-reduce's send
+    and recv share a rendezvous name and shape; an all-gather's recv is the slices' pieces together."""
+    attrs = (
+        "is_host_transfer=true, frontend_attributes="
+        '{{_xla_host_transfer_handler_name="xla_megascale_runtime",'
+        '_xla_host_transfer_rendezvous="{name}",_xla_megascale_target="{{1,2}}x{{0:3}}",'
+        '_xla_megascale_transfer_type="{kind}"}}'
+    )
+    text = f"""\
+%body (p: (s32[], f32[16,8,128])) -> (s32[], f32[16,8,128]) {{
+  %p = (s32[], f32[16,8,128]{{2,1,0}}) parameter(0)
+  %v = f32[16,8,128]{{2,1,0}} get-tuple-element(%p), index=1
+  %after-all.1 = token[] after-all()
+  %send.1 = (f32[16,8,128]{{2,1,0:T(8,128)}}, u32[], token[]) send(%v, %after-all.1), channel_id=6, {attrs.format(name="all-reduce.5_0", kind="ALL_REDUCE")}
+  %recv.1 = (f32[16,8,128]{{2,1,0:T(8,128)}}, u32[], token[]) recv(%after-all.1), channel_id=5, {attrs.format(name="all-reduce.5_0", kind="ALL_REDUCE")}
+  %send-done.1 = token[] send-done(%send.1), channel_id=6, {attrs.format(name="all-reduce.5_0", kind="ALL_REDUCE")}
+  ROOT %t = (s32[], f32[16,8,128]{{2,1,0}}) tuple(%i, %v)
+}}
+
+ENTRY %main (a: f32[1,64]) -> f32[2,64] {{
+  %a = f32[1,64]{{1,0}} parameter(0)
+  %w = (s32[], f32[16,8,128]{{2,1,0}}) while(%init), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"3"}}}}
+  %after-all.2 = token[] after-all()
+  %send.2 = (f32[1,64]{{1,0}}, u32[], token[]) send(%a, %after-all.2), channel_id=8, {attrs.format(name="all-gather.7_0", kind="ALL_GATHER")}
+  %recv.2 = (f32[2,64]{{1,0}}, u32[], token[]) recv(%after-all.2), channel_id=7, {attrs.format(name="all-gather.7_0", kind="ALL_GATHER")}
+  ROOT %r = f32[2,64]{{1,0}} get-tuple-element(%recv.2), index=0
+}}
+"""  # noqa: E501
+    found = {c.name: c for c in hlo.collectives(text, num_devices=4)}
+    assert set(found) == {"send.1", "send.2"}
+    reduce, gather = found["send.1"], found["send.2"]
+    assert (reduce.kind, reduce.group_size, reduce.executions, reduce.islands) == ("all-reduce", 2, 3, 2)
+    assert reduce.result_bytes == 16 * 8 * 128 * 4 and reduce.ring_bytes == reduce.result_bytes
+    assert (gather.kind, gather.result_bytes, gather.ring_bytes) == ("all-gather", 2 * 64 * 4, 64 * 4)

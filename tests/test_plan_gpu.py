@@ -104,10 +104,40 @@ def test_fsdp_on_gpus_gathers_and_reduce_scatters_as_analysed(dtype):
     assert p["ratio"] == pytest.approx(1.0, abs=0.01)
 
 
-def test_two_hosts_of_eight_gpus_fit_but_get_no_time_estimate():
-    p = gpu_plan("gpu:h100:2x8", mesh="dp=4,mp=4")
-    assert p["devices"] == 16 and p["estimate"]["fits"] and "step_s_estimate" not in p["estimate"]
-    assert "not estimated across GPU hosts" in plan.format_plan(p)
+def test_across_two_hosts_only_the_data_parallel_reduction_crosses_the_network():
+    """On two hosts of eight, dp=2,mp=8 keeps tensor parallelism inside each host (the mesh's last
+    axis runs over a host's GPUs) and sends the gradients' all-reduce between the hosts: one GPU of
+    each group per host, so it runs at one NIC's 400 Gb/s."""
+    p = gpu_plan("gpu:h100:2x8", mesh="dp=2,mp=8")
+    e, a = p["estimate"], p["analytical"]
+    assert p["devices"] == 16 and e["fits"]
+    assert p["network_bytes_per_device"] == pytest.approx(a["data_parallel"], rel=0.01)
+    crossing = [c for c in p["largest_collectives"] if c["islands"] > 1]
+    assert crossing and all(c["group_size"] == 2 and c["islands"] == 2 for c in crossing)
+    assert e["comm_network_s"] == pytest.approx(p["network_bytes_per_device"] / H100["network"])
+    assert e["comm_link_s"] == pytest.approx(
+        (p["bytes_per_device"] - p["network_bytes_per_device"]) / H100["link"]
+    )
+    assert e["step_s_estimate"] == pytest.approx(e["compute_s"] + e["comm_link_s"] + e["comm_network_s"])
+    report = plan.format_plan(p)
+    assert "over the network between hosts at 400 Gb/s per GPU" in report
+    assert "of which between GPU hosts" in report and "[across 2 hosts]" in report
+
+
+def test_tensor_parallelism_across_hosts_runs_at_its_nics_per_host():
+    """On four hosts of two, mp=4 spans two hosts with two GPUs of each group on each: its
+    all-reduces go through two NICs per host (100 GB/s), dp's through one (50 GB/s)."""
+    p = gpu_plan("gpu:h100:4x2", mesh="dp=2,mp=4")
+    e = p["estimate"]
+    assert p["network_bytes_per_device"] == pytest.approx(p["bytes_per_device"])  # every group crosses
+    tensor_parallel, data_parallel = p["analytical"]["tensor_parallel"], p["analytical"]["data_parallel"]
+    expected = tensor_parallel / (2 * H100["network"]) + data_parallel / H100["network"]
+    assert e["comm_network_s"] == pytest.approx(expected, rel=0.02) and e["comm_link_s"] == 0
+    faster = plan.plan(
+        small_config(rules="megatron_1d", mesh="dp=2,mp=4"), target="gpu:h100:4x2", network_gbps=800
+    )
+    assert faster["estimate"]["comm_network_s"] == pytest.approx(e["comm_network_s"] / 2)
+    assert faster["bytes_per_device"] == p["bytes_per_device"]
 
 
 def test_compare_on_gpus_marks_the_best_estimate():
