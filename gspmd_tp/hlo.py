@@ -213,7 +213,8 @@ def classify(text: str) -> dict[str, str]:
     return out
 
 
-_MEGASCALE = re.compile(r'_xla_megascale_target="\{([^}]*)\}[^"]*",_xla_megascale_transfer_type="(\w+)"')
+_MEGASCALE_TARGET = re.compile(r'_xla_megascale_target="\{([^}]*)\}')
+_MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]*)"')
 
 
@@ -229,8 +230,9 @@ def _megascale(comp: str, lines: list[str], runs: dict[str, int]) -> list[Collec
             received[rendezvous.group(1)] = _SHAPE.findall(m.group(2))[:1]
     found = []
     for line in lines:
-        m, target = _INSTRUCTION.match(line), _MEGASCALE.search(line)
-        if not (m and target and m.group(3) == "send"):
+        m, target = _INSTRUCTION.match(line), _MEGASCALE_TARGET.search(line)
+        transfer = _MEGASCALE_TYPE.search(line)
+        if not (m and target and transfer and m.group(3) == "send"):
             continue
         slices = 0
         for part in target.group(1).split(","):
@@ -238,7 +240,7 @@ def _megascale(comp: str, lines: list[str], runs: dict[str, int]) -> list[Collec
             slices += int(last) - int(first) + 1 if last else 1
         rendezvous = _RENDEZVOUS.search(line)
         result = received.get(rendezvous.group(1) if rendezvous else "") or _SHAPE.findall(m.group(2))[:1]
-        kind = target.group(2).lower().replace("_", "-")
+        kind = transfer.group(1).lower().replace("_", "-")
         found.append(
             Collective(
                 kind=kind if kind in KINDS else "collective-permute",
