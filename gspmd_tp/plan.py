@@ -339,6 +339,10 @@ def format_compare(results: list[dict]) -> str:
         f"{'rules':<{nw}} {'mesh':<{mw}} {'params+opt/dev':>15} {'temps/dev':>12} {'comm/dev':>12} "
         f"{'analytical':>12} {'ratio':>6}"
     )
+    # Where some bytes cross GPU hosts or TPU slices, a column of those (part of comm/dev).
+    networked = any(r.get("network_bytes_per_device") for r in results)
+    if networked:
+        head += f" {'of which net':>13}"
     lines = [head]
     timed = [
         r for r in results if (r.get("estimate") or {}).get("fits") and "step_s_estimate" in r["estimate"]
@@ -358,6 +362,8 @@ def format_compare(results: list[dict]) -> str:
             f"{_mb(r['bytes_per_device']):>12} {_mb(r['analytical_bytes_per_device']):>12} "
             f"{_ratio(r).split(':')[0]:>6}"
         )
+        if networked:
+            lines[-1] += f" {_mb(r['network_bytes_per_device']):>13}"
         t = r.get("estimate") or {}
         if "step_s_estimate" in t:
             lines[-1] += f" {t['step_s_estimate'] * 1e3:>8.2f}ms {'yes' if t['fits'] else 'NO':>5}"
@@ -400,7 +406,8 @@ def chart(results: list[dict], path: str) -> None:
         colors = ["tab:green" if (r.get("estimate") or {}).get("fits") else "tab:red" for r in ok]
         ax3.bar(x, est, 0.6, color=colors)
         ax3.set_title(
-            "estimated step time (FLOPs / peak + bytes / interconnect; red: does not fit in memory)"
+            "estimated step time (FLOPs / peak + bytes / interconnect or network; "
+            "red: does not fit in memory)"
         )
         ax3.set_ylabel("ms")
     for ax in axs:

@@ -144,6 +144,15 @@ def test_compare_on_gpus_marks_the_best_estimate():
     results = plan.compare(small_config(), ["dp", "megatron_1d"], ["dp=8,mp=1", "dp=2,mp=4"], "gpu:h100:8")
     table = plan.format_compare(results)
     assert "est. step" in table and table.count("<- best") == 1
+    assert "of which net" not in table  # one host: nothing crosses a network
+
+
+def test_compare_across_hosts_has_a_column_of_the_bytes_between_them():
+    results = plan.compare(small_config(), ["megatron_1d"], ["dp=2,mp=4", "dp=4,mp=2"], "gpu:h100:2x4")
+    table = plan.format_compare(results).splitlines()
+    assert "of which net" in table[0] and all(r["network_bytes_per_device"] > 0 for r in results)
+    for r, line in zip(results, table[1:], strict=True):
+        assert f"{r['network_bytes_per_device'] / 2**20:,.3f} MiB" in line
 
 
 @pytest.mark.parametrize("dtype, expected", [("bfloat16", "cudnn"), ("float32", "einsum")])
