@@ -79,8 +79,8 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     weights and the all-gather half of a sequence-parallel or 2D pair count 2 bytes an element (a
     bf16 model's float32 weights it gathers whole and casts after). The GPU compiler gathers a
     weight after its cast to the compute dtype and reduce-scatters its gradient in that dtype.
-    `unmodelled` lists shardings the analysis does not cover (head_dim, layers, length): there the
-    total is not what the rule file needs.
+    `unmodelled` lists shardings the analysis does not cover (head_dim, layers, length, norm_length
+    on an axis of its own): there the total is not what the rule file needs.
     """
     c, cfg = s.config, s.model_cfg
     mesh_shape = dict(s.mesh.shape)
@@ -161,6 +161,11 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
         for name, e in zip(row["logical"], row["spec"], strict=True):
             if set(axes_of(e)) - known:
                 unmodelled.add((name, tuple(axes_of(e))))
+    # Sequence parallelism over axes the sublayers do not split (norm_length on an axis of its own):
+    # the residual stream is gathered over them for every sublayer, which no term above counts.
+    length_axes = set(axes_of(list(residual)[1])) if len(residual) > 1 else set()
+    if length_axes - tp_axes:
+        unmodelled.add((axes.NORM_LENGTH, tuple(sorted(length_axes - tp_axes))))
     # Query heads split where their key/value heads are not (fewer kv_heads than the mesh axis):
     # every device computes the scores of the heads it does not hold, and they are gathered.
     if hidden_axes(axes.HEADS) != hidden_axes(axes.KV_HEADS):

@@ -343,6 +343,20 @@ def test_layouts_the_analysis_has_no_term_for_are_named(tmp_path, changes, unmod
     assert analysis.analytical_bytes(s, analysis.leaf_table(s), "cpu")["unmodelled"] == unmodelled
 
 
+def test_sequence_parallelism_on_an_axis_of_its_own_is_named_unmodelled(tmp_path):
+    """norm_length over a third mesh axis that no sublayer splits: the step gathers the residual
+    stream over it (plan read 1.19 of an analysis that had no term for that); megatron_1d_sp's
+    norm_length over mp, the sublayers' own axis, stays modelled."""
+    text = (RULES_DIR / "megatron_1d_sp.yaml").read_text()
+    three = tmp_path / "sp_own_axis.yaml"
+    three.write_text(text.replace("mesh_axes: [dp, mp]", "mesh_axes: [dp, mp, sp]").replace(
+        "[norm_length, mp]", "[norm_length, sp]"))  # fmt: skip
+    s = run_setup.setup(small_config(rules=str(three), mesh="dp=2,mp=2,sp=2"))
+    assert analysis.analytical_bytes(s, analysis.leaf_table(s), "cpu")["unmodelled"] == ["norm_length->sp"]
+    sp = run_setup.setup(small_config(rules="megatron_1d_sp", mesh="dp=2,mp=4"))
+    assert analysis.analytical_bytes(sp, analysis.leaf_table(sp), "cpu")["unmodelled"] == []
+
+
 def test_compare_labels_two_rule_files_of_one_name_apart(tmp_path, monkeypatch):
     monkeypatch.setattr(step_lib, "compile_train_step", lambda s: _FakeCompiled())
     (tmp_path / "other").mkdir()
