@@ -438,7 +438,7 @@ def main(argv) -> None:
         if network is not None and not _TARGET.value:
             raise UserError(f"--network_gbps={network:g} needs --target (the network of a target's hosts)")
         if network is not None and not 0 < network < float("inf"):
-            raise UserError(f"--network_gbps={network:g}: expected a bandwidth above 0, in Gb/s per chip")
+            raise UserError(f"--network_gbps={network:g}: expected a finite bandwidth above 0 (Gb/s)")
         if _CHART.value:
             outputs.check_image(_CHART.value, "--chart")
         if _DUMP_HLO.value:

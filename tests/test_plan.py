@@ -213,8 +213,9 @@ def test_cli_compare_input_mistakes_are_one_line_errors_before_compiling(tmp_pat
         (["--slices=2"], "--slices=2 needs --target"),
         (["--target=tpu:v5e:2x4", "--slices=0"], "--slices=0: a target has at least 1 slice"),
         (["--network_gbps=100"], "--network_gbps=100 needs --target"),
-        (["--target=tpu:v5e:2x4", "--network_gbps=0"], "--network_gbps=0: expected a bandwidth above 0"),
-        (["--target=tpu:v5e:2x4", "--network_gbps=nan"], "--network_gbps=nan: expected a bandwidth above 0"),
+        (["--target=tpu:v5e:2x4", "--network_gbps=0"], "--network_gbps=0: expected a finite bandwidth"),
+        (["--target=tpu:v5e:2x4", "--network_gbps=nan"], "--network_gbps=nan: expected a finite bandwidth"),
+        (["--target=tpu:v5e:2x4", "--network_gbps=inf"], "--network_gbps=inf: expected a finite bandwidth"),
         (["--compare=megatron_1d", f"--chart={chart}x"], "the extension .pngx is not an image format"),
     ]:
         assert message in _plan_cli_error(flags), flags
