@@ -148,7 +148,8 @@ def test_compare_on_gpus_marks_the_best_estimate():
 
 
 def test_compare_across_hosts_has_a_column_of_the_bytes_between_them():
-    results = plan.compare(small_config(), ["megatron_1d"], ["dp=2,mp=4", "dp=4,mp=2"], "gpu:h100:2x4")
+    """The table of two plans planned above (format_compare reads the dicts compare returns)."""
+    results = [gpu_plan("gpu:h100:2x8", mesh="dp=2,mp=8"), gpu_plan("gpu:h100:4x2", mesh="dp=2,mp=4")]
     table = plan.format_compare(results).splitlines()
     assert "of which net" in table[0] and all(r["network_bytes_per_device"] > 0 for r in results)
     for r, line in zip(results, table[1:], strict=True):
