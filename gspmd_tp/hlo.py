@@ -59,6 +59,11 @@ class Collective:
             return (g - 1) * r  # the operand is g times the result
         return float(r)  # collective-permute: the whole buffer to one peer
 
+    @property
+    def ring_bytes_per_call(self) -> float:
+        """Bytes one device sends per call of the program: ring_bytes times its executions."""
+        return self.ring_bytes * self.executions
+
 
 def shape_bytes(text: str) -> int:
     """Total bytes of every array shape written in `text` (e.g. a tuple result type)."""
@@ -325,5 +330,5 @@ def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:
     for c in found:
         out[c.kind]["count"] += c.executions
         out[c.kind]["bytes"] += c.result_bytes * c.executions
-        out[c.kind]["ring_bytes_per_device"] += c.ring_bytes * c.executions
+        out[c.kind]["ring_bytes_per_device"] += c.ring_bytes_per_call
     return out

@@ -100,7 +100,7 @@ def plan(
     hosts = [d.process_index for d in s.mesh.devices.flat]
     found = hlo.collectives(text, n, hosts if backend == "gpu" and len(set(hosts)) > 1 else None)
     collectives = hlo.summarize(found)
-    largest = sorted(found, key=lambda c: -c.ring_bytes * c.executions)[:8]
+    largest = sorted(found, key=lambda c: -c.ring_bytes_per_call)[:8]
     stats = compiled.memory_analysis()
     total = {kind: sum(r["bytes"] for r in rows if r["kind"] == kind) for kind in ("params", "opt_state")}
     per_device = {
@@ -134,7 +134,7 @@ def plan(
         "bytes_per_device": measured,
         "bytes_per_device_by_type": {k: v["ring_bytes_per_device"] for k, v in collectives.items()},
         # Of which between GPU hosts or TPU slices.
-        "network_bytes_per_device": sum(c.ring_bytes * c.executions for c in found if c.islands > 1),
+        "network_bytes_per_device": sum(c.ring_bytes_per_call for c in found if c.islands > 1),
         "analytical_bytes_per_device": analytical["total"],
         "analytical": analytical,
         # No ratio against a total that leaves out some of the sharding (analysis.analytical_bytes).
@@ -148,7 +148,7 @@ def plan(
                 "group_size": c.group_size,
                 "islands": c.islands,
                 "executions": c.executions,
-                "ring_bytes_per_device": c.ring_bytes * c.executions,
+                "ring_bytes_per_device": c.ring_bytes_per_call,
                 "op_name": c.op_name,
             }
             for c in largest

@@ -237,15 +237,15 @@ def estimate(s: run_setup.Setup, stats, found: list, target: str, network_gbps: 
     if network_gbps is not None:
         network = network_gbps * 1e9 / 8 / per_chip
     out.update(hbm_per_device=memory, fits=needed <= memory)
-    near = sum(c.ring_bytes * c.executions for c in found if c.islands <= 1)
+    near = sum(c.ring_bytes_per_call for c in found if c.islands <= 1)
     far = [c for c in found if c.islands > 1 and c.ring_bytes]
-    out.update(network_bytes_per_device=sum(c.ring_bytes * c.executions for c in far))
+    out.update(network_bytes_per_device=sum(c.ring_bytes_per_call for c in far))
     if far and network is None:
         return out  # no bandwidth for the bytes between islands: the fit alone
     step_flops = flops_per_token(s.model_cfg, s.config.seq_len) * s.config.batch_size * s.config.seq_len
     compute_s = step_flops / s.mesh.size / flops
     link_s = near / link
-    network_s = sum(c.ring_bytes * c.executions / min(link, c.per_island * network) for c in far)
+    network_s = sum(c.ring_bytes_per_call / min(link, c.per_island * network) for c in far)
     return {
         **out,
         "network_bandwidth": network,

@@ -78,7 +78,7 @@ def _ring_bytes(s, max_new_tokens):
     """Bytes each device sends per call of the compiled greedy sampler (one 10-token prompt)."""
     prompt_len = len(generate.encode(PROMPTS[0]))
     run = generate.make_sampler(s, generate.batch_rows(s, 1), prompt_len, max_new_tokens, 0.0, 0)
-    return sum(c.ring_bytes * c.executions for c in hlo.collectives(run.compiled().as_text(), s.mesh.size))
+    return sum(c.ring_bytes_per_call for c in hlo.collectives(run.compiled().as_text(), s.mesh.size))
 
 
 @pytest.mark.parametrize("rules, mesh", [("fsdp", "dp=2,mp=4"), ("megatron_2d", "dp=4,mp=2")])

@@ -300,7 +300,7 @@ def test_fewer_key_value_heads_than_mp_moves_no_attention_score(tmp_path):
         line = next(ln for ln in text.splitlines() if f"%{coll.name} = " in ln)
         result_type = line.split("=", 1)[1].split(coll.kind)[0]
         assert f",{t},{t}]" not in result_type, line[:200]  # (batch, kv_heads, group, q, s)
-    moved = sum(x.ring_bytes * x.executions for x in hlo.collectives(text, 8))
+    moved = sum(x.ring_bytes_per_call for x in hlo.collectives(text, 8))
     assert moved < 1.25 * planned("megatron_1d", "dp=2,mp=4")["bytes_per_device"]
 
 

@@ -44,7 +44,7 @@ def test_gradient_accumulation_reduces_over_data_parallel_once_per_step(rules, m
         s = run_setup.setup(c)
         text = step_lib.compile_train_step(s).as_text()
         found = [x for x in hlo.collectives(text, 8) if x.group_size == s.mesh.shape["dp"]]
-        moved[accum] = sum(x.ring_bytes * x.executions for x in found)
+        moved[accum] = sum(x.ring_bytes_per_call for x in found)
     assert moved[1] > 0
     assert moved[4] == pytest.approx(moved[1], rel=0.01)
 
