@@ -4,6 +4,10 @@
         --meshes="dp=8,mp=1 dp=2,mp=4" [--steps=10 --warmup=3 --json --json_out=FILE]
     python bench.py --config=configs/bench_cpu.py --meshes="dp=8,mp=1" \
         --variants="model.remat=none;model.attention_block=128" [--rounds=5 --round_steps=3]
+
+On a pod or cluster, every process runs the same command with train.py's job flags
+(--coordinator_address, --num_processes, --process_id; or --distributed); process 0 prints the
+report and writes --json_out.
 """
 
 import sys
@@ -15,7 +19,7 @@ if __name__ == "__main__":
 
 from absl import app, flags, logging
 
-from gspmd_tp import host_devices, paths
+from gspmd_tp import host_devices, job_flags, paths
 from gspmd_tp.errors import (
     UserError,
     ctrl_c_raises,
@@ -52,6 +56,7 @@ _VARIANTS = flags.DEFINE_string(
 )
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "With --variants: alternating rounds.")
 _ROUND_STEPS = flags.DEFINE_integer("round_steps", 3, "With --variants: timed steps per round.")
+flags.adopt_module_key_flags(job_flags)
 
 
 def main(argv):
@@ -59,33 +64,44 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported
-    from gspmd_tp import benchmark, outputs
+    import jax
+
+    from gspmd_tp import benchmark, distributed, outputs
 
     ctrl_c_raises()  # jax is imported: from here a Ctrl-C is caught below
     rules = [r.strip() for r in _RULES.value.split(",")] if _RULES.value else [config.rules]
     meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
-    try:
+
+    def checked():
         if not all(rules):  # as plan's --compare: "a, b" is two names, "a,,b" a mistake
             raise UserError(f"--rules={_RULES.value}: an empty rule file name (comma-separated names)")
         # Probed by writing: the file write, or the profiler, must not fail only after every rule
-        # file x mesh has been timed.
-        if _JSON_OUT.value:
+        # file x mesh has been timed. The report is process 0's to write; each writes its traces.
+        if _JSON_OUT.value and jax.process_index() == 0:
             outputs.check_file(_JSON_OUT.value, "--json_out", probe=True)
         if _PROFILE.value:
             outputs.check_dir(_PROFILE.value, "--profile_dir", probe=True)
-        variants = benchmark.parse_variants(_VARIANTS.value) if _VARIANTS.value else None
-        report = benchmark.run(
-            config,
-            rules,
-            meshes,
-            _STEPS.value,
-            _WARMUP.value,
-            _PROFILE.value,
-            _PHASES.value,
-            variants,
-            _ROUNDS.value,
-            _ROUND_STEPS.value,
-        )
+        return benchmark.parse_variants(_VARIANTS.value) if _VARIANTS.value else None
+
+    try:
+        # stdout is the report's: gloo's lines, in a multi-process job on CPUs, go to stderr.
+        with outputs.stdout_to_stderr():
+            job_flags.join()
+            variants = distributed.agreed(checked)  # an error of one process stops every one
+            report = benchmark.run(
+                config,
+                rules,
+                meshes,
+                _STEPS.value,
+                _WARMUP.value,
+                _PROFILE.value,
+                _PHASES.value,
+                variants,
+                _ROUNDS.value,
+                _ROUND_STEPS.value,
+            )
+        if jax.process_index():
+            return
         # Printed before the file is written: a write that fails after all the timing loses nothing.
         print(benchmark.to_json(report) if _JSON.value else benchmark.format_table(report), flush=True)
         if _JSON_OUT.value:

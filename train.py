@@ -10,24 +10,13 @@ if __name__ == "__main__":
 
 from absl import app, flags, logging
 
-from gspmd_tp import host_devices, paths
+from gspmd_tp import host_devices, job_flags, paths
 from gspmd_tp.errors import define_config, no_positional_arguments, parse_flags
 
 _CONFIG = define_config("configs/tiny.py", "A configs/*.py file.")
 _WORKDIR = paths.define_flag("workdir", None, "Run directory: checkpoints, metrics, events.")
 flags.mark_flags_as_required(["workdir"])
-_COORDINATOR = flags.DEFINE_string("coordinator_address", "", "host:port of process 0 (multi-process).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Processes in the job (multi-process).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index in [0, num_processes).")
-_HEARTBEAT = flags.DEFINE_integer(
-    "heartbeat_timeout_s", 100, "Multi-process: exit with an error when a peer is silent this long."
-)
-_JOIN = flags.DEFINE_integer(
-    "join_timeout_s", 300, "Multi-process: exit with an error when the job has not all joined in this long."
-)
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "Let jax.distributed.initialize() find the job itself (TPU pods, SLURM)."
-)
+flags.adopt_module_key_flags(job_flags)
 
 
 def main(argv):
@@ -39,17 +28,9 @@ def main(argv):
     from gspmd_tp import stops
 
     def job():
-        from gspmd_tp import distributed
         from gspmd_tp.trainer import train
 
-        distributed.initialize(
-            _COORDINATOR.value,
-            _NUM_PROCESSES.value,
-            _PROCESS_ID.value,
-            _DISTRIBUTED.value,
-            _HEARTBEAT.value,
-            _JOIN.value,
-        )
+        job_flags.join()
         # Again: jax.distributed.initialize's preemption notifier takes SIGTERM over (and only logs
         # it) in a multi-process job.
         stops.take_stop_signals()

@@ -3,6 +3,10 @@
 On CPU there is no published peak, so the same run measures the rate of a large jit matrix
 product in float32 and in bfloat16, and `roofline_fraction` is the model's FLOP/s over the faster
 of the two: figures that compare across machines, which a slow dtype cannot flatter.
+
+In a multi-process job (bench.py given train.py's job flags) every process runs the same steps and
+process 0 reports its timings; the bytes that the step's collectives move between hosts are counted
+apart (GPU hosts; a TPU program names its transfers between slices itself).
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspmd_tp import hlo, metrics, profiling, restore, run_setup
+from gspmd_tp import distributed, hlo, metrics, profiling, restore, run_setup
 from gspmd_tp import rules as rules_lib
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
-from gspmd_tp.errors import UserError
+from gspmd_tp.errors import JobError, UserError
 from gspmd_tp.mesh import mesh_file_name
 from gspmd_tp.model import Transformer, flops_per_token
 
@@ -39,6 +43,17 @@ def matmul_rate(dtype, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
+def matmul_rates(dtypes: dict, hosts: int) -> dict[str, float]:
+    """{name: matmul_rate(dtype)} of one host: in a multi-process job, measured by process 0 while
+    the others wait (idle), and given to all of them; the roofline is that rate times the `hosts`
+    (taken to be alike)."""
+    if jax.process_count() == 1:
+        return {name: matmul_rate(dtype) for name, dtype in dtypes.items()}
+    mine = [matmul_rate(dtype) / 1e6 for dtype in dtypes.values()] if jax.process_index() == 0 else []
+    shared = distributed.every_process([round(r) for r in mine])[0]  # MFLOP/s, as int32
+    return {name: 1e6 * rate for name, rate in zip(dtypes, shared, strict=True)}
+
+
 def profile_step(step, state, batch, directory: str) -> tuple[dict, float, object]:
     """Traces one step with jax.profiler into `directory`. Returns, per hlo.GROUPS entry, the
     milliseconds per device spent in the compiled step's instructions and their share; the traced
@@ -53,7 +68,7 @@ def profile_step(step, state, batch, directory: str) -> tuple[dict, float, objec
     trace = profiling.newest_trace(directory)
     if trace is None:
         return {}, traced_s, state
-    shares = profiling.device_time_shares(trace, groups, len(jax.devices()))
+    shares = profiling.device_time_shares(trace, groups, jax.local_device_count())  # this process's
     return shares, traced_s, state
 
 
@@ -104,7 +119,8 @@ def _compiled(config, warmup: int, s: run_setup.Setup | None = None):
     state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, config.seq_len, config.seed)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.model.vocab_size, (config.batch_size, config.seq_len + 1), np.int32)
-    batch = jax.device_put(tokens, s.batch_sharding)
+    # Every process made the same tokens and gives its devices their pieces (one process: all).
+    batch = jax.make_array_from_callback(tokens.shape, s.batch_sharding, lambda index: tokens[index])
     for _ in range(warmup):
         state, _ = step(state, batch)
     jax.block_until_ready(state)
@@ -152,11 +168,19 @@ def _speed(s, config, times: list[float], compile_s: float) -> dict:
 
 
 def bench_one(
-    config, s: run_setup.Setup, steps: int, warmup: int, profile_dir: str = "", phases: bool = False
+    config,
+    s: run_setup.Setup,
+    steps: int,
+    warmup: int,
+    profile_dir: str = "",
+    phases: bool = False,
+    host_of_process=(0,),
 ) -> dict:
     """One rule file x mesh (`config` and its setup `s`): compile, warm up, time `steps` steps (each
-    waited for); with `profile_dir`, then trace one more step there; with `phases`, also time the
-    forward pass and the gradient alone (time_phases). The roofline fraction is left to `run`."""
+    waited for); with `profile_dir`, then trace one more step there (in a multi-process job, each
+    process under process_N); with `phases`, also time the forward pass and the gradient alone
+    (time_phases). `host_of_process` (distributed.hosts) places the devices on hosts, for the bytes
+    that cross between them. The roofline fraction is left to `run`."""
     s, step, state, batch, compile_s = _compiled(config, warmup, s)
     times = []
     cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -164,14 +188,21 @@ def bench_one(
     # Cores this process kept busy over the timed steps (on CPU: how much of the machine the
     # simulated devices use; below the core count, devices wait on one another).
     cpu_busy = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+    if jax.process_count() > 1:  # every process on process 0's host
+        busy = distributed.every_process([round(1000 * cpu_busy)])
+        mine = host_of_process[0]
+        cpu_busy = sum(b / 1000 for (b,), h in zip(busy, host_of_process, strict=True) if h == mine)
     profile = traced_s = None
     if profile_dir:
+        if jax.process_count() > 1:
+            profile_dir = os.path.join(profile_dir, f"process_{jax.process_index()}")
         profile, traced_s, state = profile_step(step, state, batch, profile_dir)
     split = {}
     if phases:
         split, state = time_phases(s, step, state, batch, steps)
     text = step.as_text()
-    comm = hlo.summarize(hlo.collectives(text, s.mesh.size))
+    found = hlo.collectives(text, s.mesh.size, hlo.island_of(s.mesh.devices.flat, host_of_process))
+    comm = hlo.summarize(found)
     mem = step.memory_analysis()
     return {
         **_speed(s, config, times, compile_s),
@@ -180,6 +211,8 @@ def bench_one(
             "temporaries": mem.temp_size_in_bytes,
         },
         "collective_bytes_per_device": sum(v["ring_bytes_per_device"] for v in comm.values()),
+        # Of which between hosts (GPU) or slices (TPU).
+        "network_bytes_per_device": sum(c.ring_bytes_per_call for c in found if c.islands > 1),
         "host_cpu_busy_cores": cpu_busy,
         "loss": float(stats["loss"]),
         "profile": profile,
@@ -268,7 +301,11 @@ def run(
     `rounds` alternating rounds of `round_steps` steps after `warmup`), one row per variant.
 
     The matmul rates are measured before and after the steps and the higher of each kept: a
-    momentarily busy machine must not lower the roofline and so flatter the fraction."""
+    momentarily busy machine must not lower the roofline and so flatter the fraction.
+
+    In a multi-process job every process must call it with the same arguments and config (a
+    difference is a JobError on every process, before anything is compiled); each returns the
+    same report, whose timings are process 0's."""
     if variants and (profile_dir or phases):
         raise UserError(
             "--variants times whole steps against each other; run --profile_dir and --phases without it"
@@ -282,27 +319,39 @@ def run(
     rules_lib.check_distinct(
         rules_list, meshes, jax.device_count(), "--rules", "each rule file x mesh is timed once"
     )
+    _check_same_everywhere(
+        config,
+        {
+            "--rules": rules_list,
+            "--meshes": meshes,
+            "--steps": steps,
+            "--warmup": warmup,
+            "--profile_dir (given or not)": bool(profile_dir),
+            "--phases": phases,
+            "--variants": variants,
+            "--rounds": rounds,
+            "--round_steps": round_steps,
+        },
+    )
     # Every rule file x mesh checked before anything is measured or compiled: a bad last one must
     # not end the run after the others have been timed.
-    prepared = {}
-    for rules in rules_list:
-        for mesh in meshes:
-            c = copy.deepcopy(config)
-            c.rules, c.mesh = rules, mesh
-            prepared[rules, mesh] = variant_setups(c, variants) if variants else (c, run_setup.setup(c))
+    prepared = distributed.agreed(_prepare, config, rules_list, meshes, variants)
     names = rules_lib.short_names(rules_list)  # trace directories stay under profile_dir
+    host_of_process = distributed.hosts()
+    hosts = len(set(host_of_process))
     platform = jax.devices()[0].platform
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16} if platform == "cpu" else {}
-    rates = {name: matmul_rate(dtype) for name, dtype in dtypes.items()}
+    rates = matmul_rates(dtypes, hosts)
     results = []
     for (rules, mesh), prep in prepared.items():
         if variants:
             results.extend(compare_variants(prep, rounds, round_steps, warmup))
             continue
         where = os.path.join(profile_dir, f"{names[rules]}_{mesh_file_name(mesh)}") if profile_dir else ""
-        results.append(bench_one(*prep, steps, warmup, where, phases))
-    rates = {name: max(rate, matmul_rate(dtypes[name])) for name, rate in rates.items()}
-    roofline = max(rates.values()) if rates else None
+        results.append(bench_one(*prep, steps, warmup, where, phases, host_of_process))
+    after = matmul_rates(dtypes, hosts)
+    rates = {name: max(rate, after[name]) for name, rate in rates.items()}
+    roofline = hosts * max(rates.values()) if rates else None
     for r in results:
         r["roofline_fraction"] = r["model_flops_per_sec"] / roofline if roofline else None
         if "forward_s" in r:
@@ -316,9 +365,38 @@ def run(
     return {
         "device_kind": jax.devices()[0].device_kind,
         "devices": jax.device_count(),
-        "matmul_flops_per_sec": rates,
+        "processes": jax.process_count(),
+        "hosts": hosts,
+        "matmul_flops_per_sec": rates,  # one host's
         "results": results,
     }
+
+
+def _prepare(config, rules_list: list[str], meshes: list[str], variants) -> dict:
+    """{(rules, mesh): (config, setup)}, or variant_setups' list where `variants` are timed."""
+    prepared = {}
+    for rules in rules_list:
+        for mesh in meshes:
+            c = copy.deepcopy(config)
+            c.rules, c.mesh = rules, mesh
+            prepared[rules, mesh] = variant_setups(c, variants) if variants else (c, run_setup.setup(c))
+    return prepared
+
+
+def _check_same_everywhere(config, flags: dict) -> None:
+    """JobError on every process, naming the first of the config (distributed.check_same_everywhere)
+    or of bench.py's `flags` ({flag: value}) that some process of the job was given otherwise:
+    processes that time other steps would wait for one another in collectives."""
+    distributed.check_same_everywhere(config.to_dict())
+    if jax.process_count() == 1:
+        return
+    found = distributed.first_disagreement(list(flags.values()))
+    if found is not None:
+        column, other = found
+        raise JobError(
+            f"{list(flags)[column]} differs between process 0 and process {other} of this job; "
+            "start every process with the same flags"
+        )
 
 
 def _finite(value):
@@ -358,8 +436,13 @@ def _timing(row: dict, widths: tuple[int, int]) -> str:
 def format_table(report: dict) -> str:
     """The human-readable table of a run() report."""
     lines = [f"{report['devices']} {report['device_kind']} devices"]
+    processes, hosts = report.get("processes", 1), report.get("hosts", 1)
+    if processes > 1:
+        on = f"{hosts} host{'s' if hosts > 1 else ''}"
+        lines[0] += f" in {processes} processes on {on} (the timings are process 0's)"
     for dtype, rate in report["matmul_flops_per_sec"].items():
-        lines.append(f"jit matmul 2048^3 {dtype}: {rate / 1e9:,.1f} GFLOP/s")
+        each = f" on each of {hosts} hosts (the roofline: all of them)" if hosts > 1 else ""
+        lines.append(f"jit matmul 2048^3 {dtype}: {rate / 1e9:,.1f} GFLOP/s{each}")
     # The rules column holds the rule file as given (a path, perhaps) and the mesh one the mesh: as
     # wide as the longest, so that the figures stay under their headings.
     widths = rules_lib.column_widths(report["results"], "rules", (16, 12))
@@ -371,9 +454,12 @@ def format_table(report: dict) -> str:
             roof = _percent(r["roofline_fraction"])
             lines.append(f"{_timing(r, widths)} {100 * r['change']:>+6.1f}% {roof:>8}  {r['variant']}")
         return "\n".join(lines)
+    # The bytes between hosts or slices, where any cross.
+    network = hosts > 1 or any(r.get("network_bytes_per_device") for r in report["results"])
     lines.append(
         f"{head} {'compile s':>9} {'MFU':>6} {'roofline':>8} {'args MiB':>9} {'temp MiB':>9} {'comm MiB':>9} "
-        f"{'cpu busy':>8}"
+        + (f"{'net MiB':>9} " if network else "")
+        + f"{'cpu busy':>8}"
     )
     for r in report["results"]:
         mem = r["memory_per_device"]  # the compiled step's, per device, as plan reports them
@@ -381,7 +467,8 @@ def format_table(report: dict) -> str:
             f"{_timing(r, widths)} {r['compile_s']:>9.2f} {_percent(r['mfu']):>6} "
             f"{_percent(r['roofline_fraction']):>8} {mem['arguments'] / 2**20:>9.2f} "
             f"{mem['temporaries'] / 2**20:>9.2f} {r['collective_bytes_per_device'] / 2**20:>9.2f} "
-            f"{r['host_cpu_busy_cores']:>8.2f}"
+            + (f"{r['network_bytes_per_device'] / 2**20:>9.2f} " if network else "")
+            + f"{r['host_cpu_busy_cores']:>8.2f}"
         )
     split = [r for r in report["results"] if "forward_s" in r]
     if split:

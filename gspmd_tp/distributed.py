@@ -251,6 +251,16 @@ def every_process(values: list[int]) -> list[list[int]]:
     return [row[:count].tolist() for row, count in zip(rows, counts, strict=True)]
 
 
+def hosts() -> list[int]:
+    """Each process's host, numbered from 0 in the order the processes first name it (by host name,
+    compared by a 48-bit digest); [0] in a one-process job. Every process of the job must call it
+    at the same point."""
+    digest = hashlib.sha256(socket.gethostname().encode()).digest()
+    rows = every_process([int.from_bytes(digest[i : i + 3], "little") for i in (0, 3)])  # int32 each
+    numbers: dict[tuple[int, ...], int] = {}
+    return [numbers.setdefault(tuple(row), len(numbers)) for row in rows]
+
+
 def from_process_0(value: int) -> int:
     """Process 0's int `value` on every process (the value itself in a one-process job). Every
     process of the job must call it at the same point."""

@@ -262,6 +262,18 @@ def _megascale(comp: str, lines: list[str], runs: dict[str, int]) -> list[Collec
     return found
 
 
+def island_of(devices, host_of_process=None) -> list[int] | None:
+    """For `collectives`: the island (host) of each partition id of a program over `devices` (the
+    mesh's, in order), each device on the host `host_of_process[d.process_index]` (without it, each
+    process on a host of its own); None where they all sit on one, or on TPU, whose compiler
+    writes the transfers between slices itself."""
+    devices = list(devices)
+    hosts = [d.process_index for d in devices]
+    if host_of_process is not None:
+        hosts = [host_of_process[p] for p in hosts]
+    return hosts if devices[0].platform != "tpu" and len(set(hosts)) > 1 else None
+
+
 def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]:
     """Every collective of the program with its bytes, group size and execution count.
 

@@ -11,6 +11,7 @@ import os
 import secrets
 import shutil
 import socket
+import sys
 import tempfile
 import time
 
@@ -156,6 +157,22 @@ def removed_if_cut_short(directory: str):
                 with contextlib.suppress(OSError):
                     os.rmdir(directory)  # where nothing else has appeared there meanwhile
         raise
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Within it, what is written to file descriptor 1 goes to stderr: Python's prints and a
+    library's own (gloo's connection lines, in a multi-process job on CPUs), so that stdout holds
+    only the report printed after it."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @contextlib.contextmanager

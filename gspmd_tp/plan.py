@@ -96,9 +96,8 @@ def plan(
     n = s.mesh.size
     device = s.mesh.devices.flat[0]
     backend = device.platform
-    # GPU hosts are islands on the network (a TPU program names its DCN transfers itself).
-    hosts = [d.process_index for d in s.mesh.devices.flat]
-    found = hlo.collectives(text, n, hosts if backend == "gpu" and len(set(hosts)) > 1 else None)
+    # A target's GPU hosts are its processes, islands on the network.
+    found = hlo.collectives(text, n, hlo.island_of(s.mesh.devices.flat))
     collectives = hlo.summarize(found)
     largest = sorted(found, key=lambda c: -c.ring_bytes_per_call)[:8]
     stats = compiled.memory_analysis()

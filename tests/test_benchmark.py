@@ -28,6 +28,7 @@ def quick_matmul_rate(monkeypatch):
 def test_report_rows_have_the_documented_fields(quick_matmul_rate):
     report = benchmark.run(small_config(), ["megatron_1d"], ["dp=2,mp=4", "dp=4,mp=2"], steps=2, warmup=1)
     assert set(report["matmul_flops_per_sec"]) == {"float32", "bfloat16"}
+    assert (report["processes"], report["hosts"]) == (1, 1)
     assert [r["mesh"] for r in report["results"]] == ["dp=2,mp=4", "dp=4,mp=2"]
     for r in report["results"]:
         assert {"rules", "mesh", "tokens_per_sec", "step_s", "compile_s", "mfu", "roofline_fraction"} <= set(
@@ -38,6 +39,7 @@ def test_report_rows_have_the_documented_fields(quick_matmul_rate):
         roof = max(report["matmul_flops_per_sec"].values())
         assert abs(r["roofline_fraction"] - r["model_flops_per_sec"] / roof) < 1e-9
         assert r["collective_bytes_per_device"] > 0
+        assert r["network_bytes_per_device"] == 0  # one host
         # CPU time over wall time of the timed steps: the step runs on this machine's cores.
         assert 0 < r["host_cpu_busy_cores"] <= len(os.sched_getaffinity(0)) * 1.05
 
@@ -65,7 +67,7 @@ def test_profiles_stay_under_profile_dir_whatever_path_names_the_rule_file(monke
     other.write_text((ROOT / "rules" / "megatron_1d.yaml").read_text())
     traced = []
 
-    def fake_bench_one(config, s, steps, warmup, profile_dir="", phases=False):
+    def fake_bench_one(config, s, steps, warmup, profile_dir="", phases=False, host_of_process=(0,)):
         traced.append(profile_dir)
         return {"model_flops_per_sec": 1.0}
 
@@ -331,6 +333,26 @@ def test_table_shows_the_per_device_memory():
     columns = dict(zip(head.split(), row.split(), strict=True))
     assert columns["args_MiB"] == "3.00" and columns["temp_MiB"] == "70.00"
     assert columns["comm_MiB"] == "5.00" and columns["MFU"] == "n/a"
+
+
+def test_table_of_a_job_on_several_hosts_shows_the_bytes_between_them():
+    report = {
+        "devices": 16, "device_kind": "cpu", "processes": 4, "hosts": 2,
+        "matmul_flops_per_sec": {"float32": 4e11},
+        "results": [_row(network_bytes_per_device=2**20)],
+    }  # fmt: skip
+    lines = benchmark.format_table(report).splitlines()
+    assert lines[0] == "16 cpu devices in 4 processes on 2 hosts (the timings are process 0's)"
+    assert (
+        lines[1] == "jit matmul 2048^3 float32: 400.0 GFLOP/s on each of 2 hosts (the roofline: all of them)"
+    )
+    head, row = (line.replace(" MiB", "_MiB") for line in lines[-2:])
+    columns = dict(zip(head.replace("step ms", "step_ms").replace("compile s", "compile_s").replace(
+        "cpu busy", "cpu_busy").split(), row.split(), strict=True))  # fmt: skip
+    assert columns["comm_MiB"] == "5.00" and columns["net_MiB"] == "1.00"
+    # One process: no such column.
+    one = {**report, "processes": 1, "hosts": 1, "results": [_row(network_bytes_per_device=0)]}
+    assert "net MiB" not in benchmark.format_table(one)
 
 
 def test_table_columns_stay_under_their_headings_with_a_rule_file_path():

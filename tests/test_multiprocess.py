@@ -646,3 +646,53 @@ def test_cluster_job_is_what_jax_finds(monkeypatch):
     assert distributed.cluster_job(5) == ("node003:1234", 16, 9, [1])
     monkeypatch.setenv("SLURM_NTASKS", "1")
     assert distributed.cluster_job(5) is None  # one process: nothing to join
+
+
+def bench_job(*extra, only=((), ())):
+    """bench.py on 2 processes x 4 devices, process 1 on a host of another name (its
+    socket.gethostname made so): SMALL's model, megatron_1d on dp=2,mp=4 (process i adding `only[i]`)."""
+    port = free_port()
+    args = [
+        *SMALL[:5], "--rules=megatron_1d", "--meshes=dp=2,mp=4", "--steps=2", "--warmup=1", *extra,
+        f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+    ]  # fmt: skip
+    other_host = (
+        "import runpy, socket, sys; socket.gethostname = lambda: 'another-host'; "
+        "sys.argv[0] = 'bench.py'; runpy.run_path('bench.py', run_name='__main__')"
+    )
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                *(["bench.py"] if i == 0 else ["-c", other_host]),
+                *args,
+                f"--process_id={i}",
+                *only[i],
+            ],
+            cwd=ROOT,
+            env=env(4),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+
+
+def test_bench_on_two_hosts_counts_the_bytes_between_them_and_process_0_reports():
+    """dp=2,mp=4 on two hosts of 4 devices: tensor parallelism's collectives stay on each host, the
+    data-parallel gradient reduction crosses between them."""
+    (out0, _), (out1, _) = finish(bench_job("--json"))
+    report = json.loads(out0)
+    assert (report["devices"], report["processes"], report["hosts"]) == (8, 2, 2)
+    [row] = report["results"]
+    assert 0 < row["network_bytes_per_device"] < row["collective_bytes_per_device"]
+    rates = report["matmul_flops_per_sec"]
+    assert row["roofline_fraction"] == pytest.approx(row["model_flops_per_sec"] / (2 * max(rates.values())))
+    assert out1 == ""  # the report is process 0's
+
+
+def test_bench_processes_given_other_flags_are_refused_before_compiling():
+    lasts = refused(bench_job(only=((), ("--warmup=2",))))
+    assert lasts == ["error: --warmup differs between process 0 and process 1 of this job; start every "
+                     "process with the same flags"] * 2  # fmt: skip
