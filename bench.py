@@ -10,8 +10,6 @@ On a pod or cluster, every process runs the same command with train.py's job fla
 report and writes --json_out.
 """
 
-import sys
-
 if __name__ == "__main__":
     from gspmd_tp.errors import exit_on_ctrl_c_while_importing
 
@@ -20,15 +18,7 @@ if __name__ == "__main__":
 from absl import app, flags, logging
 
 from gspmd_tp import host_devices, job_flags, paths
-from gspmd_tp.errors import (
-    UserError,
-    ctrl_c_raises,
-    define_config,
-    exit_from_main,
-    interrupted,
-    no_positional_arguments,
-    parse_flags,
-)
+from gspmd_tp.errors import UserError, define_config, no_positional_arguments, parse_flags
 
 _CONFIG = define_config("configs/bench_cpu.py", "A configs/*.py file.")
 _RULES = flags.DEFINE_string("rules", "", "Comma-separated rule files, each once (default: config.rules).")
@@ -64,29 +54,33 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported
-    import jax
+    from gspmd_tp import stops
 
-    from gspmd_tp import benchmark, distributed, outputs
-
-    ctrl_c_raises()  # jax is imported: from here a Ctrl-C is caught below
     rules = [r.strip() for r in _RULES.value.split(",")] if _RULES.value else [config.rules]
     meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
 
-    def checked():
-        if not all(rules):  # as plan's --compare: "a, b" is two names, "a,,b" a mistake
-            raise UserError(f"--rules={_RULES.value}: an empty rule file name (comma-separated names)")
-        # Probed by writing: the file write, or the profiler, must not fail only after every rule
-        # file x mesh has been timed. The report is process 0's to write; each writes its traces.
-        if _JSON_OUT.value and jax.process_index() == 0:
-            outputs.check_file(_JSON_OUT.value, "--json_out", probe=True)
-        if _PROFILE.value:
-            outputs.check_dir(_PROFILE.value, "--profile_dir", probe=True)
-        return benchmark.parse_variants(_VARIANTS.value) if _VARIANTS.value else None
+    def job():
+        import jax
 
-    try:
+        from gspmd_tp import benchmark, distributed, outputs
+
+        def checked():
+            if not all(rules):  # as plan's --compare: "a, b" is two names, "a,,b" a mistake
+                raise UserError(f"--rules={_RULES.value}: an empty rule file name (comma-separated names)")
+            # Probed by writing: the file write, or the profiler, must not fail only after every
+            # rule file x mesh has been timed. The report is process 0's to write; each writes its
+            # traces.
+            if _JSON_OUT.value and jax.process_index() == 0:
+                outputs.check_file(_JSON_OUT.value, "--json_out", probe=True)
+            if _PROFILE.value:
+                outputs.check_dir(_PROFILE.value, "--profile_dir", probe=True)
+            return benchmark.parse_variants(_VARIANTS.value) if _VARIANTS.value else None
+
         # stdout is the report's: gloo's lines, in a multi-process job on CPUs, go to stderr.
         with outputs.stdout_to_stderr():
             job_flags.join()
+            # Again: jax.distributed.initialize's preemption notifier takes SIGTERM over.
+            stops.take_stop_signals()
             variants = distributed.agreed(checked)  # an error of one process stops every one
             report = benchmark.run(
                 config,
@@ -110,14 +104,14 @@ def main(argv):
                     f.write(benchmark.to_json(report, indent=1))
             except OSError as e:
                 raise UserError(f"--json_out={_JSON_OUT.value}: cannot write it ({e.strerror})") from None
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        left = [f"--json_out={_JSON_OUT.value} is as it was"] if _JSON_OUT.value else []
-        if _PROFILE.value:
-            left.append(f"--profile_dir={_PROFILE.value} holds the traces taken before it")
-        exit_from_main(interrupted("; ".join(left) or "nothing written"))
+
+    # What a stop (Ctrl-C, SIGTERM, a peer's death or error) leaves, in its one line.
+    left = [f"--json_out={_JSON_OUT.value} is as it was"] if _JSON_OUT.value else []
+    if _PROFILE.value:
+        left.append(f"--profile_dir={_PROFILE.value} holds the traces taken before it")
+    stops.run_job(
+        job, before=f"({'; '.join(left) or 'nothing written'})", after="(after the report was written)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """How a training job ends outside its training loop: stop signals, a peer's stop, death or error
 before training began (a peer's death during training too), and errors, each as one line and an exit
-status.
+status. bench.py's job, which has no training loop, ends the same way.
 
 The training loop saves and stops on a signal itself (faults.py); around it (joining the job,
 compiling, restoring, exiting) this module's handlers take over. No jax import at module level:
@@ -18,10 +18,14 @@ from gspmd_tp import handshake, outputs
 from gspmd_tp.errors import JobError, UserError
 
 
-def run_job(job) -> None:
+def run_job(job, before: str = "", after: str = "") -> None:
     """Runs job() (join the job's processes, then train) with the stops of this module in place;
-    every failure ends in one line and an exit status. Call before jax is imported."""
-    global _OUTSIDE_THE_LOOP
+    every failure ends in one line and an exit status. Call before jax is imported. A job that does
+    not train (bench.py) says in `before` what a stop before its end leaves ("(nothing written)"),
+    and in `after` what one after it does."""
+    global _OUTSIDE_THE_LOOP, _BEFORE, _ENDED
+    _BEFORE = before or _BEFORE
+    _OUTSIDE_THE_LOOP = _BEFORE
     # Until the training loop's own handler takes over (and after it), SIGTERM and Ctrl-C stop the
     # run at once: one line, no traceback; from the start, while the job's processes join, too.
     take_stop_signals()
@@ -36,7 +40,8 @@ def run_job(job) -> None:
         handshake.leave()  # the others do not take this process's exit for a death
         # What is left is the exit, which in a multi-process job waits at jax.distributed's
         # shutdown barrier for the slowest peer.
-        _OUTSIDE_THE_LOOP = "after the run ended; its checkpoints are written"
+        _OUTSIDE_THE_LOOP = after or "after the run ended; its checkpoints are written"
+        _ENDED = True
     except JobError as e:
         handshake.leave()  # each process says its own (distributed.agreed): nothing to tell
         print(f"error: {e}", file=sys.stderr)
@@ -93,8 +98,10 @@ def _failed(e: Exception) -> None:
 
 
 # What a stop outside the training loop means, said in the one line it prints.
-_BEFORE = "before training began; no checkpoint was written"
+_TRAINING = "before training began; no checkpoint was written"
+_BEFORE = _TRAINING  # run_job's `before`, for a job that does not train
 _OUTSIDE_THE_LOOP = _BEFORE
+_ENDED = False  # the job's work is done: what is left is the exit
 # One stop prints its line and exits: a signal's handler on the main thread, a peer's stop or death
 # on the thread that follows them, or a failed collective. Reentrant: a second signal may run its
 # handler inside the first's.
@@ -133,7 +140,7 @@ def _stopped(sig: signal.Signals, process: int | None = None):
     `process`: the one signalled, where it is another."""
     with _STOPPING:
         name = "Ctrl-C" if sig == signal.SIGINT else sig.name
-        if process is None and _OUTSIDE_THE_LOOP == _BEFORE:
+        if process is None and not _ENDED:
             handshake.tell_stop(sig)
         where = "" if process is None else f" on process {process}"
         print(f"stopped by {name}{where} {_OUTSIDE_THE_LOOP}", file=sys.stderr, flush=True)
@@ -160,6 +167,8 @@ def _peer_died(process: int):
 
 
 def _peer_failed(process: int, message: str):
+    if _BEFORE != _TRAINING:  # a job that does not train
+        _peer_ended(f"stopped: process {process} stopped with an error (error: {message}) {_BEFORE}")
     _peer_ended(
         f"stopped: process {process} stopped with an error before training began (error: {message}); "
         "no checkpoint was written"

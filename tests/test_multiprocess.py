@@ -696,3 +696,22 @@ def test_bench_processes_given_other_flags_are_refused_before_compiling():
     lasts = refused(bench_job(only=((), ("--warmup=2",))))
     assert lasts == ["error: --warmup differs between process 0 and process 1 of this job; start every "
                      "process with the same flags"] * 2  # fmt: skip
+
+
+def test_a_bench_process_killed_stops_the_others_at_once():
+    """bench.py's job ends as train.py's does before training: one line, at once. Before, process 0
+    printed a failed collective's traceback and waited at JAX's shutdown barrier until the heartbeat
+    timeout (100 s), then aborted (exit 134)."""
+    procs = bench_job("--steps=100000", "--json_out=report.json")
+
+    def joined():  # gloo's lines, on stderr, once the processes exchange their first values
+        for line in procs[0].stderr:
+            if line.startswith("[Gloo]"):
+                return
+
+    err, took = process_1_killed(procs, once=joined)
+    assert procs[0].returncode == 1, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        "stopped: process 1 died (killed or crashed) (--json_out=report.json is as it was)"
+    )
+    assert took < 30, took
