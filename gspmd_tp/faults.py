@@ -99,12 +99,15 @@ class StopSignal:
             "(send again to exit at once)"
         )
 
-    def finishing(self) -> None:
+    def finishing(self, failed: bool = False) -> None:
         """The loop is over: from now on a first signal only says that the run ends once its last
         checkpoint is written, which it is waiting for anyway; a second still exits at once. And a
-        peer's exit from here on is its own (handshake.training_ended)."""
+        peer's exit from here on is its own (handshake.training_ended), unless the loop `failed`:
+        a failed step of a multi-process job most likely saw a peer die, and that peer's socket may
+        close only after it (its close is still a death, which the error's line waits for)."""
         self._finishing = True
-        handshake.training_ended()
+        if not failed:
+            handshake.training_ended()
 
     def requested(self) -> bool:
         """True once a stop signal arrived (on any process, when there are several).

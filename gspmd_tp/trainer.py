@@ -313,6 +313,7 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
 
     pending = None  # a logged step whose stats are read once the next step is dispatched
     finish_saves = True
+    failed = False  # the loop ended with an error
     # Entered until the run returns: a signal while the last save finishes waits for it too.
     with faults.StopSignal(log) as stop:
         try:
@@ -369,9 +370,10 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
             # would wait for it in its own collectives until the coordination service aborts. The
             # caller exits instead; the next start removes the unfinished save.
             finish_saves = jax.process_count() == 1 or isinstance(e, UserError)
+            failed = True
             raise
         finally:
-            stop.finishing()  # a first signal from here on waits for the save in flight
+            stop.finishing(failed)  # a first signal from here on waits for the save in flight
             trace.close()
             if batches is not None:
                 batches.close()

@@ -244,6 +244,25 @@ def test_a_close_after_bye_or_once_both_loops_ended_is_no_death(monkeypatch, wor
     assert not thread.is_alive() and got == heard
 
 
+@pytest.mark.parametrize("failed, heard", [(False, []), (True, [("died", 1)])])
+def test_a_close_after_this_loop_failed_is_a_death(monkeypatch, failed, heard):
+    """A failed step (gloo saw the peer's connection close) ends this process's loop, often before
+    the handshake socket shows the close: that close is still a death. It was taken for the peer's
+    own exit, and the failed step's line guessed ("another process of the job has probably died"),
+    in 1 of 5 runs of a killed peer on a busy machine."""
+    from gspmd_tp import faults
+
+    ends = fake_peers(monkeypatch, 0, [1])
+    with faults.StopSignal(lambda message: None) as stop:  # the loop begins: `training` to the peers
+        stop.finishing(failed)
+    got, thread = follow()
+    ends[1].sendall(b"training\n")
+    time.sleep(0.05)
+    ends[1].close()
+    thread.join(10)
+    assert not thread.is_alive() and got == heard
+
+
 def test_process_0_closing_without_a_word_is_its_death_on_the_others(monkeypatch):
     ends = fake_peers(monkeypatch, 1, [0])
     heard, thread = follow()
