@@ -201,7 +201,7 @@ def bench_one(
     if phases:
         split, state = time_phases(s, step, state, batch, steps)
     text = step.as_text()
-    found = hlo.collectives(text, s.mesh.size, hlo.island_of(s.mesh.devices.flat, host_of_process))
+    found = hlo.collectives(text, s.mesh.size, hlo.device_islands(s.mesh.devices.flat, host_of_process))
     comm = hlo.summarize(found)
     mem = step.memory_analysis()
     return {

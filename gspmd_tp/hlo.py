@@ -262,7 +262,7 @@ def _megascale(comp: str, lines: list[str], runs: dict[str, int]) -> list[Collec
     return found
 
 
-def island_of(devices, host_of_process=None) -> list[int] | None:
+def device_islands(devices, host_of_process=None) -> list[int] | None:
     """For `collectives`: the island (host) of each partition id of a program over `devices` (the
     mesh's, in order), each device on the host `host_of_process[d.process_index]` (without it, each
     process on a host of its own); None where they all sit on one, or on TPU, whose compiler

@@ -97,7 +97,7 @@ def plan(
     device = s.mesh.devices.flat[0]
     backend = device.platform
     # A target's GPU hosts are its processes, islands on the network.
-    found = hlo.collectives(text, n, hlo.island_of(s.mesh.devices.flat))
+    found = hlo.collectives(text, n, hlo.device_islands(s.mesh.devices.flat))
     collectives = hlo.summarize(found)
     largest = sorted(found, key=lambda c: -c.ring_bytes_per_call)[:8]
     stats = compiled.memory_analysis()

@@ -183,7 +183,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert {c.islands for c in hlo.collectives(text, 8)} == {1}  # no islands given
 
 
-def test_island_of_places_each_device_on_its_process_host():
+def test_device_islands_place_each_device_on_its_process_host():
     from types import SimpleNamespace
 
     def devices(platform, processes):
@@ -191,12 +191,12 @@ def test_island_of_places_each_device_on_its_process_host():
 
     # SLURM: one process per GPU, four processes on each of two hosts.
     gpus = devices("gpu", range(8))
-    assert hlo.island_of(gpus, [0, 0, 0, 0, 1, 1, 1, 1]) == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert hlo.island_of(gpus, [0] * 8) is None  # all on one host
-    assert hlo.island_of(devices("gpu", [0, 0, 1, 1])) == [0, 0, 1, 1]  # no hosts given: a process each
-    assert hlo.island_of(devices("cpu", [0, 1]), [0, 1]) == [0, 1]
+    assert hlo.device_islands(gpus, [0, 0, 0, 0, 1, 1, 1, 1]) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert hlo.device_islands(gpus, [0] * 8) is None  # all on one host
+    assert hlo.device_islands(devices("gpu", [0, 0, 1, 1])) == [0, 0, 1, 1]  # no hosts given: a process each
+    assert hlo.device_islands(devices("cpu", [0, 1]), [0, 1]) == [0, 1]
     # A TPU program names its transfers between slices itself.
-    assert hlo.island_of(devices("tpu", [0, 1]), [0, 1]) is None
+    assert hlo.device_islands(devices("tpu", [0, 1]), [0, 1]) is None
 
 
 def test_megascale_sends_are_the_dcn_collectives_of_a_multi_slice_program():
