@@ -77,8 +77,8 @@ def test_stop_signal_saves_at_the_step_boundary_and_exits_0(tmp_path):
 def test_a_signal_while_the_last_checkpoint_is_written_waits_for_it(tmp_path, monkeypatch, capsys):
     original = faults.StopSignal.finishing
 
-    def signalled(stop):  # SIGTERM once the loop is over, the last step's save in flight
-        original(stop)
+    def signalled(stop, failed):  # SIGTERM once the loop is over, the last step's save in flight
+        original(stop, failed)
         os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(faults.StopSignal, "finishing", signalled)
