@@ -79,8 +79,6 @@ def main(argv):
         # stdout is the report's: gloo's lines, in a multi-process job on CPUs, go to stderr.
         with outputs.stdout_to_stderr():
             job_flags.join()
-            # Again: jax.distributed.initialize's preemption notifier takes SIGTERM over.
-            stops.take_stop_signals()
             variants = distributed.agreed(checked)  # an error of one process stops every one
             report = benchmark.run(
                 config,

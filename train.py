@@ -31,9 +31,6 @@ def main(argv):
         from gspmd_tp.trainer import train
 
         job_flags.join()
-        # Again: jax.distributed.initialize's preemption notifier takes SIGTERM over (and only logs
-        # it) in a multi-process job.
-        stops.take_stop_signals()
         train(config, _WORKDIR.value)
 
     stops.run_job(job)

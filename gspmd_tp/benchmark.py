@@ -25,7 +25,7 @@ from gspmd_tp import distributed, hlo, metrics, profiling, restore, run_setup
 from gspmd_tp import rules as rules_lib
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
-from gspmd_tp.errors import JobError, UserError
+from gspmd_tp.errors import UserError
 from gspmd_tp.mesh import mesh_file_name
 from gspmd_tp.model import Transformer, flops_per_token
 
@@ -319,9 +319,10 @@ def run(
     rules_lib.check_distinct(
         rules_list, meshes, jax.device_count(), "--rules", "each rule file x mesh is timed once"
     )
-    _check_same_everywhere(
-        config,
-        {
+    # Processes that time other steps would wait for one another in collectives.
+    distributed.check_same_everywhere(
+        config.to_dict(),
+        flags={
             "--rules": rules_list,
             "--meshes": meshes,
             "--steps": steps,
@@ -381,22 +382,6 @@ def _prepare(config, rules_list: list[str], meshes: list[str], variants) -> dict
             c.rules, c.mesh = rules, mesh
             prepared[rules, mesh] = variant_setups(c, variants) if variants else (c, run_setup.setup(c))
     return prepared
-
-
-def _check_same_everywhere(config, flags: dict) -> None:
-    """JobError on every process, naming the first of the config (distributed.check_same_everywhere)
-    or of bench.py's `flags` ({flag: value}) that some process of the job was given otherwise:
-    processes that time other steps would wait for one another in collectives."""
-    distributed.check_same_everywhere(config.to_dict())
-    if jax.process_count() == 1:
-        return
-    found = distributed.first_disagreement(list(flags.values()))
-    if found is not None:
-        column, other = found
-        raise JobError(
-            f"{list(flags)[column]} differs between process 0 and process {other} of this job; "
-            "start every process with the same flags"
-        )
 
 
 def _finite(value):

@@ -178,16 +178,19 @@ def check_device_counts() -> None:
         )
 
 
-def check_same_everywhere(config: dict | None, rules_text: str | None = None) -> None:
+def check_same_everywhere(
+    config: dict | None, rules_text: str | None = None, flags: dict | None = None
+) -> None:
     """UserError, on every process, naming the first config key (or the rule file, where its text is
-    given) that some process of the job was given otherwise: processes started with other values
-    would train apart. `config` None compares the rule file's text alone (the config compared
-    before)."""
+    given, or the command-line flag of `flags`, {"--name": value}) that some process of the job was
+    given otherwise: processes started with other values would train apart. `config` None compares
+    the rule file's text alone (the config compared before)."""
     if jax.process_count() == 1:
         return
     items = sorted(_flat(config or {}).items())
     if rules_text is not None:
         items.append(("the rule file's text", rules_text))
+    items += (flags or {}).items()
     found = first_disagreement([[k for k, _ in items], *(v for _, v in items)])
     if found is None:
         return
@@ -195,9 +198,10 @@ def check_same_everywhere(config: dict | None, rules_text: str | None = None) ->
     if column == len(items) + 1:
         raise JobError("the processes of this job were given configs with different keys; start each alike")
     name = (["the config's keys"] + [k for k, _ in items])[column]
+    same = "flags" if name.startswith("--") else "config, rule file and overrides"
     raise JobError(
         f"{name} differs between process 0 and process {other} of this job; "
-        "start every process with the same config, rule file and overrides"
+        f"start every process with the same {same}"
     )
 
 

@@ -22,8 +22,9 @@ _DISTRIBUTED = flags.DEFINE_bool(
 
 
 def join() -> None:
-    """Joins the job the flags name (distributed.initialize); a single process without them."""
-    from gspmd_tp import distributed
+    """Joins the job the flags name (distributed.initialize); a single process without them. For a
+    job that stops.run_job runs: its stop signals stay stops'."""
+    from gspmd_tp import distributed, stops
 
     distributed.initialize(
         _COORDINATOR.value,
@@ -33,3 +34,6 @@ def join() -> None:
         _HEARTBEAT.value,
         _JOIN.value,
     )
+    # Again: jax.distributed.initialize's preemption notifier takes SIGTERM over (and only logs it)
+    # in a multi-process job.
+    stops.take_stop_signals()

@@ -674,7 +674,7 @@ def bench_job(*extra, only=((), ())):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
 
