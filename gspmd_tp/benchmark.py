@@ -212,7 +212,7 @@ def bench_one(
         },
         "collective_bytes_per_device": sum(v["ring_bytes_per_device"] for v in comm.values()),
         # Of which between hosts (GPU) or slices (TPU).
-        "network_bytes_per_device": sum(c.ring_bytes_per_call for c in found if c.islands > 1),
+        "network_bytes_per_device": hlo.network_bytes(found),
         "host_cpu_busy_cores": cpu_busy,
         "loss": float(stats["loss"]),
         "profile": profile,

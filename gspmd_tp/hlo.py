@@ -336,6 +336,12 @@ def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]
     return [c for c, channel in found if channel is None or kept[channel] is c] + dcn
 
 
+def network_bytes(found: list[Collective]) -> float:
+    """Bytes per device per program call of the collectives whose groups span islands (GPU hosts,
+    TPU slices): what crosses the network."""
+    return sum(c.ring_bytes_per_call for c in found if c.islands > 1)
+
+
 def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:
     """{kind: {count, bytes, ring_bytes_per_device}} per program call, every kind present."""
     out = {k: {"count": 0, "bytes": 0, "ring_bytes_per_device": 0.0} for k in KINDS}

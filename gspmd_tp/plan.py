@@ -133,7 +133,7 @@ def plan(
         "bytes_per_device": measured,
         "bytes_per_device_by_type": {k: v["ring_bytes_per_device"] for k, v in collectives.items()},
         # Of which between GPU hosts or TPU slices.
-        "network_bytes_per_device": sum(c.ring_bytes_per_call for c in found if c.islands > 1),
+        "network_bytes_per_device": hlo.network_bytes(found),
         "analytical_bytes_per_device": analytical["total"],
         "analytical": analytical,
         # No ratio against a total that leaves out some of the sharding (analysis.analytical_bytes).

@@ -8,7 +8,7 @@ import contextlib
 import math
 import os
 
-from gspmd_tp import run_setup
+from gspmd_tp import hlo, run_setup
 from gspmd_tp.errors import UserError
 
 # Per chip, from the Cloud TPU system-architecture pages (cloud.google.com/tpu/docs): HBM
@@ -239,7 +239,7 @@ def estimate(s: run_setup.Setup, stats, found: list, target: str, network_gbps: 
     out.update(hbm_per_device=memory, fits=needed <= memory)
     near = sum(c.ring_bytes_per_call for c in found if c.islands <= 1)
     far = [c for c in found if c.islands > 1 and c.ring_bytes]
-    out.update(network_bytes_per_device=sum(c.ring_bytes_per_call for c in far))
+    out.update(network_bytes_per_device=hlo.network_bytes(found))
     if far and network is None:
         return out  # no bandwidth for the bytes between islands: the fit alone
     step_flops = flops_per_token(s.model_cfg, s.config.seq_len) * s.config.batch_size * s.config.seq_len
