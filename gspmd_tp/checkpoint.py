@@ -224,7 +224,7 @@ def agreed_checkpoints(workdir: str, warn=print) -> list[tuple[int, dict]]:
 _READ, _DAMAGED, _FAILED = 0, 1, 2  # how a process's read of a step went, worst last
 
 
-def _agreed_read(read, path: str):
+def agreed_read(read, path: str):
     """read(path) on every process of the job, with one outcome for all: where some process found
     the files damaged, every process raises as for damage; where some process failed otherwise,
     every process raises UserError. So all go on to the same step, or all stop."""
@@ -303,8 +303,8 @@ def damage_warning(workdir: str, step: int, abstract_state) -> str | None:
 
 
 def _agreed_restore(abstract_state):
-    """read(step directory) -> (state, data state), with one outcome on every process (_agreed_read)."""
-    return lambda path: _agreed_read(lambda p: _restore_step(Path(p), abstract_state), path)
+    """read(step directory) -> (state, data state), with one outcome on every process (agreed_read)."""
+    return lambda path: agreed_read(lambda p: _restore_step(Path(p), abstract_state), path)
 
 
 # --- mismatches, named before anything is written ---

@@ -28,10 +28,10 @@ import os
 
 import jax
 
-from gspmd_tp import data, outputs, paths, restore, run_setup, trainer
+from gspmd_tp import data, distributed, job_flags, outputs, paths, restore, run_setup, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
-from gspmd_tp.errors import ArgumentParser, UserError, ctrl_c_raises, exit_from_main, interrupted, warn
+from gspmd_tp.errors import ArgumentParser, JobError, UserError, ctrl_c_raises, exit_from_main, warn
 from gspmd_tp.mesh import mesh_string
 
 # data.py's tokens are bytes: each target is one byte of the packed corpus (the separator is the
@@ -186,43 +186,64 @@ def main(argv=None) -> int:
         "--plot", default=None, type=paths.expand, help="write the loss curves of metrics.jsonl to this PNG"
     )
     parser.add_argument("--plot_only", action="store_true", help="with --plot: skip the evaluation")
+    job_flags.add_arguments(parser)
     args, rest = parser.parse_known_args(argv)
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
-    try:
-        overrides = restore.split_overrides(rest)
-        if args.eval_batches is not None:
-            overrides["eval_batches"] = str(_batch_count(args.eval_batches))
-        if args.plot_only and not args.plot:
-            raise UserError("--plot_only needs --plot=PNG")
-        if args.plot:
+    return job_flags.run_reader(lambda: _evaluate(args, rest), args, "nothing in the workdir was written")
+
+
+def _evaluate(args, rest: list[str]) -> str | None:
+    """The evaluation main() asked for, as the text for stdout (process 0's); UserError for bad input."""
+    overrides = restore.split_overrides(rest)
+    if args.eval_batches is not None:
+        overrides["eval_batches"] = str(_batch_count(args.eval_batches))
+    if args.plot_only and not args.plot:
+        raise UserError("--plot_only needs --plot=PNG")
+    # Every process of a job reads the same checkpoint the same way (--eval_batches is a config key).
+    distributed.check_same_everywhere(None, flags={"--step": args.step, "--plot_only": args.plot_only})
+    first = jax.process_index() == 0  # the plot, and the report, are process 0's
+
+    def plotted_rows():
+        if first:
             outputs.check_image(args.plot, "--plot")
-        rows = read_metrics(args.workdir) if args.plot else None
-        result = None
-        if not args.plot_only:
-            step, meta, s = restore.load_setup(args.workdir, overrides, args.step)
-            # The data files first: one that is gone or too short is found before the compile and the read.
-            eval_ds, held_out = held_out_batches(s, args.workdir)
-            if not any(key.startswith("data.") for key in overrides):  # not other data asked for
-                note_held_out_change(meta.get("corpus", {}), held_out, step)
-            eval_step = compiled_eval_step(s)
-            step, params = restore.params_for(args.workdir, step, s, exact=args.step is not None)
-            result = {"step": step, "mesh": mesh_string(s.mesh), "rules": s.rules.source}
-            result.update(evaluate_params(s, params, eval_step, eval_ds))
-        if args.plot and jax.process_index() == 0:
-            plot_losses(rows, args.plot, f"{os.path.abspath(args.workdir)}", result)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return interrupted()
-    if jax.process_index() == 0:
-        if result is not None:
-            print(json.dumps(result) if args.json else _report(result, args.workdir))
-        if args.plot and not args.json:
-            print(f"plot: {args.plot}")
-    return 0
+        return read_metrics(args.workdir)
+
+    rows = distributed.agreed(plotted_rows) if args.plot else None
+    result = None
+    if not args.plot_only:
+        step, meta, s = restore.load_setup(args.workdir, overrides, args.step)
+        # The data files first: one that is gone or too short is found before the compile and the read.
+        eval_ds, held_out = distributed.agreed(held_out_batches, s, args.workdir)
+        check_same_held_out(held_out)
+        if first and not any(key.startswith("data.") for key in overrides):  # not other data asked for
+            note_held_out_change(meta.get("corpus", {}), held_out, step)
+        eval_step = distributed.agreed(compiled_eval_step, s)
+        step, params = restore.params_for(args.workdir, step, s, exact=args.step is not None)
+        result = {"step": step, "mesh": mesh_string(s.mesh), "rules": s.rules.source}
+        result.update(evaluate_params(s, params, eval_step, eval_ds))
+    if not first:
+        return None
+    if args.plot:
+        plot_losses(rows, args.plot, f"{os.path.abspath(args.workdir)}", result)
+    lines = [] if result is None else [json.dumps(result) if args.json else _report(result, args.workdir)]
+    if args.plot and not args.json:
+        lines.append(f"plot: {args.plot}")
+    return "\n".join(lines)
+
+
+def check_same_held_out(held_out: dict) -> None:
+    """UserError on every process where some process of the job read other held-out tokens (the
+    same config, other files: a relative path from another directory, a host's own copy that
+    differs): each process reads only its rows of each batch."""
+    found = distributed.first_disagreement([held_out["sha256"]]) if jax.process_count() > 1 else None
+    if found is not None:
+        raise JobError(
+            f"the held-out split read by process {found[1]} of this job differs from process 0's (here: "
+            f"{held_out['tokens']:,} tokens, sha256 {held_out['sha256']}): every process must read the same "
+            "files (config.data's paths; relative ones from each process's own directory)"
+        )
 
 
 if __name__ == "__main__":

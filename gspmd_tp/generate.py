@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspmd_tp import axes, data, distributed, paths, restore, run_setup
+from gspmd_tp import axes, data, distributed, job_flags, paths, restore, run_setup
 from gspmd_tp import state as state_lib
-from gspmd_tp.errors import ArgumentParser, UserError, ctrl_c_raises, exit_from_main, interrupted, warn
+from gspmd_tp.errors import ArgumentParser, UserError, ctrl_c_raises, exit_from_main, warn
 from gspmd_tp.mesh import mesh_string
 from gspmd_tp.model import Decoding, Transformer
 from gspmd_tp.rules import check_divisible
@@ -372,40 +372,44 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help="0: greedy")
     parser.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest (0: all)")
     parser.add_argument("--seed", type=int, default=0)
+    job_flags.add_arguments(parser)
     args, rest = parser.parse_known_args(argv)
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
-    try:
-        overrides = restore.split_overrides(rest)
-        prompts = read_prompts(args.prompt, args.prompts_file)
-        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)
-        step, _, s = restore.load_setup(args.workdir, overrides, args.step, sampling=True)
-        token_lists = [encode(p) for p in prompts]
-        max_new = fit_length(token_lists, args.max_new_tokens, s.config.seq_len)
-        # Every check above runs before the parameters are read and before anything compiles.
-        run = sampler_for(s, token_lists, max_new, args.temperature, args.top_k)
-        step, params = restore.params_for(args.workdir, step, s, exact=args.step is not None)
-        if jax.process_index() == 0:
-            print(
-                f"step {step} of {args.workdir} | mesh {mesh_string(s.mesh)} | rules {s.rules.source} | "
-                f"{len(prompts)} prompt(s), {max_new} new tokens, temperature {args.temperature}, "
-                f"top_k {args.top_k or 'all'}, seed {args.seed}",
-                file=sys.stderr,
-                flush=True,
-            )
-        new = sample_tokens(s, params, token_lists, max_new, args.temperature, args.top_k, args.seed, run=run)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return interrupted()
+    return job_flags.run_reader(lambda: _generate(args, rest), args, "nothing in the workdir was written")
+
+
+def _generate(args, rest: list[str]) -> str:
+    """The samples main() asked for, as the text for stdout (process 0's); UserError for bad input."""
+    overrides = restore.split_overrides(rest)
+    prompts = distributed.agreed(read_prompts, args.prompt, args.prompts_file)  # a file one host lacks
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    # Every process of a job samples the same batch: one program, and the same random draws.
+    asked = (args.step, prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    names = ("--step", "the prompts", "--max_new_tokens", "--temperature", "--top_k", "--seed")
+    distributed.check_same_everywhere(None, flags=dict(zip(names, asked, strict=True)))
+    step, _, s = restore.load_setup(args.workdir, overrides, args.step, sampling=True)
+    token_lists = [encode(p) for p in prompts]
+    max_new = fit_length(token_lists, args.max_new_tokens, s.config.seq_len)
+    # Every check above runs before the parameters are read and before anything compiles.
+    run = distributed.agreed(sampler_for, s, token_lists, max_new, args.temperature, args.top_k)
+    step, params = restore.params_for(args.workdir, step, s, exact=args.step is not None)
     if jax.process_index() == 0:
-        for i, (prompt, tokens) in enumerate(zip(prompts, new, strict=True)):
-            if len(prompts) > 1:
-                print(f"--- {i + 1}/{len(prompts)} ---")
-            print(decode(encode(prompt)[1:] + list(tokens)))  # bytes not UTF-8 print as U+FFFD
-    return 0
+        print(
+            f"step {step} of {args.workdir} | mesh {mesh_string(s.mesh)} | rules {s.rules.source} | "
+            f"{len(prompts)} prompt(s), {max_new} new tokens, temperature {args.temperature}, "
+            f"top_k {args.top_k or 'all'}, seed {args.seed}",
+            file=sys.stderr,
+            flush=True,
+        )
+    new = sample_tokens(s, params, token_lists, max_new, args.temperature, args.top_k, args.seed, run=run)
+    lines = []
+    for i, (prompt, tokens) in enumerate(zip(prompts, new, strict=True)):
+        if len(prompts) > 1:
+            lines.append(f"--- {i + 1}/{len(prompts)} ---")
+        lines.append(decode(encode(prompt)[1:] + list(tokens)))  # bytes not UTF-8 print as U+FFFD
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

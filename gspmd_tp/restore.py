@@ -12,6 +12,7 @@ points can ask `device_count_from_argv` how many devices to simulate before jax 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import TYPE_CHECKING
@@ -88,12 +89,13 @@ def saved_config(
     Reads JSON only; raises UserError when there is no such checkpoint. `init_from` is cleared: it
     only says how a fresh run started, and that file may be long gone.
     """
-    from gspmd_tp import checkpoint
+    from gspmd_tp import checkpoint, distributed
     from gspmd_tp import checkpoint_files as files
 
     files.check_workdir_given(workdir)
     if step is None:
-        found = files.readable_checkpoints(workdir, warn=warn)
+        # In a job of several processes, the steps whose metadata reads on every one of them.
+        found = checkpoint.agreed_checkpoints(workdir, warn=warn)
         if not found:
             raise UserError(
                 f"{workdir}: no checkpoint found (looked in {files.checkpoint_dir(workdir)}); "
@@ -101,7 +103,8 @@ def saved_config(
             )
         step, meta = found[0]
     else:
-        step, meta = files.read_newest(files.checkpoint_dir(workdir), step, files.read_step_meta)
+        ckpt_dir = files.checkpoint_dir(workdir)
+        step, meta = distributed.agreed(files.read_newest, ckpt_dir, step, files.read_step_meta)
     config = ConfigDict(laid_over(default_config(), meta["config"]))
     config.model = ConfigDict(checkpoint.saved_model(meta["model"]))  # what its parameters are
     config.init_from = ""
@@ -158,11 +161,22 @@ def load_setup(
     one position at a time (the parameters' shardings do not change). With `params_only` (a reader
     of the parameters alone, such as to-hf) the training batch is not checked either.
     """
+    from gspmd_tp import distributed
+
+    step, meta, config = saved_config(workdir, overrides, step)
+    # Processes given other overrides would read apart; what fails on one process only (a rule file
+    # its host lacks) stops every one, named on each.
+    distributed.check_same_everywhere(config.to_dict())
+    s = distributed.agreed(_setup, workdir, step, meta, config, overrides, sampling, params_only)
+    distributed.check_same_everywhere(None, s.rules.text)
+    return step, meta, s
+
+
+def _setup(workdir, step, meta, config, overrides, sampling, params_only) -> run_setup.Setup:
     import jax
 
     from gspmd_tp import checkpoint, run_setup
 
-    step, meta, config = saved_config(workdir, overrides, step)
     if (sampling or params_only) and "batch_size" not in overrides and "grad_accum" not in overrides:
         # A batch every mesh of these devices divides: the batch axes' product divides the count.
         config.batch_size, config.grad_accum = jax.device_count(), 1
@@ -182,7 +196,7 @@ def load_setup(
         from gspmd_tp.rules import unsharded
 
         s = dataclasses.replace(s, rules=unsharded(s.rules, (axes.LENGTH, axes.NORM_LENGTH)))
-    return step, meta, s
+    return s
 
 
 def _read_params(workdir: str, step: int, s: run_setup.Setup):
@@ -207,11 +221,11 @@ def _read_params(workdir: str, step: int, s: run_setup.Setup):
 def restore_params(workdir: str, step: int, s: run_setup.Setup):
     """The parameters of checkpoint `step`, read straight into the shardings of `s`; a step that does
     not read is a one-line UserError (files.read_newest), never skipped."""
+    from gspmd_tp import checkpoint
     from gspmd_tp import checkpoint_files as files
 
-    _, params = files.read_newest(
-        files.checkpoint_dir(workdir), step, lambda _: _read_params(workdir, step, s)
-    )
+    read = functools.partial(checkpoint.agreed_read, lambda _: _read_params(workdir, step, s))
+    _, params = files.read_newest(files.checkpoint_dir(workdir), step, read)
     return params
 
 
@@ -229,12 +243,14 @@ def restore_newest_params(workdir: str, step: int, s: run_setup.Setup):
     from gspmd_tp import checkpoint
     from gspmd_tp import checkpoint_files as files
 
-    def read(path: str):
+    def read_here(path: str):
         candidate = int(os.path.basename(path))
         if candidate != step:  # `step` was checked by load_setup
             model = files.read_step_meta(path)["model"]
             checkpoint.check_model_matches(model, s.model_cfg, workdir, READ_AS_SAVED)
         return _read_params(workdir, candidate, s)
+
+    read = functools.partial(checkpoint.agreed_read, read_here)  # one outcome on every process
 
     ckpt_dir = files.checkpoint_dir(workdir)
     older = [n for n in files.steps_on_disk(ckpt_dir) if n < step]
@@ -285,9 +301,15 @@ def reader_device_count(workdir: str | None, mesh: str | None = None, step: int 
 
 
 def device_count_from_argv(argv: list[str]) -> int:
-    """reader_device_count for the --workdir and --config.mesh of argv. (--config.host_device_count,
-    read by host_devices.count_from_argv, overrides it.)"""
+    """reader_device_count for the --workdir and --config.mesh of argv, shared among the processes
+    of --num_processes where they divide it. (--config.host_device_count, read by
+    host_devices.count_from_argv, overrides it.)"""
     from gspmd_tp.host_devices import flag_from_argv
 
     workdir = paths.expand(flag_from_argv(argv, "--workdir"))
-    return reader_device_count(workdir, flag_from_argv(argv, "--config.mesh"))
+    count = reader_device_count(workdir, flag_from_argv(argv, "--config.mesh"))
+    try:
+        processes = int(flag_from_argv(argv, "--num_processes") or 1)
+    except ValueError:
+        processes = 1  # argparse names the bad value
+    return count // processes if processes > 0 and count % processes == 0 else count

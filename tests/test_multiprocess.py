@@ -715,3 +715,63 @@ def test_a_bench_process_killed_stops_the_others_at_once():
         "stopped: process 1 died (killed or crashed) (--json_out=report.json is as it was)"
     )
     assert took < 30, took
+
+
+def reader_job(module, *args, only=((), ())):
+    """python -m gspmd_tp.MODULE as 2 processes, each simulating the devices the command chooses
+    (the saved mesh's, shared between the two), process i adding `only[i]`."""
+    port = free_port()
+    job = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", f"gspmd_tp.{module}", *args, *job, f"--process_id={i}", *only[i]],
+            cwd=ROOT,
+            env=child_env(JAX_PLATFORMS="cpu"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+
+
+def test_evaluate_and_generate_as_two_processes_report_what_one_process_does(trained_workdir, capsys):
+    """The run's mesh of 8 devices as 2 processes x 4: the held-out rows split between the
+    processes (dp=2 across them), and under fsdp the parameters too, each process reading only its
+    shards of the checkpoint. Process 0 prints what one process of 8 devices prints."""
+    from gspmd_tp import generate
+
+    rows = [json.loads(line) for line in (trained_workdir / "metrics.jsonl").read_text().splitlines()]
+    (out0, _), (out1, _) = finish(reader_job("evaluate", f"--workdir={trained_workdir}", "--json"))
+    report = json.loads(out0)
+    assert (report["step"], report["mesh"], out1) == (4, "dp=2,mp=4", "")
+    assert report["loss"] == pytest.approx(rows[-1]["eval_loss"], rel=1e-5)  # as training logged it
+
+    greedy = ["--prompt=def ", "--temperature=0", "--max_new_tokens=12", "--config.rules=fsdp",
+              "--config.mesh=dp=8,mp=1"]  # fmt: skip
+    assert generate.main([f"--workdir={trained_workdir}", *greedy]) == 0
+    want = capsys.readouterr().out
+    (out0, err0), (out1, _) = finish(reader_job("generate", f"--workdir={trained_workdir}", *greedy))
+    assert (out0, out1) == (want, "")
+    assert "| mesh dp=8,mp=1 | rules " in err0
+
+
+@pytest.mark.parametrize(
+    "only, lasts",
+    [
+        (
+            ("--prompt=a", "--seed=1"),
+            ["error: --seed differs between process 0 and process 1 of this job; start every process "
+             "with the same flags"] * 2,
+        ),
+        (
+            ("--prompts_file=/nonexistent/prompts.txt",),  # a file only process 1 was given, and lacks
+            ["error: process 1 of this job stopped with an error (its output says which)",
+             "error: --prompts_file=/nonexistent/prompts.txt: [Errno 2] No such file or directory: "
+             "'/nonexistent/prompts.txt'"],
+        ),
+    ],
+)  # fmt: skip
+def test_reader_processes_given_other_values_are_refused_before_reading(trained_workdir, only, lasts):
+    procs = reader_job("generate", f"--workdir={trained_workdir}", only=(("--prompt=a",), only))
+    assert refused(procs) == lasts
