@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import math
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ml_collections import ConfigDict
@@ -206,15 +207,21 @@ def _read_params(workdir: str, step: int, s: run_setup.Setup):
     from gspmd_tp import checkpoint_files as files
 
     target = s.abstract_state.params
-    path = os.path.join(files.checkpoint_dir(workdir), str(step), files.STATE)
+    path = Path(files.checkpoint_dir(workdir), str(step), files.STATE)  # the handler calls .exists()
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    with checkpoint.quiet_after_a_failed_read():
-        restored = ocp.PyTreeCheckpointer().restore(
-            path,
-            args=ocp.args.PyTreeRestore(
-                item={"params": target}, restore_args={"params": restore_args}, partial_restore=True
-            ),
-        )
+    # The handler, not a Checkpointer: the Checkpointer's barrier after the read would wait for a
+    # process whose own read failed (checkpoint.agreed_read settles the outcome instead).
+    reader = ocp.PyTreeCheckpointHandler()
+    try:
+        with checkpoint.quiet_after_a_failed_read():
+            restored = reader.restore(
+                path,
+                args=ocp.args.PyTreeRestore(
+                    item={"params": target}, restore_args={"params": restore_args}, partial_restore=True
+                ),
+            )
+    finally:
+        reader.close()
     return restored["params"]
 
 

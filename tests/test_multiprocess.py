@@ -176,12 +176,18 @@ FSDP = ("--config.rules=fsdp", "--config.mesh=dp=8,mp=1", "--config.checkpoint_e
 
 def test_a_checkpoint_one_process_cannot_read_is_skipped_by_every_process(fsdp_job):
     """Under fsdp each process writes and reads only its own shards. With process 1's shards of
-    step 2 garbled, process 0 alone would resume from step 2; both resume from step 1."""
+    step 2 garbled, process 0 alone would resume from step 2; both resume from step 1, and both
+    evaluate step 1."""
     run, _, first = fsdp_job
     for f in (run / "checkpoints" / "2" / "state" / "ocdbt.process_1" / "d").iterdir():
         f.write_bytes(b"\0garbage" * 16)
-    (out, _), (_, err) = finish(start(run, 3, *FSDP))
     step_2 = run / "checkpoints" / "2"
+    # A reader of the run, as a job of 2 processes, skips it too (and moves nothing).
+    (out, err0), (_, err) = finish(reader_job("evaluate", f"--workdir={run}", "--json"))
+    assert json.loads(out)["step"] == 1
+    assert f"warning: skipping checkpoint {step_2}: partial or corrupted (process 1 of this job" in err0
+    assert f"warning: process 1: {step_2} is partial or corrupted (" in err
+    (out, _), (_, err) = finish(start(run, 3, *FSDP))
     assert (
         f"warning: skipping checkpoint {step_2}: partial or corrupted "
         "(process 1 of this job could not read its part: see its warning)\nwarning: moved "
