@@ -7,6 +7,9 @@
 The newest checkpoint's parameters are evaluated on the held-out split of the run's own data
 config (config.data: the hash-chosen held-out documents, or config.data.eval_files) with the
 trainer's own eval step, so the loss equals the eval_loss that training logs for those parameters.
+
+As one process of a job of several (a pod, a cluster), with train.py's job flags:
+--coordinator_address=HOST:PORT --num_processes=N --process_id=I, or --distributed; process 0 prints.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ Prefill and the whole decode loop are one jit-compiled function. It first lays t
 for decoding (state.decoding_shardings: replicated over the mesh axes of the batch, mp shards kept),
 so that fsdp.yaml and megatron_2d.yaml gather them once per call rather than once per new token;
 where that layout does not fit in memory they stay in their training layout, with a note on stderr.
+
+As one process of a job of several (a pod, a cluster), with train.py's job flags:
+--coordinator_address=HOST:PORT --num_processes=N --process_id=I, or --distributed; process 0 prints.
 """
 
 from __future__ import annotations
