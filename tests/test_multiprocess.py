@@ -322,6 +322,14 @@ def process_1_killed(procs, once) -> tuple[str, float]:
             p.kill()
 
 
+def joined(proc) -> None:
+    """Returns once the process printed gloo's first line on stderr: the job's processes exchange
+    their first values (on CPU)."""
+    for line in proc.stderr:
+        if line.startswith("[Gloo]"):
+            return
+
+
 def compiling(proc) -> None:
     """Returns once the process printed its first line: every process joined and compared configs,
     and it compiles now."""
@@ -709,13 +717,7 @@ def test_a_bench_process_killed_stops_the_others_at_once():
     printed a failed collective's traceback and waited at JAX's shutdown barrier until the heartbeat
     timeout (100 s), then aborted (exit 134)."""
     procs = bench_job("--steps=100000", "--json_out=report.json")
-
-    def joined():  # gloo's lines, on stderr, once the processes exchange their first values
-        for line in procs[0].stderr:
-            if line.startswith("[Gloo]"):
-                return
-
-    err, took = process_1_killed(procs, once=joined)
+    err, took = process_1_killed(procs, once=lambda: joined(procs[0]))
     assert procs[0].returncode == 1, err[-2000:]
     assert err.strip().splitlines()[-1] == (
         "stopped: process 1 died (killed or crashed) (--json_out=report.json is as it was)"
@@ -781,3 +783,15 @@ def test_evaluate_and_generate_as_two_processes_report_what_one_process_does(tra
 def test_reader_processes_given_other_values_are_refused_before_reading(trained_workdir, only, lasts):
     procs = reader_job("generate", f"--workdir={trained_workdir}", only=(("--prompt=a",), only))
     assert refused(procs) == lasts
+
+
+def test_a_reader_process_killed_stops_the_others_at_once(trained_workdir):
+    """A reader's job ends as bench.py's does: one line, at once, instead of process 0 waiting in a
+    collective for the dead one until the heartbeat timeout."""
+    procs = reader_job("generate", f"--workdir={trained_workdir}", "--prompt=a", "--max_new_tokens=20")
+    err, took = process_1_killed(procs, once=lambda: joined(procs[0]))
+    assert procs[0].returncode == 1, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        "stopped: process 1 died (killed or crashed) (nothing in the workdir was written)"
+    )
+    assert took < 30, took
