@@ -65,7 +65,7 @@ def join(args: argparse.Namespace | None = None) -> None:
     stops.take_stop_signals()
 
 
-def asks_for_a_job(args: argparse.Namespace) -> bool:
+def _asks_for_a_job(args: argparse.Namespace) -> bool:
     """Whether argparse's `args` name a job of several processes (or one to find: --distributed)."""
     v = _values(args)
     return v["num_processes"] != 1 or v["distributed"] or bool(v["coordinator_address"])
@@ -77,7 +77,7 @@ def run_reader(work, args: argparse.Namespace, left: str) -> int:
     saying what it `left` (status 130). Where `args` name a job: joined first and run under
     stops.run_job, so that a peer's death, error or stop ends every process at once with one line;
     stdout holds process 0's text alone (gloo prints its own lines there while the processes join)."""
-    if not asks_for_a_job(args):
+    if not _asks_for_a_job(args):
         try:
             text = work()
         except UserError as e:
