@@ -31,10 +31,10 @@ import os
 
 import jax
 
-from gspmd_tp import data, distributed, job_flags, outputs, paths, restore, run_setup, trainer
+from gspmd_tp import data, distributed, job_flags, outputs, paths, restore, run_inputs, run_setup, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
-from gspmd_tp.errors import ArgumentParser, JobError, UserError, ctrl_c_raises, exit_from_main, warn
+from gspmd_tp.errors import ArgumentParser, UserError, ctrl_c_raises, exit_from_main, warn
 from gspmd_tp.mesh import mesh_string
 
 # data.py's tokens are bytes: each target is one byte of the packed corpus (the separator is the
@@ -219,7 +219,7 @@ def _evaluate(args, rest: list[str]) -> str | None:
         step, meta, s = restore.load_setup(args.workdir, overrides, args.step)
         # The data files first: one that is gone or too short is found before the compile and the read.
         eval_ds, held_out = distributed.agreed(held_out_batches, s, args.workdir)
-        check_same_held_out(held_out)
+        run_inputs.check_same({"held_out": held_out})  # each process reads only its rows
         if first and not any(key.startswith("data.") for key in overrides):  # not other data asked for
             note_held_out_change(meta.get("corpus", {}), held_out, step)
         eval_step = distributed.agreed(compiled_eval_step, s)
@@ -234,19 +234,6 @@ def _evaluate(args, rest: list[str]) -> str | None:
     if args.plot and not args.json:
         lines.append(f"plot: {args.plot}")
     return "\n".join(lines)
-
-
-def check_same_held_out(held_out: dict) -> None:
-    """UserError on every process where some process of the job read other held-out tokens (the
-    same config, other files: a relative path from another directory, a host's own copy that
-    differs): each process reads only its rows of each batch."""
-    found = distributed.first_disagreement([held_out["sha256"]]) if jax.process_count() > 1 else None
-    if found is not None:
-        raise JobError(
-            f"the held-out split read by process {found[1]} of this job differs from process 0's (here: "
-            f"{held_out['tokens']:,} tokens, sha256 {held_out['sha256']}): every process must read the same "
-            "files (config.data's paths; relative ones from each process's own directory)"
-        )
 
 
 if __name__ == "__main__":

@@ -67,14 +67,15 @@ def _plural_files(paths: list[str]) -> str:
     return f"{paths[0]}{more}"
 
 
-def check_same(corpus: dict, init_from: str, init_digest: str) -> None:
+def check_same(corpus: dict, init_from: str = "", init_digest: str = "") -> None:
     """UserError on every process where some process of the job read other tokens or another
     config.init_from (the same config, other files: a relative path from another directory, a
     host's own copy that differs). Each process reads only its rows of each batch, and places only
-    its shards of the imported parameters: the job would mix the two."""
+    its shards of the imported parameters: the job would mix the two. `corpus` holds the
+    fingerprints of the splits read ({"held_out": ...} alone for a reader that only evaluates)."""
     if jax.process_count() == 1:
         return
-    splits = list(CORPUS_SPLITS)
+    splits = [split for split in CORPUS_SPLITS if split in corpus]
     found = distributed.first_disagreement([corpus[split]["sha256"] for split in splits] + [init_digest])
     if found is None:
         return

@@ -725,16 +725,16 @@ def test_a_bench_process_killed_stops_the_others_at_once():
     assert took < 30, took
 
 
-def reader_job(module, *args, only=((), ())):
+def reader_job(module, *args, only=((), ()), cwd=(ROOT, ROOT)):
     """python -m gspmd_tp.MODULE as 2 processes, each simulating the devices the command chooses
-    (the saved mesh's, shared between the two), process i adding `only[i]`."""
+    (the saved mesh's, shared between the two), process i adding `only[i]`, started in `cwd[i]`."""
     port = free_port()
     job = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
     return [
         subprocess.Popen(
             [sys.executable, "-m", f"gspmd_tp.{module}", *args, *job, f"--process_id={i}", *only[i]],
-            cwd=ROOT,
-            env=child_env(JAX_PLATFORMS="cpu"),
+            cwd=cwd[i],
+            env=child_env(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -783,6 +783,21 @@ def test_evaluate_and_generate_as_two_processes_report_what_one_process_does(tra
 def test_reader_processes_given_other_values_are_refused_before_reading(trained_workdir, only, lasts):
     procs = reader_job("generate", f"--workdir={trained_workdir}", only=(("--prompt=a",), only))
     assert refused(procs) == lasts
+
+
+def test_evaluating_processes_that_read_other_held_out_files_are_refused(trained_workdir, tmp_path):
+    """The same relative --config.data.eval_files from two directories: each process would
+    evaluate its rows of another split."""
+    for i in range(2):
+        (tmp_path / f"cwd{i}").mkdir()
+        (tmp_path / f"cwd{i}" / "held_out.txt").write_text(f"process {i}'s own held-out text\n" * 200)
+    procs = reader_job(
+        "evaluate", f"--workdir={trained_workdir}", "--config.data.eval_files=held_out.txt",
+        cwd=(tmp_path / "cwd0", tmp_path / "cwd1"),
+    )  # fmt: skip
+    differs = "error: the held-out split read by process 1 of this job differs from process 0's"
+    for last in refused(procs):
+        assert last.startswith(differs), last
 
 
 def test_a_reader_process_killed_stops_the_others_at_once(trained_workdir):
