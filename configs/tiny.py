@@ -45,6 +45,9 @@ def get_config() -> ConfigDict:
     c.profile = ConfigDict()
     c.profile.steps = 0
     c.profile.skip_steps = 3
+    # True: also trace the Python functions each thread calls (host detail, at a cost to the traced
+    # steps' dispatch).
+    c.profile.python = False
 
     c.model = ConfigDict()
     c.model.vocab_size = 256  # byte tokens; a multiple of 128 shards on any mp up to 128

@@ -60,7 +60,7 @@ def profile_step(step, state, batch, directory: str) -> tuple[dict, float, objec
     step's wall time in seconds (the profiler's own threads share the host's cores, so on CPU it is
     slower than an untraced step); and the new state (the step donates the old one)."""
     groups = hlo.classify(step.as_text())
-    with jax.profiler.trace(directory):
+    with jax.profiler.trace(directory, profiler_options=profiling.options()):
         t0 = time.perf_counter()
         state, _ = step(state, batch)
         jax.block_until_ready(state)

@@ -39,6 +39,15 @@ def device_time_shares(trace: str, groups: dict[str, str], devices: int) -> dict
     return {k: {"ms_per_device": us[k] / 1e3 / devices, "share": us[k] / total} for k in hlo.GROUPS}
 
 
+def options(python: bool = False) -> jax.profiler.ProfileOptions:
+    """jax.profiler's options for a step's trace: host and device activity, and the Python functions
+    every thread calls only when `python` (jax's default traces them, which slows the host's dispatch
+    and hooks into each thread as it starts and as the trace stops)."""
+    o = jax.profiler.ProfileOptions()
+    o.python_tracer_level = int(python)
+    return o
+
+
 def format_shares(shares: dict) -> str:
     """`matrix products 52.1%, collectives 9.8%, ...` for a log line."""
     return ", ".join(f"{k} {v['share']:.1%}" for k, v in shares.items())
@@ -47,11 +56,17 @@ def format_shares(shares: dict) -> str:
 class StepTrace:
     """Traces the training steps `first`..`first + steps - 1` into `directory` with jax.profiler
     (ui.perfetto.dev opens its .trace.json.gz; TensorBoard's profile plugin reads the directory),
-    then logs the window's wall time and where its device time went. steps=0 traces nothing."""
+    then logs the window's wall time and where its device time went. steps=0 traces nothing.
+    `settle` runs before the profiler stops: the trainer waits there for a checkpoint save in flight,
+    so that no save's threads are running while the profiler collects and detaches from them.
+    `python` also traces the Python functions called (see `options`)."""
 
-    def __init__(self, directory: str, first: int, steps: int, step_text: str, log):
+    def __init__(
+        self, directory: str, first: int, steps: int, step_text: str, log, settle=None, python=False
+    ):
         self.directory, self.first, self.last = directory, first, first + steps - 1
         self.step_text, self.log = step_text, log
+        self.settle, self.python = settle, python
         self.started = None  # perf_counter when tracing began; None while not tracing
         self.dispatched = first  # the last step dispatched while tracing
         self.written = ""  # the trace file (or directory) once a trace has ended
@@ -61,7 +76,7 @@ class StepTrace:
         self.dispatched = step
         if step == self.first and self.first <= self.last:
             os.makedirs(self.directory, exist_ok=True)
-            jax.profiler.start_trace(self.directory)
+            jax.profiler.start_trace(self.directory, profiler_options=options(self.python))
             self.started = time.perf_counter()
 
     def after(self, step: int, state) -> float:
@@ -70,17 +85,20 @@ class StepTrace:
         if self.started is None or step != self.last:
             return 0.0
         jax.block_until_ready(state)
-        return self._stop(step)
+        return self._stop(step, settle=True)
 
-    def close(self) -> None:
-        """Ends a trace that a stop or an error cut short, at the last step dispatched."""
+    def close(self, settle: bool = True) -> None:
+        """Ends a trace that a stop or an error cut short, at the last step dispatched. settle=False
+        stops it without waiting for `settle` (a failed job's save may wait for a peer that is gone)."""
         if self.started is not None:
-            self._stop(self.dispatched)
+            self._stop(self.dispatched, settle)
 
-    def _stop(self, last: int) -> float:
+    def _stop(self, last: int, settle: bool) -> float:
         stopping = time.perf_counter()
         elapsed = stopping - self.started
         self.started = None
+        if settle and self.settle is not None:
+            self.settle()
         jax.profiler.stop_trace()
         self.written = newest_trace(self.directory) or self.directory
         steps = max(last - self.first + 1, 1)

@@ -176,8 +176,9 @@ def _checked_setup(config, workdir: str) -> Setup:
     return s
 
 
-def _step_trace(s: Setup, workdir: str, start: int, train_step) -> profiling.StepTrace:
-    """config.profile's window of this start's steps; each process of a job traces its own devices."""
+def _step_trace(s: Setup, workdir: str, start: int, train_step, mngr) -> profiling.StepTrace:
+    """config.profile's window of this start's steps; each process of a job traces its own devices.
+    The trace stops once `mngr`'s save in flight (one the window started) has finished."""
     c = s.config.profile
     first = start + 1 + c.skip_steps
     last = min(first + c.steps - 1, s.config.steps)
@@ -187,7 +188,8 @@ def _step_trace(s: Setup, workdir: str, start: int, train_step) -> profiling.Ste
     if c.steps and first > s.config.steps:
         log(f"note: config.profile traces from step {first}, after the run's last step {s.config.steps}")
     text = train_step.as_text() if c.steps else ""
-    return profiling.StepTrace(directory, first, max(last - first + 1, 0), text, log)
+    steps = max(last - first + 1, 0)
+    return profiling.StepTrace(directory, first, steps, text, log, mngr.wait_until_finished, c.python)
 
 
 def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
@@ -279,7 +281,7 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
         depth = 0 if jax.devices()[0].platform == "cpu" else data.AUTO_PREFETCH
     batches = None
     window = {"start": time.perf_counter(), "data_wait": []}  # one wait per step dispatched
-    trace = _step_trace(s, workdir, start, train_step)
+    trace = _step_trace(s, workdir, start, train_step, mngr)
 
     def report(step: int, stats, steps: int, eval_params=None) -> None:
         """Reads a logged step's stats (the host's only wait) and writes its row. `steps` of the
@@ -374,7 +376,7 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
             raise
         finally:
             stop.finishing(failed)  # a first signal from here on waits for the save in flight
-            trace.close()
+            trace.close(settle=finish_saves)
             if batches is not None:
                 batches.close()
             # Also on an error: let a save in flight finish, so the newest checkpoint on disk is complete.

@@ -1,6 +1,8 @@
 """config.profile traces a window of a training run's steps and says where their device time went."""
 
+import gzip
 import json
+import os
 import re
 
 import jax
@@ -8,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import small_config
 
-from gspmd_tp import hlo, profiling, trainer
+from gspmd_tp import checkpoint_files, hlo, profiling, trainer
 from gspmd_tp.errors import UserError
 
 SHARES = re.compile(r"device time: (.*)$")
@@ -65,6 +67,58 @@ def test_a_window_is_cut_at_the_run_end(tmp_path, capsys):
     trainer.train(c, str(tmp_path))
     [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("profile:")]
     assert line.startswith("profile: steps 2..3 traced in ")
+
+
+def test_the_trace_stops_once_a_save_the_window_started_has_finished(tmp_path, monkeypatch):
+    """Step 2's save runs in the background while step 3 trains: the profiler stops after it."""
+    seen = []
+    stop_trace = jax.profiler.stop_trace
+
+    def stop_and_look():
+        names = os.listdir(checkpoint_files.checkpoint_dir(str(tmp_path)))
+        seen.append((checkpoint_files.steps_on_disk(checkpoint_files.checkpoint_dir(str(tmp_path))), names))
+        stop_trace()
+
+    monkeypatch.setattr(jax.profiler, "stop_trace", stop_and_look)
+    c = small_config(steps=4, log_every=1, eval_every=100, checkpoint_every=2)
+    c.profile.steps, c.profile.skip_steps = 2, 1
+    trainer.train(c, str(tmp_path))
+    [(steps, names)] = seen
+    assert steps == [2]
+    assert sorted(names) == ["2"]  # no save in progress
+
+
+def test_python_calls_are_traced_when_asked(tmp_path):
+    f = jax.jit(lambda x: jnp.tanh(x @ x))
+    x = jnp.ones((64, 64))
+    step_text = f.lower(x).compile().as_text()
+
+    def dispatch(y):
+        return f(y)
+
+    def traced_names(python: bool) -> list[str]:
+        directory = tmp_path / str(python)
+        trace = profiling.StepTrace(str(directory), 1, 1, step_text, lambda _: None, python=python)
+        trace.before(1)
+        trace.after(1, dispatch(x))
+        with gzip.open(trace.written) as fh:
+            return [e.get("name", "") for e in json.load(fh)["traceEvents"]]
+
+    assert not any(name.startswith("$") for name in traced_names(False))  # jax's default would
+    assert any(name.startswith("$") and name.endswith(" dispatch") for name in traced_names(True))
+
+
+def test_a_trace_cut_short_by_a_failed_job_stops_without_waiting_for_its_save(tmp_path):
+    f = jax.jit(lambda x: x + 1)
+    x = jnp.ones((8,))
+    settled = []
+    trace = profiling.StepTrace(
+        str(tmp_path), 1, 3, f.lower(x).compile().as_text(), lambda _: None, settle=lambda: settled.append(1)
+    )
+    trace.before(1)
+    jax.block_until_ready(f(x))
+    trace.close(settle=False)
+    assert settled == [] and trace.written
 
 
 @pytest.mark.parametrize("key", ["steps", "skip_steps"])
