@@ -73,10 +73,10 @@ def test_the_trace_stops_once_a_save_the_window_started_has_finished(tmp_path, m
     """Step 2's save runs in the background while step 3 trains: the profiler stops after it."""
     seen = []
     stop_trace = jax.profiler.stop_trace
+    ckpt_dir = checkpoint_files.checkpoint_dir(str(tmp_path))
 
     def stop_and_look():
-        names = os.listdir(checkpoint_files.checkpoint_dir(str(tmp_path)))
-        seen.append((checkpoint_files.steps_on_disk(checkpoint_files.checkpoint_dir(str(tmp_path))), names))
+        seen.append((checkpoint_files.steps_on_disk(ckpt_dir), os.listdir(ckpt_dir)))
         stop_trace()
 
     monkeypatch.setattr(jax.profiler, "stop_trace", stop_and_look)
