@@ -61,16 +61,8 @@ def test_a_window_after_the_last_step_is_said_and_traces_nothing(tmp_path, capsy
     assert not (tmp_path / profiling.PROFILE).exists()
 
 
-def test_a_window_is_cut_at_the_run_end(tmp_path, capsys):
-    c = small_config(steps=3, log_every=1, eval_every=100)
-    c.profile.steps, c.profile.skip_steps = 10, 1
-    trainer.train(c, str(tmp_path))
-    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("profile:")]
-    assert line.startswith("profile: steps 2..3 traced in ")
-
-
-def test_the_trace_stops_once_a_save_the_window_started_has_finished(tmp_path, monkeypatch):
-    """Step 2's save runs in the background while step 3 trains: the profiler stops after it."""
+def test_a_window_is_cut_at_the_run_end_once_the_save_it_started_has_finished(tmp_path, capsys, monkeypatch):
+    """Step 2's save runs in the background while step 3, the last, trains: the profiler stops after it."""
     seen = []
     stop_trace = jax.profiler.stop_trace
     ckpt_dir = checkpoint_files.checkpoint_dir(str(tmp_path))
@@ -80,9 +72,11 @@ def test_the_trace_stops_once_a_save_the_window_started_has_finished(tmp_path, m
         stop_trace()
 
     monkeypatch.setattr(jax.profiler, "stop_trace", stop_and_look)
-    c = small_config(steps=4, log_every=1, eval_every=100, checkpoint_every=2)
-    c.profile.steps, c.profile.skip_steps = 2, 1
+    c = small_config(steps=3, log_every=1, eval_every=100, checkpoint_every=2)
+    c.profile.steps, c.profile.skip_steps = 10, 1
     trainer.train(c, str(tmp_path))
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("profile:")]
+    assert line.startswith("profile: steps 2..3 traced in ")
     [(steps, names)] = seen
     assert steps == [2]
     assert sorted(names) == ["2"]  # no save in progress
