@@ -1,6 +1,7 @@
 """Where a traced CPU step's kernel time went, by who wrote the kernel: XLA's own compiled loops
 (its elementwise fusions, whose code `--xla_cpu_prefer_vector_width` changes) or YNNPACK's
-(matrix products, and the reductions and elementwise ops it takes by default), for each trace under each directory.
+(matrix products, and the reductions and elementwise ops it takes by default), for each trace
+under each directory.
 
     python bench.py --config=configs/bench_cpu.py --meshes=dp=4,mp=2 --profile_dir=/tmp/p256
     XLA_FLAGS=--xla_cpu_prefer_vector_width=512 python bench.py ... --profile_dir=/tmp/p512
