@@ -88,6 +88,9 @@ def get_config() -> ConfigDict:
     c.optim.eps = 1e-8
     c.optim.weight_decay = 0.1
     c.optim.clip_norm = 1.0  # global gradient norm; 0: no clipping
+    # float32 | bfloat16: AdamW's first moment (mu). bfloat16 halves its memory and the bytes the
+    # update moves for it; the second moment (nu) stays float32, whose range and precision it needs.
+    c.optim.mu_dtype = "float32"
 
     c.data = ConfigDict()
     c.data.train_files = ""  # comma-separated globs of .txt/.jsonl; empty = the Python stdlib sources

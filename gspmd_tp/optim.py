@@ -14,6 +14,7 @@ from gspmd_tp.config_keys import laid_over
 from gspmd_tp.errors import UserError
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # the optimizer's rates and factors are float32 on the devices
+MU_DTYPES = ("float32", "bfloat16")  # config.optim.mu_dtype: the first moment's dtype
 
 
 def _decays(path) -> bool:
@@ -43,6 +44,10 @@ def check(optim) -> None:
     for key in ("b1", "b2"):
         if not 0 <= optim[key] < 1:
             raise UserError(f"config.optim.{key} must be in [0, 1), got {optim[key]}")
+    if optim.mu_dtype not in MU_DTYPES:
+        raise UserError(
+            f"config.optim.mu_dtype must be one of {', '.join(MU_DTYPES)}, got {optim.mu_dtype!r}"
+        )
 
 
 def make_schedule(optim, total_steps: int) -> optax.Schedule:
@@ -77,7 +82,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optimizer for config.optim; clipping sees the whole accumulated gradient (clip_norm 0:
-    no clipping)."""
+    no clipping); AdamW keeps its first moment in optim.mu_dtype."""
     schedule = make_schedule(optim, total_steps)
     clip = clip_by_global_norm(optim.clip_norm) if optim.clip_norm > 0 else optax.identity()
     tx = optax.chain(
@@ -87,6 +92,7 @@ def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformatio
             b1=optim.b1,
             b2=optim.b2,
             eps=optim.eps,
+            mu_dtype=jnp.dtype(optim.mu_dtype),
             weight_decay=optim.weight_decay,
             mask=decay_mask,
         ),

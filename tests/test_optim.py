@@ -1,5 +1,5 @@
-"""The optimizer chain: clipping by one scalar factor equals optax's clip, and its AdamW update
-writes no clipped copy of the gradients."""
+"""The optimizer chain: clipping by one scalar factor equals optax's clip, its AdamW update
+writes no clipped copy of the gradients, and its first moment may be kept in bfloat16."""
 
 import re
 
@@ -11,6 +11,7 @@ import pytest
 from conftest import small_config
 
 from gspmd_tp import optim
+from gspmd_tp.errors import UserError
 
 TREE = {"w": jnp.linspace(-1.0, 1.0, 64 * 48).reshape(64, 48), "scale": jnp.arange(48.0) / 48}
 
@@ -76,3 +77,29 @@ def test_a_schedule_change_is_noted_at_the_first_step_whose_rate_differs(saved, 
         f"not {float(old):.3e}"
     ]
     assert float(new) != pytest.approx(float(old), rel=1e-6)
+
+
+def test_a_bfloat16_first_moment_keeps_the_second_in_float32_and_updates_alike():
+    c = small_config().optim
+    tx32, _ = optim.make_optimizer(c, 10)
+    c.mu_dtype = "bfloat16"
+    tx16, _ = optim.make_optimizer(c, 10)
+    state = tx16.init(TREE)
+    adam = state[1][0]
+    assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype("bfloat16")}
+    assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {jnp.dtype("float32")}
+    grads = jax.tree.map(lambda x: jnp.sin(7 * x) + 0.1, TREE)
+    got, state = tx16.update(grads, state, TREE)
+    want, _ = tx32.update(grads, tx32.init(TREE), TREE)
+    assert state[1][0].mu["w"].dtype == jnp.bfloat16 and got["w"].dtype == jnp.float32
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-9)  # bfloat16 keeps 8 bits of mantissa
+
+
+@pytest.mark.parametrize("value", ["bf16", "float16", ""])
+def test_a_first_moment_dtype_it_does_not_keep_is_one_line(value):
+    c = small_config(**{"optim.mu_dtype": value}).optim
+    with pytest.raises(
+        UserError, match=rf"^config.optim.mu_dtype must be one of float32, bfloat16, got '{value}'$"
+    ):
+        optim.check(c)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import run_steps, small_config, token_batches
 
-from gspmd_tp import optim, run_setup, trainer
+from gspmd_tp import checkpoint_tool, optim, run_setup, trainer
 from gspmd_tp import state as state_lib
 from gspmd_tp import step as step_lib
 from gspmd_tp.errors import UserError
@@ -160,6 +160,33 @@ def test_a_resume_names_the_settings_it_changed(trained_workdir, tmp_path, capsy
         "note: changed since step 2 was saved: batch_size 8 -> 16; model.remat 'none' -> 'dots'; "
         "optim.clip_norm 1.0 -> 0.5\n"
     ) in out
+
+
+def _moment_dtypes(step_dir) -> dict[str, set[str]]:
+    """{"mu": dtypes, "nu": dtypes} of AdamW's moments as a checkpoint's metadata gives them."""
+    tree = checkpoint_tool._state_tree_metadata(str(step_dir))
+    found = {"mu": set(), "nu": set()}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree["opt_state"])[0]:
+        keys = [str(getattr(k, "key", "")) for k in path]
+        for moment in found:
+            if moment in keys:
+                found[moment].add(str(leaf.dtype))
+    return found
+
+
+def test_a_resume_may_keep_the_first_moment_in_another_dtype(trained_workdir, tmp_path, capsys):
+    """The saved moment is read into the dtype the config asks for, either way."""
+    workdir = tmp_path / "run"
+    shutil.copytree(trained_workdir, workdir)
+    ckpts = workdir / "checkpoints"
+    trainer.train(small_config(steps=6, **{"optim.mu_dtype": "bfloat16"}), str(workdir))
+    assert "optim.mu_dtype 'float32' -> 'bfloat16'" in capsys.readouterr().out
+    assert _moment_dtypes(ckpts / "4") == {"mu": {"float32"}, "nu": {"float32"}}
+    assert _moment_dtypes(ckpts / "6") == {"mu": {"bfloat16"}, "nu": {"float32"}}
+    last = trainer.train(small_config(steps=8), str(workdir))
+    assert "optim.mu_dtype 'bfloat16' -> 'float32'" in capsys.readouterr().out
+    assert _moment_dtypes(ckpts / "8") == {"mu": {"float32"}, "nu": {"float32"}}
+    assert np.isfinite(last["loss"])
 
 
 def test_a_finished_run_says_so_before_compiling(trained_workdir, tmp_path, monkeypatch, capsys):
