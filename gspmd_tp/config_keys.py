@@ -28,6 +28,7 @@ OTHER_NAMES = {
     "adam_eps": "optim.eps",
     "max_grad_norm": "optim.clip_norm",
     "gradient_clipping_threshold": "optim.clip_norm",
+    "mu_dtype": "optim.mu_dtype",
     "num_train_steps": "steps",
     "total_steps": "steps",
     "max_steps": "steps",
