@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("dirs", nargs="+", help="bench.py --profile_dir directories")
     p.add_argument("--devices", type=int, default=8, help="devices traced (8 simulated by default)")
     args = p.parse_args()
-    print(f"{'trace (directory, time taken)':44s} {'XLA loop fusions':>17s} {'YNNPACK fusions':>16s}")
+    print(f"{'trace (directory, when taken)':44s} {'XLA loop fusions':>17s} {'YNNPACK fusions':>16s}")
     for d in args.dirs:
         for trace in sorted(glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)):
             ms = kernel_ms(trace)
