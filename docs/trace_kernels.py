@@ -15,21 +15,21 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import gzip
-import json
 import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gspmd_tp import profiling  # noqa: E402
 
 
 def kernel_ms(trace: str) -> collections.Counter:
     """Milliseconds of the trace's fusion events, summed by who wrote the kernel."""
-    with gzip.open(trace) as f:
-        events = json.load(f).get("traceEvents", [])
     ms = collections.Counter()
-    for e in events:
-        name = e.get("name", "")
-        if e.get("ph") != "X" or "fusion" not in name:
-            continue
-        ms["YNNPACK fusions" if name.startswith("ynn_fusion") else "XLA loop fusions"] += e["dur"] / 1e3
+    for name, us in profiling.event_durations(trace).items():
+        if "fusion" in name:
+            ms["YNNPACK fusions" if name.startswith("ynn_fusion") else "XLA loop fusions"] += us / 1e3
     return ms
 
 

@@ -26,15 +26,25 @@ def newest_trace(directory: str) -> str | None:
     return max(traces, key=os.path.getmtime) if traces else None
 
 
-def device_time_shares(trace: str, groups: dict[str, str], devices: int) -> dict:
-    """Per hlo.GROUPS entry: the milliseconds per device that `trace` spent in the
-    instructions `groups` classifies (hlo.classify of the compiled step), and their share."""
+def event_durations(trace: str) -> collections.Counter:
+    """Microseconds that `trace` (a `.trace.json.gz`) spent in each named event, summed over its
+    threads (on a CPU, one per simulated device)."""
     with gzip.open(trace) as f:
         events = json.load(f).get("traceEvents", [])
     us = collections.Counter()
     for e in events:
-        if e.get("ph") == "X" and e.get("name") in groups:
-            us[groups[e["name"]]] += e.get("dur", 0)
+        if e.get("ph") == "X":
+            us[e.get("name", "")] += e.get("dur", 0)
+    return us
+
+
+def device_time_shares(trace: str, groups: dict[str, str], devices: int) -> dict:
+    """Per hlo.GROUPS entry: the milliseconds per device that `trace` spent in the
+    instructions `groups` classifies (hlo.classify of the compiled step), and their share."""
+    us = collections.Counter()
+    for name, dur in event_durations(trace).items():
+        if name in groups:
+            us[groups[name]] += dur
     total = sum(us.values()) or 1
     return {k: {"ms_per_device": us[k] / 1e3 / devices, "share": us[k] / total} for k in hlo.GROUPS}
 
