@@ -42,6 +42,7 @@ from gspmd_tp.checkpoint_files import (
     not_damage,
     readable_checkpoints,
 )
+from gspmd_tp.config_keys import lookup
 from gspmd_tp.data_files import absolute_patterns
 from gspmd_tp.errors import JobError, UserError, exit_from_main, warn
 from gspmd_tp.model import ModelConfig
@@ -365,17 +366,11 @@ class _Unused:
 _UNUSED = _Unused()
 
 
-def _lookup(config: dict, dotted: str):
-    for part in dotted.split("."):
-        config = config.get(part, _ABSENT) if isinstance(config, dict) else _ABSENT
-    return config
-
-
 def _identity(config: dict, key: str):
     """`key`'s value as far as it shapes the run; _ABSENT where a run saved before the key existed."""
-    if key == "data.eval_fraction" and _lookup(config, "data.eval_files") not in ("", None, _ABSENT):
+    if key == "data.eval_fraction" and lookup(config, "data.eval_files", _ABSENT) not in ("", None, _ABSENT):
         return _UNUSED  # held-out files replace the hashed held-out fraction
-    value = _lookup(config, key)
+    value = lookup(config, key, _ABSENT)
     if key in ("data.train_files", "data.eval_files") and isinstance(value, str):
         # Runs save them absolute; one saved before that was relative to where it ran, taken as here.
         return absolute_patterns(value)

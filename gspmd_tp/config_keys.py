@@ -64,6 +64,15 @@ def default_config() -> dict:
     return module.get_config().to_dict()
 
 
+def lookup(config: dict, dotted: str, default=None):
+    """The value at `dotted` ("optim.lr") in a nested config dict; `default` where a part is missing."""
+    for part in dotted.split("."):
+        if not isinstance(config, dict) or part not in config:
+            return default
+        config = config[part]
+    return config
+
+
 def laid_over(defaults: dict, saved: dict) -> dict:
     """`saved`, with the keys it lacks (at any depth) taken from `defaults` and the keys `defaults`
     lacks (ones a newer version no longer reads) left out."""

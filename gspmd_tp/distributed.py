@@ -242,6 +242,17 @@ def agreed(fn, *args):
     return result
 
 
+def agreed_setup(config, fn, *args):
+    """fn(*args), a run_setup.Setup, made as one on every process of the job: `config` compared
+    across the processes first (a value given to one process alone, a rule file or data path only it
+    lacks, is named on every one rather than failing there alone while the others wait for it in a
+    collective), fn run under agreed(), and the rule file's text fn read compared after it."""
+    check_same_everywhere(config.to_dict())
+    s = agreed(fn, *args)
+    check_same_everywhere(None, s.rules.text)  # the config was compared; the rule file is all that is new
+    return s
+
+
 def every_process(values: list[int]) -> list[list[int]]:
     """Each process's `values` (int32, any number of them), in process order; [values] in a
     one-process job. Every process of the job must call it at the same point."""

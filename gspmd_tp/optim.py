@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from gspmd_tp.config_keys import laid_over
+from gspmd_tp.config_keys import laid_over, lookup
 from gspmd_tp.errors import UserError
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # the optimizer's rates and factors are float32 on the devices
@@ -113,7 +113,7 @@ def note_schedule_change(saved_config: dict, config, step: int, count: int, log)
     saved = laid_over(now, saved_config)  # keys added since: as now
     changed = []
     for key in SCHEDULE_KEYS:
-        before, after = (_get(d, key) for d in (saved, now))
+        before, after = (lookup(d, key) for d in (saved, now))
         if before != after:
             changed.append(f"config.{key} {before} -> {after}")
     if not changed:
@@ -131,9 +131,3 @@ def note_schedule_change(saved_config: dict, config, step: int, count: int, log)
         f"({', '.join(changed)}): step {step + 1 + first} trains at lr {now_lr[first]:.3e}, "
         f"not {before_lr[first]:.3e}"
     )
-
-
-def _get(d: dict, dotted: str):
-    for part in dotted.split("."):
-        d = d[part]
-    return d

@@ -167,10 +167,8 @@ def load_setup(
     step, meta, config = saved_config(workdir, overrides, step)
     # Processes given other overrides would read apart; what fails on one process only (a rule file
     # its host lacks) stops every one, named on each.
-    distributed.check_same_everywhere(config.to_dict())
-    s = distributed.agreed(_setup, workdir, step, meta, config, overrides, sampling, params_only)
-    distributed.check_same_everywhere(None, s.rules.text)
-    return step, meta, s
+    args = (workdir, step, meta, config, overrides, sampling, params_only)
+    return step, meta, distributed.agreed_setup(config, _setup, *args)
 
 
 def _setup(workdir, step, meta, config, overrides, sampling, params_only) -> run_setup.Setup:

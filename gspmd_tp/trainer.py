@@ -137,16 +137,10 @@ def train(config, workdir: str) -> dict:
     A SIGTERM/SIGINT saves at the next step boundary and returns with "stopped" set; a second
     exits at once. A NaN/Inf loss or gradient raises UserError (or is skipped, per config).
     """
-    # First, on every process: a value given to one process alone (a rule file or data path that
-    # only it lacks, say) is named everywhere, not only where that process's own check fails while
-    # the others wait for it in a collective until it is given up for dead. What else fails on one
-    # process only (a file its host lacks) fails every process.
-    distributed.check_same_everywhere(config.to_dict())
-    s = distributed.agreed(_checked_setup, config, workdir)
+    # First, on every process: what fails on one process alone fails every process, named on each.
+    s = distributed.agreed_setup(config, _checked_setup, config, workdir)
     checkpoint_dir = checkpoint_files.checkpoint_dir(workdir)
     c = s.config
-    # The config was compared above; what setup read from the rule file is all that is new.
-    distributed.check_same_everywhere(None, s.rules.text)
     workdir = os.path.abspath(workdir)
     # Saved absolute, so that evaluate, generate and a resume find the files from any directory.
     c.data.train_files = data_files.absolute_patterns(c.data.train_files)

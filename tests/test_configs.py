@@ -33,8 +33,10 @@ def test_a_model_key_under_another_trainers_name_is_named_with_ours():
 
 
 def test_every_name_of_another_trainer_points_to_a_key_we_have():
-    from gspmd_tp import checkpoint, config_keys
+    from gspmd_tp import config_keys
 
-    config = config_keys.default_config()
+    config, absent = config_keys.default_config(), object()
     for theirs, path in config_keys.OTHER_NAMES.items():
-        assert checkpoint._lookup(config, path) is not checkpoint._ABSENT, (theirs, path)
+        assert config_keys.lookup(config, path, absent) is not absent, (theirs, path)
+    assert config_keys.lookup(config, "optim.learning_rate", absent) is absent
+    assert config_keys.lookup(config, "optim.lr.value", absent) is absent
