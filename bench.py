@@ -11,14 +11,14 @@ report and writes --json_out.
 """
 
 if __name__ == "__main__":
-    from gspmd_tp.errors import exit_on_ctrl_c_while_importing
+    from gspmd_tp.job.errors import exit_on_ctrl_c_while_importing
 
     exit_on_ctrl_c_while_importing()
 
 from absl import app, flags, logging
 
-from gspmd_tp import host_devices, job_flags, paths
-from gspmd_tp.errors import UserError, define_config, no_positional_arguments, parse_flags
+from gspmd_tp.job import host_devices, job_flags, paths
+from gspmd_tp.job.errors import UserError, define_config, no_positional_arguments, parse_flags
 
 _CONFIG = define_config("configs/bench_cpu.py", "A configs/*.py file.")
 _RULES = flags.DEFINE_string("rules", "", "Comma-separated rule files, each once (default: config.rules).")
@@ -54,7 +54,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported
-    from gspmd_tp import stops
+    from gspmd_tp.job import signals
 
     rules = [r.strip() for r in _RULES.value.split(",")] if _RULES.value else [config.rules]
     meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
@@ -62,7 +62,8 @@ def main(argv):
     def job():
         import jax
 
-        from gspmd_tp import benchmark, distributed, outputs
+        from gspmd_tp.bench import benchmark
+        from gspmd_tp.job import distributed, output_paths
 
         def checked():
             if not all(rules):  # as plan's --compare: "a, b" is two names, "a,,b" a mistake
@@ -71,13 +72,13 @@ def main(argv):
             # rule file x mesh has been timed. The report is process 0's to write; each writes its
             # traces.
             if _JSON_OUT.value and jax.process_index() == 0:
-                outputs.check_file(_JSON_OUT.value, "--json_out", probe=True)
+                output_paths.check_file(_JSON_OUT.value, "--json_out", probe=True)
             if _PROFILE.value:
-                outputs.check_dir(_PROFILE.value, "--profile_dir", probe=True)
+                output_paths.check_dir(_PROFILE.value, "--profile_dir", probe=True)
             return benchmark.parse_variants(_VARIANTS.value) if _VARIANTS.value else None
 
         # stdout is the report's: gloo's lines, in a multi-process job on CPUs, go to stderr.
-        with outputs.stdout_to_stderr():
+        with output_paths.stdout_to_stderr():
             job_flags.join()
             variants = distributed.agreed(checked)  # an error of one process stops every one
             report = benchmark.run(
@@ -98,7 +99,7 @@ def main(argv):
         print(benchmark.to_json(report) if _JSON.value else benchmark.format_table(report), flush=True)
         if _JSON_OUT.value:
             try:
-                with outputs.whole_file(_JSON_OUT.value) as partial, open(partial, "w") as f:
+                with output_paths.whole_file(_JSON_OUT.value) as partial, open(partial, "w") as f:
                     f.write(benchmark.to_json(report, indent=1))
             except OSError as e:
                 raise UserError(f"--json_out={_JSON_OUT.value}: cannot write it ({e.strerror})") from None
@@ -107,7 +108,7 @@ def main(argv):
     left = [f"--json_out={_JSON_OUT.value} is as it was"] if _JSON_OUT.value else []
     if _PROFILE.value:
         left.append(f"--profile_dir={_PROFILE.value} holds the traces taken before it")
-    stops.run_job(
+    signals.run_job(
         job, before=f"({'; '.join(left) or 'nothing written'})", after="(after the report was written)"
     )
 

@@ -4,14 +4,14 @@ python train.py --config=configs/tiny.py --workdir=runs/tiny [--config.KEY=VALUE
 """
 
 if __name__ == "__main__":
-    from gspmd_tp.errors import exit_on_ctrl_c_while_importing
+    from gspmd_tp.job.errors import exit_on_ctrl_c_while_importing
 
     exit_on_ctrl_c_while_importing()  # until stops.run_job takes the stop signals
 
 from absl import app, flags, logging
 
-from gspmd_tp import host_devices, job_flags, paths
-from gspmd_tp.errors import define_config, no_positional_arguments, parse_flags
+from gspmd_tp.job import host_devices, job_flags, paths
+from gspmd_tp.job.errors import define_config, no_positional_arguments, parse_flags
 
 _CONFIG = define_config("configs/tiny.py", "A configs/*.py file.")
 _WORKDIR = paths.define_flag("workdir", None, "Run directory: checkpoints, metrics, events.")
@@ -25,15 +25,15 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported
-    from gspmd_tp import stops
+    from gspmd_tp.job import signals
 
     def job():
-        from gspmd_tp.trainer import train
+        from gspmd_tp.train.loop import train
 
         job_flags.join()
         train(config, _WORKDIR.value)
 
-    stops.run_job(job)
+    signals.run_job(job)
 
 
 if __name__ == "__main__":

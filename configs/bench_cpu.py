@@ -21,8 +21,8 @@ def get_config():
     c.model.head_dim = 32
     c.model.mlp_dim = 1024
     c.model.dtype = "float32"  # on this CPU bf16 matmuls are slower than f32 (bench.py measures both)
-    # Saving fewer activations is faster here: step 2.52 s vs 2.87 s without remat (median of 3).
+    # Saving fewer activations is faster here (docs/benchmarks.md).
     c.model.remat = "dots_no_batch"
-    # Four query blocks of 64: 5/8 of the score square instead of all of it (BENCHMARKS.md).
+    # Four query blocks of 64: 5/8 of the score square instead of all of it (docs/benchmarks.md).
     c.model.attention_block = 64
     return c

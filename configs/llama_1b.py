@@ -7,7 +7,7 @@ rematerialization that keeps matmul outputs and the attention's, and (model.mlp_
 backward written out on GPU; FSDP over every device by default
 (--config.rules=megatron_1d --config.mesh=dp=-1,mp=8 for tensor parallelism inside a host). With
 byte tokens it has 0.97B parameters. On one H100 it needs XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
-(BENCHMARKS.md: "The ~1B config on one H100").
+(docs/benchmarks.md, "One H100 GPU").
 """
 
 from configs import tiny
@@ -36,7 +36,7 @@ def get_config():
     c.model.tie_embeddings = True
     c.model.dtype = "bfloat16"
     c.model.attention = "auto"  # cudnn on GPU
-    # Unrolled, the step is 1.07x faster on an H100 than under the layer scan (BENCHMARKS.md).
+    # Unrolled: faster on an H100 than under the layer scan (docs/benchmarks.md).
     c.model.scan_layers = False
     c.model.remat = "dots_no_batch_attention"
 

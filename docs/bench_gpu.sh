@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmarks of BENCHMARKS.md ("The ~1B config on one H100"): bench.py on
+# The GPU benchmarks of docs/benchmarks.md ("One H100 GPU"): bench.py on
 # configs/llama_1b.py (rules dp, one device), one run per variant, each in its own process (two 1B
 # states do not share one GPU's memory), then every report merged into one JSON file.
 #

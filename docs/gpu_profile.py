@@ -1,4 +1,4 @@
-"""Where a GPU train step's device time goes, kernel by kernel (BENCHMARKS.md, "Where the time goes").
+"""Where a GPU train step's device time goes, kernel by kernel (docs/benchmarks.md, "One H100 GPU").
 
     python docs/gpu_profile.py --out=DIR --config=configs/llama_1b.py [--config.KEY=VALUE ...]
 
@@ -6,8 +6,8 @@ Compiles the step, writes its optimized HLO to DIR/step_hlo.txt, warms it up, tr
 steps with jax.profiler into DIR/trace, and sums the device's kernel time per HLO instruction
 (DIR/kernels.json; the top rows printed), so that a fusion's time can be read beside what it fuses.
 CUDA graphs are switched off (--xla_gpu_enable_command_buffer=, added to XLA_FLAGS): inside one the
-trace sees a single command_buffer kernel for the whole step. Without them the H100 step ran at the
-same speed (769.6 against 768.3 ms, BENCHMARKS.md).
+trace sees a single command_buffer kernel for the whole step. Without them the H100 step runs at the
+same speed (docs/benchmarks.md).
 """
 
 import collections
@@ -22,7 +22,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_
 
 from absl import app, flags
 
-from gspmd_tp.errors import define_config
+from gspmd_tp.job.errors import define_config
 
 _CONFIG = define_config("configs/llama_1b.py", "A configs/*.py file.")
 _OUT = flags.DEFINE_string("out", "", "Output directory.")
@@ -71,7 +71,7 @@ def main(argv):
     del argv
     import jax
 
-    from gspmd_tp import benchmark
+    from gspmd_tp.bench import benchmark
 
     os.makedirs(_OUT.value, exist_ok=True)
     config = _CONFIG.value

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gspmd_tp.hlo import shape_bytes  # noqa: E402
+from gspmd_tp.sharding.hlo import shape_bytes  # noqa: E402
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\((.*?)\)(?:, |$)")
 KINDS = ("fusion", "custom-call", "copy")

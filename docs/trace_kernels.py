@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gspmd_tp import profiling  # noqa: E402
+from gspmd_tp.train import profiling  # noqa: E402
 
 
 def kernel_ms(trace: str) -> collections.Counter:

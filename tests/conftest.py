@@ -94,12 +94,12 @@ def small_config(**overrides):
     return c
 
 
-def documents(tokens) -> list[bytes]:
+def split_documents(tokens) -> list[bytes]:
     """Splits a packed stream back into its documents (each one ends with the separator)."""
-    from gspmd_tp import data
+    from gspmd_tp.data import pipeline
 
-    assert len(tokens) == 0 or tokens[-1] == data.SEPARATOR
-    return bytes(tokens).split(bytes([data.SEPARATOR]))[:-1]
+    assert len(tokens) == 0 or tokens[-1] == pipeline.SEPARATOR
+    return bytes(tokens).split(bytes([pipeline.SEPARATOR]))[:-1]
 
 
 def data_config(**overrides):
@@ -136,9 +136,9 @@ def run_steps(config, batches, devices=None, state=None):
     """Trains on `batches` from a fresh (or given) state; returns (state, [(loss, grad_norm)])."""
     import jax
 
-    from gspmd_tp import run_setup
-    from gspmd_tp import state as state_lib
-    from gspmd_tp import step as step_lib
+    from gspmd_tp.train import run_setup
+    from gspmd_tp.train import state as state_lib
+    from gspmd_tp.train import step as step_lib
 
     s = run_setup.setup(config, devices)
     if state is None:
@@ -153,11 +153,12 @@ def run_steps(config, batches, devices=None, state=None):
 
 def save_checkpoint(workdir, config, state):
     """Saves `state` as step 2 of a checkpoint in workdir, with config's meta; returns the manager."""
-    from gspmd_tp import checkpoint, run_setup
+    from gspmd_tp.checkpoint import store
+    from gspmd_tp.train import run_setup
 
     s = run_setup.setup(config)
-    mngr = checkpoint.manager(str(workdir), keep=2)
-    checkpoint.save(mngr, 2, state, {"next_index": 2}, s.meta())
+    mngr = store.manager(str(workdir), keep=2)
+    store.save(mngr, 2, state, {"next_index": 2}, s.meta())
     mngr.wait_until_finished()
     return mngr
 
@@ -167,10 +168,10 @@ def loss_and_grads(config, variants):
     parameters, one jit-compiled call per (grad_accum, loss_chunk) in `variants`."""
     import jax
 
-    from gspmd_tp import run_setup
-    from gspmd_tp import state as state_lib
-    from gspmd_tp import step as step_lib
-    from gspmd_tp.model import Transformer
+    from gspmd_tp.model.transformer import Transformer
+    from gspmd_tp.train import run_setup
+    from gspmd_tp.train import state as state_lib
+    from gspmd_tp.train import step as step_lib
 
     s = run_setup.setup(config)
     state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, config.seq_len, config.seed)
@@ -192,10 +193,10 @@ def loss_and_grads(config, variants):
 def trained_workdir(tmp_path_factory):
     """A workdir trained 4 steps with small_config() (megatron_2d on dp=2,mp=4): checkpoints at
     steps 2 and 4, metrics.jsonl with eval_loss at steps 2 and 4. Shared: treat it as read-only."""
-    from gspmd_tp import trainer
+    from gspmd_tp.train import loop
 
     workdir = tmp_path_factory.mktemp("trained")
-    trainer.train(small_config(), str(workdir))
+    loop.train(small_config(), str(workdir))
     return workdir
 
 

@@ -1,0 +1,232 @@
+"""The checkpoint tool, python -m gspmd_tp.checkpoint info DIR | export DIR OUT.npz (see main()):
+a run's checkpoints described and their parameters written to one unsharded .npz, read on the host
+with no mesh; and that .npz read back onto a mesh (import_params: config.init_from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zipfile
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+from gspmd_tp.checkpoint import store
+from gspmd_tp.checkpoint.step_dirs import (
+    DATA,
+    STATE,
+    checkpoint_dir,
+    read_newest,
+    read_step_meta,
+    short_error,
+    steps_on_disk,
+)
+from gspmd_tp.job import output_paths, paths
+from gspmd_tp.job.errors import ArgumentParser, UserError, interrupted, warn
+from gspmd_tp.model.params import path_str
+
+# --- one unsharded file of parameters: export and import ---
+
+
+def _flat(tree) -> dict:
+
+    return {path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _locate(path: str, step: int | None) -> tuple[str, int | None]:
+    """(checkpoints dir, step or None for the newest) for a workdir, its checkpoints dir or one step dir."""
+    path = os.path.abspath(path)
+    name = os.path.basename(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{path} is a file, not a run's directory, its checkpoints or one of their steps")
+    if name.isdigit() and os.path.isdir(path) and not steps_on_disk(path):
+        if step is not None and step != int(name):
+            raise UserError(
+                f"{path} is the directory of step {name} but --step {step} was given; "
+                f"pass {os.path.dirname(path)} with --step {step}, or leave --step out"
+            )
+        return os.path.dirname(path), int(name)
+    ckpt_dir = path if steps_on_disk(path) else checkpoint_dir(path)
+    if not steps_on_disk(ckpt_dir):
+        raise UserError(f"{path}: no checkpoint found (looked in {ckpt_dir})")
+    return ckpt_dir, step
+
+
+def _state_tree_metadata(step_dir: str) -> dict:
+    metadata = ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, STATE)).item_metadata
+    if metadata is None:  # orbax's answer where the array metadata's own files are gone or garbled
+        raise FileNotFoundError(
+            "state: the arrays' metadata does not read (its files are missing or cut short)"
+        )
+    return metadata.tree
+
+
+def export_params(path: str, out: str, step: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Writes the parameters of a checkpoint (newest step by default) to one unsharded .npz file.
+
+    Only the parameters are read (not the optimizer state), straight to host numpy arrays.
+    Returns {parameter path: shape}.
+    """
+    if not out.endswith(".npz"):
+        raise UserError(f"{out}: export writes .npz files; name the output *.npz")
+
+    def read(step_dir):
+        read_step_meta(step_dir)  # a partial step is not exported
+        params_md = _state_tree_metadata(step_dir)["params"]
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), params_md)
+        with store.quiet_after_a_failed_read():
+            return ocp.PyTreeCheckpointer().restore(
+                os.path.join(step_dir, STATE),
+                args=ocp.args.PyTreeRestore(
+                    item={"params": params_md}, restore_args={"params": restore_args}, partial_restore=True
+                ),
+            )["params"]
+
+    _, params = read_newest(*_locate(path, step), read, warn=warn)
+    flat = _flat(params)
+    with output_paths.whole_file(out) as partial, open(partial, "wb") as f:
+        np.savez(f, **flat)  # a file object: savez adds no .npz to the temporary name
+    return {k: v.shape for k, v in flat.items()}
+
+
+def import_params(path: str, abstract_params, digest=None):
+    """Parameters from an exported .npz, each placed straight into its target sharding.
+
+    Raises UserError naming every missing, extra or differently shaped parameter before placing any.
+    `digest` (a hashlib object), where given, takes in every parameter as the check reads it (name,
+    dtype, shape, values): files that give other parameters give another digest, without a read of
+    its own.
+    """
+    if not os.path.isfile(path):
+        raise UserError(f"config.init_from: no file {path}")
+    not_npz = (
+        f"config.init_from={path} is not a readable .npz of parameters "
+        "(python -m gspmd_tp.checkpoint export writes one)"
+    )
+    if not zipfile.is_zipfile(path):  # np.load would take it for a pickle, and suggest loading it unsafely
+        raise UserError(f"{not_npz}: not a zip archive")
+    try:
+        have, non_finite = {}, []
+        with np.load(path) as npz:
+            for k in npz.files:  # each member read once, one at a time
+                value = npz[k]
+                have[k] = value.shape
+                if digest is not None:
+                    digest.update(repr((k, value.dtype.str, value.shape)).encode())
+                    digest.update(np.ascontiguousarray(value).data)
+                if value.dtype.kind in "fc" and not np.isfinite(value).all():
+                    non_finite.append(k)
+    except (OSError, ValueError, EOFError, AttributeError, zipfile.BadZipFile) as e:
+        # np.load takes any other file for a pickle or .npy (AttributeError: no `with` on an array).
+        raise UserError(f"{not_npz}: {short_error(e)}") from None
+    want = {k: tuple(v.shape) for k, v in _flat(abstract_params).items()}
+    problems = [
+        f"{k}: file {have.get(k, 'absent')}, model {want.get(k, 'absent')}"
+        for k in sorted(set(have) | set(want))
+        if have.get(k) != want.get(k)
+    ]
+    if problems:
+        raise UserError(f"config.init_from={path} does not fit the model: {'; '.join(problems)}")
+    if non_finite:
+        raise UserError(f"config.init_from={path}: NaN or Inf values in {', '.join(non_finite)}")
+
+    def place(key_path, target):
+
+        with np.load(path) as npz:  # one parameter on the host at a time
+            value = npz[path_str(key_path)].astype(target.dtype)
+        return jax.make_array_from_callback(value.shape, target.sharding, lambda idx: value[idx])
+
+    return jax.tree_util.tree_map_with_path(place, abstract_params)
+
+
+# --- the command-line tool ---
+
+
+def _size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def info(path: str, step: int | None = None) -> str:
+    """A human-readable summary of the checkpoints under `path` (workdir, checkpoints dir or step)."""
+    ckpt_dir, step = _locate(path, step)
+
+    def read(step_dir):
+        with open(os.path.join(step_dir, DATA, "metadata")) as f:
+            return read_step_meta(step_dir), _state_tree_metadata(step_dir), json.load(f)
+
+    step, (meta, tree, data_state) = read_newest(ckpt_dir, step, read, warn=warn)
+    step_dir = os.path.join(ckpt_dir, str(step))
+    sizes = {s: _size(os.path.join(ckpt_dir, str(s))) for s in sorted(steps_on_disk(ckpt_dir))}
+
+    def nbytes(t):
+        leaves = [m for m in jax.tree.leaves(t) if hasattr(m, "shape")]
+        return sum(int(np.prod(m.shape)) * np.dtype(m.dtype).itemsize for m in leaves), leaves
+
+    param_bytes, param_leaves = nbytes(tree["params"])
+    opt_bytes, _ = nbytes(tree["opt_state"])
+    n_params = sum(int(np.prod(m.shape)) for m in param_leaves)
+    # info reads metadata only. Parameters compress little (zstd), so array files far smaller than
+    # them mean files are missing: export, evaluate and a resume would find the damage.
+    on_disk = _size(os.path.join(step_dir, STATE))
+    if on_disk < param_bytes / 10:
+        warn(
+            f"warning: {step_dir}: its array files take {_mb(on_disk)} for {_mb(param_bytes)} of parameters; "
+            "files may be missing (info reads the metadata only; export reads every array)"
+        )
+    model = " ".join(f"{k}={v}" for k, v in meta["model"].items())
+    lines = [
+        f"checkpoints in {ckpt_dir}",
+        "  steps: " + ", ".join(f"{s} ({_mb(size)})" for s, size in sizes.items()),
+        f"step {step}:",
+        f"  saved on mesh {meta['mesh']} by {meta['process_count']} process(es) "
+        f"with rules {meta['rules']['source']}",
+        f"  model: {model}",
+        f"  parameters: {n_params:,} ({_mb(param_bytes)}); optimizer state {_mb(opt_bytes)}; "
+        f"on disk {_mb(sizes[step])}",
+        f"  data position: next example {data_state.get('next_example')} "
+        f"(batch_size {meta['config']['batch_size']}, seed {meta['config']['data']['seed']})",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """python -m gspmd_tp.checkpoint {info DIR | export DIR OUT.npz} [--step N]."""
+    # The command is checkpoint.py's, and so is its description.
+    parser = ArgumentParser(prog="python -m gspmd_tp.checkpoint", description=store.__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="steps, model config, rules, mesh and sizes")
+    p_info.add_argument(
+        "dir", type=paths.expand, help="a workdir, its checkpoints/ directory or one step directory"
+    )
+    p_info.add_argument("--step", type=int, default=None, help="default: the newest")
+    p_export = sub.add_parser(
+        "export", help="the parameters as one unsharded .npz (config.init_from reads it)"
+    )
+    p_export.add_argument("dir", type=paths.expand)
+    p_export.add_argument("out", type=paths.expand, help="OUT.npz")
+    p_export.add_argument("--step", type=int, default=None, help="default: the newest")
+    args = parser.parse_args(argv)
+    # orbax warns, for every healthy step, that a lone item has no checkpoint-level metadata file.
+    logging.set_verbosity(logging.ERROR)
+    try:
+        if args.command == "info":
+            print(info(args.dir, args.step))
+        else:
+            output_paths.check_file(args.out, "OUT", probe=True)
+            shapes = export_params(args.dir, args.out, args.step)
+            n = sum(int(np.prod(s)) for s in shapes.values())
+            print(f"wrote {len(shapes)} parameters ({n:,} values) to {args.out}")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return interrupted("nothing written" if args.command == "info" else f"OUT={args.out} is as it was")
+    return 0

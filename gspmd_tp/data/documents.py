@@ -1,0 +1,200 @@
+"""A user's data files: config.data's globs matched (~ expanded, the run's workdir left out) and
+the matches checked (directories, pipes, broken links, extensions), then read as documents: a .txt
+file is one, a .jsonl file one per non-blank line's text field.
+
+Documents are (name, bytes); data.py splits, packs and batches them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import json
+import os
+from pathlib import Path
+
+from gspmd_tp.job import paths
+from gspmd_tp.job.errors import UserError
+
+
+def absolute_patterns(patterns: str) -> str:
+    """Comma-separated file patterns made absolute, so that a saved run's data is found from any
+    working directory and one file spelled two ways is one run's data."""
+    return ",".join(os.path.abspath(paths.expand(p.strip())) for p in patterns.split(",") if p.strip())
+
+
+def _name_under_pattern(pattern: str, path: str) -> str:
+    """`path` relative to the pattern's directories before the first wildcard: the name a
+    document's held-out hash reads, the same however the pattern spells those directories."""
+    parts = Path(pattern).parts
+    literal = []
+    for part in parts[:-1]:
+        if any(ch in part for ch in "*?["):
+            break
+        literal.append(part)
+    return os.path.relpath(path, os.path.join(*literal) if literal else ".")
+
+
+def _is_pattern(text: str) -> bool:
+    return any(ch in text for ch in "*?[")
+
+
+def _inside(path: str, directory: str | None) -> bool:
+    if not directory:
+        return False
+    directory = os.path.realpath(directory)
+    return os.path.commonpath([os.path.realpath(path), directory]) == directory
+
+
+def matched_files(patterns: str, what: str, workdir: str | None = None) -> list[tuple[str, str]]:
+    """(pattern, path) of every file the comma-separated globs match, in order, but for those inside
+    the run's `workdir`; UserError for a glob that matches no file and for a match that is no
+    readable document."""
+    found = []
+    # ~ as the shell would have expanded it: `--config.data.train_files=~/data/*.txt` is left as it is
+    # by bash (the word is no assignment), and glob does not expand it.
+    for pattern in [paths.expand(p.strip()) for p in patterns.split(",") if p.strip()]:
+        matched = sorted(glob.glob(pattern, recursive=True))
+        if not matched:
+            raise UserError(f"config.data.{what}: no file matches {pattern!r}")
+        files = []
+        # The run's own metrics.jsonl is no document: a glob such as **/*.jsonl would take it from
+        # the second start on, and the run (whose train_files may not change) could not resume.
+        matched = [path for path in matched if not _inside(path, workdir)]
+        if not matched:
+            raise UserError(f"config.data.{what}: no file matches {pattern!r} outside the run's {workdir}")
+        for path in matched:
+            if os.path.isdir(path):
+                if _is_pattern(pattern):  # `data/**` also matches the directories it walks through
+                    continue
+                raise UserError(
+                    f"config.data.{what}: {path} is a directory; give a glob of its files, "
+                    f"e.g. {os.path.join(path, '**', '*.txt')}"
+                )
+            if not path.endswith((".jsonl", ".txt")):
+                raise UserError(f"config.data.{what}: {path} is neither .txt nor .jsonl")
+            if os.path.islink(path) and not os.path.exists(path):
+                raise UserError(
+                    f"config.data.{what}: {path} is a symbolic link to {os.readlink(path)}, which is missing"
+                )
+            if os.path.exists(path) and not os.path.isfile(path):
+                # A named pipe would block the run in its first read until some other process wrote it.
+                raise UserError(
+                    f"config.data.{what}: {path} is not a regular file (a pipe, socket or device)"
+                )
+            files.append((pattern, path))
+        if not files:
+            raise UserError(f"config.data.{what}: {pattern!r} matches directories only, no file")
+        found += files
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Matches:
+    """The (pattern, path) pairs that config.data.train_files and eval_files match ([] for an empty
+    list): each glob walked once per start, by match(), and read by documents(), files_in_both() and
+    files_matched_twice() (a walk of many files costs seconds)."""
+
+    train: list[tuple[str, str]]
+    eval: list[tuple[str, str]]
+
+
+def match(data, workdir: str | None = None) -> Matches:
+    """config.data's train_files and eval_files globs matched, in that order (matched_files)."""
+    return Matches(
+        train=matched_files(data.train_files, "train_files", workdir) if data.train_files else [],
+        eval=matched_files(data.eval_files, "eval_files", workdir) if data.eval_files else [],
+    )
+
+
+def documents(matched: list[tuple[str, str]], field: str, what: str) -> list[tuple[str, bytes]]:
+    """(name, bytes) of the documents in matched_files' (pattern, path) pairs for config.data.`what`:
+    a .txt file is one, a .jsonl file one per non-blank line's `field`."""
+    docs, paths = [], []
+    for pattern, path in matched:
+        name = _name_under_pattern(pattern, path)
+        try:
+            if path.endswith(".jsonl"):
+                docs += [(f"{name}:{line}", text) for line, text in _jsonl_documents(path, field)]
+            else:
+                docs.append((name, Path(path).read_bytes()))  # tokens are bytes: any encoding trains
+        except OSError as e:
+            raise UserError(f"config.data.{what}: cannot read {path}: {e.strerror or e}") from None
+        paths.append(path)
+    if not docs:
+        # Only .jsonl files of blank lines get here: a .txt file is a document even when empty.
+        raise UserError(
+            f"config.data.{what}: {_plural(len(paths), 'file')} but no document "
+            f"(a .jsonl file holds one per non-blank line)"
+        )
+    return docs
+
+
+def _not_utf8(path: str, line: int, raw: bytes, e: UnicodeDecodeError) -> UserError:
+    return UserError(
+        f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); re-encode it as UTF-8"
+    )
+
+
+def _jsonl_documents(path: str, field: str) -> list[tuple[int, bytes]]:
+    """(line number, text) of each non-blank line's `field`."""
+    docs = []
+    # Binary lines split on "\n" only, as editors number them (text mode also splits on a lone "\r").
+    with open(path, "rb") as f:
+        for i, line in enumerate(f):
+            try:
+                line_text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_utf8(path, i + 1, line, e) from None
+            if i == 0:
+                line_text = line_text.removeprefix("\ufeff")  # a byte order mark some editors write
+            if not line_text.strip():
+                continue
+            try:
+                value = json.loads(line_text)
+            except json.JSONDecodeError:
+                problem = "not valid JSON"
+            except RecursionError:  # Python's parser recurses once per [ or {
+                problem = "nested too deeply to parse"
+            else:
+                if not isinstance(value, dict):
+                    problem = "not an object"
+                elif field not in value:
+                    problem = "no such field"
+                elif not isinstance(value[field], str):  # str() would train on "None", "5", "['a']"
+                    problem = f"got {json.dumps(value[field])[:40]}"
+                else:
+                    try:
+                        docs.append((i + 1, value[field].encode("utf-8")))
+                        continue
+                    except UnicodeEncodeError as e:  # JSON may escape half a UTF-16 pair: "\ud83d"
+                        raise UserError(
+                            f"{path}:{i + 1}: field {field!r} holds a lone surrogate "
+                            f"{json.dumps(value[field][e.start])} (half of a UTF-16 pair, no character); "
+                            "remove it or give its pair"
+                        ) from None
+            raise UserError(
+                f"{path}:{i + 1}: expected a JSON object with a string field {field!r} "
+                f"(config.data.jsonl_field); {problem}"
+            )
+    return docs
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def files_in_both(matches: Matches) -> list[str]:
+    """Real paths of the files that config.data.train_files and eval_files both match (a held-out
+    loss measured on text the run trains on); [] without eval_files."""
+    held = {os.path.realpath(path) for _, path in matches.eval}
+    return sorted({os.path.realpath(path) for _, path in matches.train} & held)
+
+
+def files_matched_twice(matches: Matches) -> list[str]:
+    """Real paths of the files that config.data.train_files' globs match more than once (read, and
+    trained on, as many times: `data/*.txt,data/**/*.txt` matches data/a.txt twice, since ** also
+    matches no directory)."""
+    counts = collections.Counter(os.path.realpath(path) for _, path in matches.train)
+    return sorted(path for path, n in counts.items() if n > 1)

@@ -1,0 +1,372 @@
+"""Input pipeline: documents -> byte tokens -> packed fixed-length windows -> grain batches.
+
+Documents are a user's files (data_files.py reads them) or, by default, a corpus that needs no
+download: the source files of the installed Python standard library. Tokens are bytes (0..255);
+byte 0 separates documents (it never occurs in text). Documents go to the held-out split by a hash
+of their name, so the split does not depend on file order or seed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import queue
+import sysconfig
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import grain
+import jax
+import numpy as np
+
+from gspmd_tp.data import documents
+from gspmd_tp.job.errors import UserError
+
+SEPARATOR = 0
+BYTE_VOCAB = 256
+# The token of an evaluation batch's padding rows: no vocabulary id, so no target counts it.
+PAD = -1
+
+
+def padded_vocab(size: int = BYTE_VOCAB, multiple: int = 128) -> int:
+    """Vocabulary size rounded up so that the vocab axis shards evenly on common meshes."""
+    return -(-size // multiple) * multiple
+
+
+@functools.cache  # read once per process: a trainer's evaluate, a library caller's second run
+def _stdlib_documents() -> tuple[tuple[str, bytes], ...]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = []
+    # site-packages is not the standard library; test/ is mostly fixtures, not prose-like code. Both
+    # are left unwalked: of the ~13,000 .py files under the root ~1,000 are kept, and a walk of them
+    # all took a second of every run's start (as Path.rglob, symbolic links to directories are not
+    # followed; the documents and their order are the same).
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "site-packages" and not (top == str(root) and d == "test")]
+        paths += [Path(top, f) for f in files if f.endswith(".py")]
+    return tuple((str(path.relative_to(root)), path.read_bytes()) for path in sorted(paths))
+
+
+def _held_out(name: str, fraction: float) -> bool:
+    # surrogateescape: a file name that is not UTF-8 hashes as its bytes on disk (os.fsencode), where
+    # strict encoding would fail; a UTF-8 name hashes as before.
+    digest = int.from_bytes(hashlib.sha1(name.encode("utf-8", "surrogateescape")).digest()[:4], "little")
+    return digest % 100_000 < fraction * 100_000
+
+
+def _pack(docs: Sequence[tuple[str, bytes]]) -> np.ndarray:
+    """Concatenates documents, each followed by the separator, into one uint8 token stream."""
+    parts = []
+    for _, text in docs:
+        parts.append(np.frombuffer(text.replace(b"\0", b""), np.uint8))
+        parts.append(np.array([SEPARATOR], np.uint8))
+    return np.concatenate(parts) if parts else np.zeros((0,), np.uint8)
+
+
+def check(data) -> None:
+    """Checks config.data's file lists and held-out split keys; raises UserError naming the key."""
+    for key in ("train_files", "eval_files"):
+        # Only commas or spaces would otherwise read as empty: the default corpus, or a split of it.
+        if data[key] and not any(p.strip() for p in data[key].split(",")):
+            raise UserError(f"config.data.{key}={data[key]!r} names no file; leave it empty for the default")
+    if data.eval_files:
+        return  # eval_fraction is not used
+    if data.eval_fraction == 0:
+        # The trainer evaluates every eval_every steps and at the end; there is no run without eval.
+        raise UserError(
+            "config.data.eval_fraction=0 holds out no document and config.data.eval_files is empty, but "
+            "training evaluates on held-out data; set config.data.eval_files or eval_fraction in (0, 1)"
+        )
+    if not 0 < data.eval_fraction < 1:
+        raise UserError(f"config.data.eval_fraction must be in (0, 1), got {data.eval_fraction}")
+
+
+def load_corpus(
+    data, workdir: str | None = None, matches: documents.Matches | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(train tokens, held-out tokens) as uint8 streams, per config.data; files inside the run's
+    `workdir` are left out. `matches`: data_files.match(data, workdir) where the caller has it."""
+    check(data)
+    if matches is None:
+        matches = documents.match(data, workdir)
+    if data.train_files:
+        docs = documents.documents(matches.train, data.jsonl_field, "train_files")
+        source = "config.data.train_files"
+    else:
+        docs = _stdlib_documents()
+        source = "the default corpus (config.data.train_files is empty)"
+    if data.eval_files:
+        return _pack(docs), _pack(documents.documents(matches.eval, data.jsonl_field, "eval_files"))
+    train = [d for d in docs if not _held_out(d[0], data.eval_fraction)]
+    held = [d for d in docs if _held_out(d[0], data.eval_fraction)]
+    if not train or not held:
+        # With a few documents (a .txt file is one) a hash split often leaves one side empty.
+        which = f"its only document, {docs[0][0]}," if len(docs) == 1 else f"all {len(docs)} documents"
+        went = (
+            "stayed in training, leaving the held-out split empty" if train else "went to the held-out split"
+        )
+        raise UserError(
+            f"{source}: {which} {went} (config.data.eval_fraction={data.eval_fraction} holds out whole "
+            f"documents by a hash of their names; a .txt file is one document and a .jsonl line is one); "
+            f"set config.data.eval_files or add files"
+        )
+    return _pack(train), _pack(held)
+
+
+def fingerprint(tokens: np.ndarray) -> dict:
+    """{"tokens": count, "sha256": 16 hex digits of their bytes}: a token stream's identity, saved
+    with checkpoints so that a resume sees files changed in place."""
+    return {"tokens": len(tokens), "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()[:16]}
+
+
+def held_out_tokens(data, workdir: str | None = None) -> np.ndarray:
+    """The held-out token stream alone; with config.data.eval_files only those files are read (none
+    inside the run's `workdir`)."""
+    if data.eval_files:
+        check(data)
+        matched = documents.matched_files(data.eval_files, "eval_files", workdir)  # train_files' unwalked
+        return _pack(documents.documents(matched, data.jsonl_field, "eval_files"))
+    return load_corpus(data, workdir)[1]
+
+
+class PackedWindows:
+    """Random access to fixed windows of seq_len + 1 tokens (inputs and shifted targets)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.count = max((len(tokens) - 1) // seq_len, 0)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        start = int(i) * self.seq_len
+        window = self.tokens[start : start + self.seq_len + 1].astype(np.int32)
+        return {"tokens": window, "id": np.int64(i)}
+
+
+class PaddedWindows:
+    """`windows` followed by rows of PAD tokens up to `length` (a pass that fills its last batch)."""
+
+    def __init__(self, windows: PackedWindows, length: int):
+        self.windows, self.length = windows, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if i < len(self.windows):
+            return self.windows[i]
+        return {"tokens": np.full((self.windows.seq_len + 1,), PAD, np.int32), "id": np.int64(-1)}
+
+
+class BatchStream:
+    """An endless MapDataset read as global batches; iterate it for this process's rows of each.
+
+    Global batch i is examples [i * B, (i + 1) * B) of the stream, and this process reads its
+    contiguous `rows` = (first, count) of each (process_rows: the rows its devices hold; default all
+    of them). A position is therefore a global example index: it means the same thing for any
+    process count, mesh and batch size.
+    """
+
+    def __init__(
+        self,
+        ds: grain.MapDataset,
+        global_batch: int,
+        rows: tuple[int, int] | None = None,
+        batches_per_pass: int | None = None,
+    ):
+        self.ds, self.global_batch = ds, global_batch
+        self.first_row, self.rows = rows or (0, global_batch)
+        # Batches before the stream repeats an example (None: not counted, as for training).
+        self.batches_per_pass = batches_per_pass
+
+    def __iter__(self) -> BatchIterator:
+        return BatchIterator(self)
+
+
+class BatchIterator:
+    """Yields {'tokens': (rows, seq_len + 1), 'id': (rows,)} dicts; get_state/set_state resume it."""
+
+    def __init__(self, stream: BatchStream):
+        self.stream, self.next_example = stream, 0
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        s = self.stream
+        first = self.next_example + s.first_row
+        rows = [s.ds[j] for j in range(first, first + s.rows)]
+        self.next_example += s.global_batch
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def get_state(self) -> dict:
+        """The position as the global index of the next example (independent of process count)."""
+        return {"next_example": self.next_example}
+
+    def set_state(self, state: dict) -> None:
+        """Continues from a get_state() result."""
+        self.next_example = int(state["next_example"])
+
+
+# config.data.prefetch: -1 reads AUTO_PREFETCH batches ahead on accelerators. Read-ahead is bounded as
+# grain bounds its autotuned buffer (prefetch_autotune: min(RAM budget / element size, 1000)): the
+# batches wait placed on the devices, beside the memory the compiled step was checked to fit in.
+AUTO_PREFETCH = 2
+MAX_PREFETCH = 1000
+PREFETCH_BYTES = 1 << 30
+
+
+def _batch_bytes(batch_size: int, seq_len: int) -> int:
+    return batch_size * (seq_len + 1) * np.dtype(np.int32).itemsize
+
+
+def max_prefetch(batch_size: int, seq_len: int) -> int:
+    """The most batches config.data.prefetch may read ahead: MAX_PREFETCH, fewer where they and the
+    one being read would hold over PREFETCH_BYTES of int32 tokens, never fewer than AUTO_PREFETCH."""
+    return max(AUTO_PREFETCH, min(MAX_PREFETCH, PREFETCH_BYTES // _batch_bytes(batch_size, seq_len) - 1))
+
+
+def check_prefetch(prefetch: int, batch_size: int, seq_len: int) -> None:
+    """UserError naming config.data.prefetch where it is below -1 or over max_prefetch()."""
+    if prefetch < -1:
+        raise UserError(f"config.data.prefetch must be -1 (auto), 0 or more, got {prefetch}")
+    limit = max_prefetch(batch_size, seq_len)
+    if prefetch > limit:
+        raise UserError(
+            f"config.data.prefetch={prefetch} is over its limit of {limit} batches read ahead (at most "
+            f"{MAX_PREFETCH}, and {PREFETCH_BYTES >> 30} GiB with the batch being read; a batch of "
+            f"{batch_size} x {seq_len + 1} int32 tokens is {_batch_bytes(batch_size, seq_len):,} bytes); "
+            "-1 is the default"
+        )
+
+
+class Prefetcher:
+    """Reads and places the next batches on a background thread, off the train step's path.
+
+    Wraps a BatchIterator (whose state is already set) and `place` (host batch -> global array). Up to
+    `depth` placed batches wait in a queue, and one more in the thread's hands; get_state() is the
+    position after the last batch handed out, not after the last one read ahead, so a checkpoint
+    resumes exactly where training was. An error in the thread is raised by the next `next()`.
+    close() stops the thread. depth 0 reads on the caller's thread, when next() is called.
+    """
+
+    def __init__(self, it: BatchIterator, place, depth: int = 2):
+        self._it, self._place = it, place
+        self._state = it.get_state()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._stop = threading.Event()
+        self._thread = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = (self._place(next(self._it)), self._it.get_state(), None)
+            except Exception as e:  # handed to the consumer, which raises it
+                item = (None, None, e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self):
+        if self._thread is None:
+            batch = self._place(next(self._it))
+            self._state = self._it.get_state()
+            return batch
+        batch, state, error = self._queue.get()
+        if error is not None:
+            raise error
+        self._state = state
+        return batch
+
+    def get_state(self) -> dict:
+        """The underlying iterator's state after the last batch handed out."""
+        return dict(self._state)
+
+    def close(self) -> None:
+        """Stops the background thread (batches read ahead are dropped)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def train_dataset(
+    tokens: np.ndarray,
+    seq_len: int,
+    global_batch: int,
+    seed: int,
+    rows: tuple[int, int] | None = None,
+) -> BatchStream:
+    """Shuffled (reshuffled each epoch), endless global batches; this process reads `rows` (first,
+    count) of each, by default all of them."""
+    windows = PackedWindows(tokens, seq_len)
+    if len(windows) < global_batch:
+        raise UserError(
+            f"training corpus has {len(windows)} windows of {seq_len + 1} tokens ({len(tokens)} tokens), "
+            f"fewer than config.batch_size={global_batch}; add text to config.data.train_files or lower "
+            f"config.batch_size or config.seq_len"
+        )
+    ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat(None)
+    return BatchStream(ds, global_batch, rows)
+
+
+def eval_dataset(
+    tokens: np.ndarray,
+    seq_len: int,
+    global_batch: int,
+    rows: tuple[int, int] | None = None,
+) -> BatchStream:
+    """The held-out windows in a fixed order, read as train_dataset reads. One pass is
+    `batches_per_pass` batches holding every window once; the last batch's rows past the windows are
+    padding (PAD tokens), which the eval step does not count."""
+    windows = PackedWindows(tokens, seq_len)
+    if len(windows) == 0:
+        raise UserError(
+            f"held-out split has no window of {seq_len + 1} tokens (it has {len(tokens)}); set "
+            f"config.data.eval_files to more text (without it, config.data.eval_fraction holds out whole "
+            f"documents by a hash of their names) or lower config.seq_len"
+        )
+    padded = PaddedWindows(windows, -(-len(windows) // global_batch) * global_batch)
+    return BatchStream(
+        grain.MapDataset.source(padded).repeat(None),
+        global_batch,
+        rows,
+        batches_per_pass=len(padded) // global_batch,
+    )
+
+
+def process_rows(sharding, global_batch: int) -> tuple[int, int]:
+    """(first row, row count) of a global batch that this process's devices hold under `sharding`.
+
+    With fewer batch shards than processes (tensor parallelism across hosts) processes share rows,
+    and each reads all of its own.
+    """
+    spans = {
+        (index[0].start or 0, global_batch if index[0].stop is None else index[0].stop)
+        for index in sharding.addressable_devices_indices_map((global_batch, 1)).values()
+    }
+    first, stop = min(a for a, _ in spans), max(b for _, b in spans)
+    if sum(b - a for a, b in spans) != stop - first:
+        raise UserError(
+            f"process {jax.process_index()}'s devices hold rows {sorted(spans)} of the batch, not one "
+            "contiguous block; order the mesh so that each process's devices are neighbours"
+        )
+    return first, stop - first
+
+
+def global_batch(local: dict[str, np.ndarray], sharding, batch_size: int) -> jax.Array:
+    """The global (batch_size, seq_len + 1) token array assembled from every process's local rows
+    (process_rows; processes that share rows under tensor parallelism give the same ones)."""
+    tokens = np.asarray(local["tokens"], np.int32)
+    return jax.make_array_from_process_local_data(sharding, tokens, (batch_size,) + tokens.shape[1:])

@@ -1,0 +1,229 @@
+"""The one exception type for mistakes a user can fix (bad rule file, mesh, config), and the
+--config flag of the entry points, whose mistakes are reported the same way."""
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+
+from gspmd_tp.job import paths
+
+
+class UserError(ValueError):
+    """A one-line, user-fixable error. Entry points print it to stderr and exit non-zero."""
+
+
+class JobError(UserError):
+    """A UserError that every process of a multi-process job raises at the same point (an exchange
+    told each the outcome): each prints its own line. Any other UserError before training began is
+    this process's alone, and train.py tells the others of it (handshake.tell_error)."""
+
+
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+
+
+def interrupted(left: str = "nothing in the workdir was written") -> int:
+    """One line on stderr for a command stopped by Ctrl-C, in place of KeyboardInterrupt's traceback,
+    saying what it `left` (a reader such as evaluate writes nothing in the workdir); returns INTERRUPTED."""
+    print(f"stopped by Ctrl-C ({left})", file=sys.stderr, flush=True)
+    return INTERRUPTED
+
+
+def exit_on_ctrl_c_while_importing() -> None:
+    """Until ctrl_c_raises(): Ctrl-C exits at once, status 130, with interrupted()'s line. Call first
+    thing under __main__: a KeyboardInterrupt raised inside jax's imports (seconds, before main() and
+    its own handler run) prints a traceback through them, or breaks jaxlib's initialisation into an
+    ImportError or an abort; this handler runs only between Python statements, and nothing is written
+    yet."""
+    signal.signal(signal.SIGINT, lambda *_: os._exit(interrupted("nothing written")))
+
+
+def ctrl_c_raises() -> None:
+    """Ctrl-C raises KeyboardInterrupt again (Python's own handler), for main()'s handler to catch."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def exit_from_main(code: int) -> None:
+    """sys.exit(code), but at once after Ctrl-C: a normal exit while XLA's compiler threads still run
+    can end in a segfault."""
+    if code == INTERRUPTED:
+        sys.stdout.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage mistakes (an unknown flag, --step=abc) are one line on stderr and exit
+    1, as every other user error, instead of the usage block and exit 2."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message} (--help lists the flags)", file=sys.stderr)
+        sys.exit(1)
+
+
+def warn(message: str) -> None:
+    """Prints a warning or note on stderr, apart from the output a command prints on stdout."""
+    print(message, file=sys.stderr)
+
+
+def no_positional_arguments(argv: list[str]) -> None:
+    """One line on stderr and exit 1 where absl left a positional argument (`config.steps=5`
+    without its dashes would otherwise be dropped and the run go on with the default)."""
+    if len(argv) > 1:
+        usage = "flags are --NAME=VALUE, config keys --config.KEY=VALUE"
+        print(f"error: unexpected argument {argv[1]!r} ({usage})", file=sys.stderr)
+        sys.exit(1)
+
+
+def define_config(default: str, help_text: str):
+    """The --config flag (ml_collections): a configs/*.py file plus --config.KEY=VALUE overrides.
+
+    Without --config on the command line the default is loaded (and overridden) right here.
+    """
+    from ml_collections import config_flags
+
+    with _config_mistakes_exit(default=default):
+        holder = config_flags.DEFINE_config_file("config", default, help_text)
+    paths.expand_config_flag("config")  # --config=~/c.py, which bash leaves as it is
+    return holder
+
+
+def parse_flags(argv: list[str], load: bool = True) -> list[str]:
+    """app.run's flags_parser: absl's parsing, plus a --config file that does not load (with
+    `load`; else when first used, through loaded_config) or an override naming a key the config
+    lacks reported in one line on stderr (exit 1)."""
+    from absl import flags
+
+    with _config_mistakes_exit(argv), _no_none_warning():
+        try:
+            args = flags.FLAGS(argv)
+        except flags.Error as e:  # absl's own report is two lines and a FATAL
+            if raised := _raised_by_get_config(e):
+                path = _config_path(argv, None)
+                where = _where(raised, path)
+                print(
+                    f"error: --config={path}: {type(raised).__name__}: {_first_line(raised)}{where}",
+                    file=sys.stderr,
+                )
+                sys.exit(1)
+            message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+            print(f"error: {message} (--helpshort lists the flags)", file=sys.stderr)
+            sys.exit(1)
+    if load:
+        loaded_config()
+    return args
+
+
+def loaded_config():
+    """The parsed --config, or one line on stderr and exit 1 where its file did not load."""
+    from absl import flags
+    from ml_collections import ConfigDict
+
+    with _config_mistakes_exit():
+        config = flags.FLAGS.config
+        if not isinstance(config, ConfigDict):
+            getattr(config, "keys", lambda: None)()  # stands in for a file that did not load: raises why
+            path = _config_path(sys.argv, None)
+            print(
+                f"error: --config={path}: get_config() returned a value of type {type(config).__name__} "
+                f"({config!r:.40}), not an ml_collections ConfigDict",
+                file=sys.stderr,
+            )
+            sys.exit(1)
+        return config
+
+
+@contextlib.contextmanager
+def _config_mistakes_exit(argv: list[str] | None = None, default: str | None = None):
+    try:
+        yield
+    except (OSError, KeyError, AttributeError, TypeError, SyntaxError) as e:
+        print(f"error: {_config_mistake(sys.argv if argv is None else argv, e, default)}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:  # noqa: BLE001 - whatever else the config file's own code raised
+        path = _config_path(sys.argv if argv is None else argv, default)
+        print(
+            f"error: --config={path}: {type(e).__name__}: {_first_line(e)}{_where(e, path)}", file=sys.stderr
+        )
+        sys.exit(1)
+
+
+@contextlib.contextmanager
+def _no_none_warning():
+    """Keeps ml_collections' logged warning for a get_config() that returned None (and absl's line
+    about logging before flag parsing) off stderr: loaded_config() says so in its one line."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "get_config() returned None" not in record.getMessage()
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
+def _raised_by_get_config(e: BaseException) -> BaseException | None:
+    """The TypeError or ValueError that the --config file's get_config() raised, where absl's flag
+    error `e` wraps one: ml_collections re-raises it with the whole traceback as its message."""
+    wrapped = e.__context__
+    if isinstance(wrapped, (TypeError, ValueError)) and "Error whilst parsing config file" in str(wrapped):
+        return wrapped.__context__ or wrapped
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def _where(e: BaseException, path: str) -> str:
+    """ " (line N)" of the config file's own line the exception came through, where it did."""
+    import traceback
+
+    target = os.path.abspath(paths.expand(path.split(":", 1)[0].split(" ", 1)[0]))
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == target]
+    return f" (line {lines[-1]})" if lines else ""
+
+
+def _config_path(argv: list[str], default: str | None) -> str:
+    """The --config file as given, or the default's path marked as such."""
+    from gspmd_tp.job.host_devices import flag_from_argv  # no jax there
+
+    given = flag_from_argv(argv, "--config")  # --config=FILE or absl's --config FILE
+    if given is not None:
+        return given
+    if default is None:
+        from absl import flags
+
+        default = flags.FLAGS["config"].default_as_str.strip("'")
+    return f"{default} (the default)"
+
+
+def _config_mistake(argv: list[str], e: Exception, default: str | None) -> str:
+    overrides = [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
+    if isinstance(e, OSError):
+        path = _config_path(argv, default)
+        if not os.path.isfile(paths.expand(path.split(":", 1)[0].split(" ", 1)[0])):
+            return f"--config={path}: no such file (cwd {os.getcwd()})"
+        return f"--config={path}: {str(e).splitlines()[0]}"
+    if isinstance(e, SyntaxError):
+        return f"--config={_config_path(argv, default)}: {e.msg} (line {e.lineno}) in {e.filename}"
+    if isinstance(e, AttributeError) and "has no attribute 'get_config'" in str(e):
+        return f"--config={_config_path(argv, default)}: the file defines no get_config()"
+    if isinstance(e, (KeyError, AttributeError)):
+        message = e
+        while isinstance(message, BaseException) and message.args:
+            message = message.args[0]  # ml_collections wraps a KeyError in an AttributeError
+        lines = str(message).splitlines() or [""]
+        key = lines[0].strip("'\"")
+        named = [o for o in overrides if key in o[len("--config.") :].split(".")]
+        hint = "".join(f" ({line.strip()})" for line in lines[1:] if line.strip())
+        from gspmd_tp.job.config_keys import ours  # it imports this module
+
+        if named_ours := ours(key):
+            hint = f" (gspmd_tp calls it {named_ours})"
+        return f"{named[0] if named else '--config'}: the config has no key {key!r}{hint}"
+    return f"{' '.join(overrides) or '--config'}: {type(e).__name__}: {e}"

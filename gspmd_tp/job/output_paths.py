@@ -1,0 +1,307 @@
+"""Output paths, checked before any work: a command that computes for minutes must not fail when it
+comes to write its result. The checks write nothing, unless asked to probe by writing (and then
+leave nothing behind, no directory created); `make_parent` creates a file's directory at write time.
+
+No jax import here, so entry points can check their flags first.
+"""
+
+import contextlib
+import fcntl
+import os
+import secrets
+import shutil
+import socket
+import sys
+import tempfile
+import time
+
+from gspmd_tp.job.errors import JobError, UserError
+
+LOCK = "train.lock"  # in a workdir: held by the training job that runs on it
+_JOB = "job "  # the lock file's second line: a number drawn by process 0 of the job
+_created: list[str] = []  # workdirs that a workdir_lock of this process created and still holds
+
+
+def _nearest_existing(path: str) -> str:
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _not_creatable(directory: str) -> str | None:
+    """Why directory `directory` could not be written to or created, or None where it could: the
+    nearest existing path at or above it must be a writable directory."""
+    existing = _nearest_existing(directory)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return (
+            f"{existing} is not writable"
+            if existing == directory
+            else f"cannot create it: {existing} is not writable"
+        )
+    return None
+
+
+def write_refused(path: str, directory: bool = False) -> OSError | None:
+    """The error the filesystem gives a write at `path`, found by writing, else None: os.access,
+    which the checks ask, says yes to root where the filesystem refuses (/proc, a read-only mount).
+    An existing file is opened for appending (its bytes untouched); otherwise a temporary file is
+    made and removed at once in the directory that would hold `path` (with `directory`, `path`
+    itself) or, where that does not exist yet, in its nearest existing ancestor. No directory is
+    created, nothing is left behind. The error's filename is the path that refused."""
+    full = os.path.abspath(path)
+    if not directory and os.path.isfile(full):
+        try:
+            open(full, "a").close()
+        except OSError as e:
+            return e
+        return None
+    where = _nearest_existing(full if directory else os.path.dirname(full))
+    try:
+        tempfile.TemporaryFile(dir=where).close()
+    except OSError as e:
+        return type(e)(e.errno, e.strerror, where)  # not the temporary file's random name
+    return None
+
+
+def check_dir(path: str, flag: str, probe: bool = False) -> None:
+    """Raises UserError ("FLAG=PATH: why") unless directory `path` exists and is writable, or can be
+    created (its nearest existing ancestor is a writable directory). With `probe`, found so by
+    writing there too (write_refused): "FLAG=PATH: cannot write there (why)"."""
+    if not path:
+        raise UserError(f"{flag} is empty")  # an unset shell variable, say: not the current directory
+    reason = _not_creatable(os.path.abspath(path))
+    if reason:
+        raise UserError(f"{flag}={path}: {reason}")
+    refused = probe and write_refused(path, directory=True)
+    if refused:
+        raise UserError(f"{flag}={path}: cannot write there ({refused.strerror})")
+
+
+def check_file(path: str, flag: str, probe: bool = False) -> None:
+    """Raises UserError ("FLAG=PATH: why") unless file `path` can be written: not a directory, not
+    a read-only file, and in a directory that exists and is writable or can be created. With
+    `probe`, found so by writing too (write_refused): "FLAG=PATH: cannot write it (why)"."""
+    if not path:
+        raise UserError(f"{flag} is empty")
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise UserError(f"{flag}={path}: is a directory, not a file")
+    if os.path.exists(full) and not os.access(full, os.W_OK):
+        raise UserError(f"{flag}={path}: the file is not writable")
+    reason = _not_creatable(os.path.dirname(full))
+    if reason:
+        raise UserError(f"{flag}={path}: {reason}")
+    refused = probe and write_refused(path)
+    if refused:
+        raise UserError(f"{flag}={path}: cannot write it ({refused.strerror})")
+
+
+def check_image(path: str, flag: str) -> None:
+    """check_file (probing by writing), and the extension must name an image format matplotlib
+    writes: a name without one would be written as NAME.png, one it does not know would fail after
+    the work is done."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    check_file(path, flag, probe=True)
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    if extension not in FigureCanvasBase.get_supported_filetypes():
+        what = f"the extension .{extension} is not an image format" if extension else "no file extension"
+        raise UserError(f"{flag}={path}: {what}; name it *.png, *.svg or *.pdf")
+
+
+def make_parent(path: str) -> None:
+    """Creates the directory that file `path` goes in, where it is missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):  # the exception that cut the write short is the one to report
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+@contextlib.contextmanager
+def whole_file(path: str):
+    """Yields a temporary name beside file `path` for the body to write; renamed to `path` once the
+    body is done, removed where it ends in an exception (Ctrl-C included). A write cut short thus
+    leaves no file that looks complete, and an older file at `path` as it was."""
+    make_parent(path)
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        yield partial
+        os.replace(partial, path)
+    except BaseException:
+        _remove(partial)
+        raise
+
+
+@contextlib.contextmanager
+def removed_if_cut_short(directory: str):
+    """Runs the body, which writes into `directory`. Where it ends in an exception (Ctrl-C included),
+    what it added there is removed (each entry that was not there before, and the directory where it
+    was not there either), so that a write cut short is not left looking complete nor in the way of
+    the next one; nothing that was there before is touched."""
+    existed = os.path.isdir(directory)
+    before = set(os.listdir(directory)) if existed else set()
+    try:
+        yield
+    except BaseException:
+        if os.path.isdir(directory):
+            for name in set(os.listdir(directory)) - before:
+                _remove(os.path.join(directory, name))
+            if not existed:
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)  # where nothing else has appeared there meanwhile
+        raise
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Within it, what is written to file descriptor 1 goes to stderr: Python's prints and a
+    library's own (gloo's connection lines, in a multi-process job on CPUs), so that stdout holds
+    only the report printed after it."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str, warn=print):
+    """Holds WORKDIR/train.lock (an exclusive flock, taken by process 0 of the job) while the body
+    runs. A second job on the same workdir raises UserError on every process before it reads or
+    writes anything there: it would take the running job's newest checkpoints, still being written,
+    for damaged ones. The lock goes with the process, however it ends. A workdir this call
+    created holds only the lock file (and empty directories) when the body fails early: all are
+    removed. Where the filesystem has no locks, it warns and goes on without one.
+
+    In a multi-process job every process must then read the line process 0 wrote in the lock file
+    (a number drawn for this job): a process given another --workdir, or one whose workdir is not
+    the storage process 0 writes to, would save its shards of every checkpoint elsewhere and wait
+    in the save's barriers. UserError on every process instead, naming the first that does not.
+    """
+    import jax
+
+    from gspmd_tp.job import distributed
+
+    path, held_by, lock, created, job = os.path.join(workdir, LOCK), None, None, False, 0
+    unwritable = None
+    if jax.process_index() == 0:
+        created = not os.path.exists(workdir)
+        # check_dir's os.access says yes to root even where the filesystem refuses (/proc): probed
+        # first, so that a refusal leaves no directory that makedirs made on the way to the workdir.
+        refused = write_refused(workdir, directory=True)
+        try:
+            if refused:
+                raise refused
+            os.makedirs(workdir, exist_ok=True)
+            lock = open(path, "a+")
+            if created:
+                _created.append(workdir)  # from here an os._exit removes it too
+        except OSError as e:
+            unwritable = f"{e.strerror}: {e.filename}"
+            if created and os.path.isdir(workdir) and not os.listdir(workdir):
+                os.rmdir(workdir)
+    if lock is not None:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            held_by = lock.readline().strip() or "a process that has not said which"
+            lock.close()
+        except OSError as e:
+            warn(
+                f"warning: {path}: cannot lock it ({e.strerror}); nothing stops a second run on this workdir"
+            )
+        if not lock.closed:
+            job = secrets.randbelow(2**31 - 1) + 1  # int32, never 0 (no line written)
+            try:
+                lock.seek(0)
+                lock.truncate()
+                since = time.strftime("%Y-%m-%d %H:%M:%S")
+                lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}\n{_JOB}{job}\n")
+                lock.flush()
+                os.fsync(lock.fileno())  # seen by the other hosts of the job (NFS: close-to-open)
+            except OSError:
+                job = 0
+    # 0: go on; 1: locked by another job; 2: process 0 cannot write the workdir.
+    outcome = distributed.from_process_0(1 if held_by is not None else 2 if unwritable else 0)
+    process_0 = "as process 0 of this job found"
+    if outcome == 2:  # nothing was created, nothing to clean up
+        raise JobError(f"--workdir={workdir}: cannot write there ({unwritable or process_0})")
+    try:
+        if outcome == 1:
+            raise JobError(
+                f"--workdir={workdir} is in use by another job ({held_by or process_0}; {path}): "
+                "let it finish or stop it (SIGTERM saves and exits), then run again"
+            )
+        if jax.process_count() > 1:
+            _check_one_workdir(workdir, path, distributed.from_process_0(job))
+        yield
+    finally:
+        if lock is not None and not lock.closed:
+            lock.close()  # releases the flock
+        if workdir in _created:
+            _remove_if_only_the_lock(workdir)
+            _created.remove(workdir)
+
+
+def _remove_if_only_the_lock(workdir: str) -> None:
+    """Removes `workdir` where it holds nothing but the lock file and empty directories (orbax makes
+    the checkpoints directory before the first save): a run stopped before writing anything."""
+    if not os.path.isdir(workdir) or LOCK not in (names := os.listdir(workdir)):
+        return
+    others = [os.path.join(workdir, name) for name in names if name != LOCK]
+    if not all(os.path.isdir(p) and not os.path.islink(p) and not os.listdir(p) for p in others):
+        return
+    try:
+        for p in others:
+            os.rmdir(p)
+        os.remove(os.path.join(workdir, LOCK))
+        os.rmdir(workdir)
+    except OSError:
+        pass  # another process of the job wrote there meanwhile: its files stay
+
+
+def remove_created_workdirs() -> None:
+    """Removes each workdir that a workdir_lock of this process created and holds, where it holds
+    nothing but the lock file (and empty directories): what the lock's own exit does, for an exit
+    through os._exit (a stop signal while the run compiles), which skips it."""
+    for workdir in _created:
+        _remove_if_only_the_lock(workdir)
+
+
+def _check_one_workdir(workdir: str, path: str, job: int) -> None:
+    """UserError on every process of the job unless each reads `job` (process 0's number; 0: it
+    wrote none, nothing to check) in its own lock file `path`. Every process must call it."""
+    import jax
+
+    from gspmd_tp.job import distributed
+
+    if not job:
+        return
+    for _ in range(3):  # a host's cached view of the shared directory may lag a moment
+        try:
+            with open(path) as f:
+                sees = f"{_JOB}{job}" in f.read().splitlines()
+        except OSError:
+            sees = False
+        if sees or jax.process_index() == 0:
+            break
+        time.sleep(1.0)
+    blind = [i for i, [ok] in enumerate(distributed.every_process([int(sees)])) if not ok]
+    if blind:
+        raise JobError(
+            f"--workdir={workdir}: process {blind[0]} of this job does not find the {LOCK} that process 0 "
+            f"wrote in its --workdir: start every process with the same --workdir, on storage that every "
+            "process sees"
+        )

@@ -1,0 +1,569 @@
+"""A decoder-only, Llama-style transformer annotated with logical axis names only.
+
+RMSNorm, rotary position embedding, causal attention with grouped key/value heads, SwiGLU MLP,
+layers stacked with nn.scan. Every parameter is created through nn.with_logical_partitioning and
+the key activations are constrained with nn.with_logical_constraint; which mesh axes those names
+land on is the business of a rule file, never of this module.
+
+Fused weights (as Megatron): q/k/v live in one kernel laid out per query group,
+(embed, kv_heads, group + 2, head_dim) — the `group` query heads of each key/value head, then its
+key, then its value — and the SwiGLU gate/up projections in one (embed, 2, mlp) kernel. With
+separate weights GSPMD all-reduces each input gradient separately in the backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from gspmd_tp.model.kernels import fused_mlp, swiglu
+from gspmd_tp.model.projection import PROJECTION, explicit_projection_grad, output_projection, project
+from gspmd_tp.sharding.axes import (
+    BATCH,
+    EMBED,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    LAYERS,
+    LENGTH,
+    MLP,
+    NORM_LENGTH,
+    VOCAB,
+)
+from gspmd_tp.sharding.rules import UNCONSTRAINED, axes_of
+
+# Activations that a rule file may make a collective produce: each sublayer's input once it is
+# whole-width (an all-gather under sequence parallelism and 2D) and its output once reduced to the
+# residual stream's layout (an all-reduce or reduce-scatter under tensor parallelism).
+COLLECTIVE_OUTPUTS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+# Every named activation that model.remat_save may keep on top of the remat policy: the collective
+# outputs (attn_in and mlp_in are also the norms' outputs), the queries and keys after rotary
+# embedding, SwiGLU's output, and the weights in the compute dtype.
+SAVEABLE_NAMES = (*COLLECTIVE_OUTPUTS, "query", "key", "mlp_hidden", "weights")
+
+_save_projections = jax.checkpoint_policies.save_only_these_names(PROJECTION)
+_save_dots_no_batch = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _save_projections
+)
+
+
+def _fused_attention_saveable(prim, *_, **__) -> bool:
+    """Remat policy: keep what cuDNN's fused attention forward returns (its output and softmax
+    statistics, the residuals of its backward), so that the backward pass does not run it again."""
+    return prim.name == "dot_product_attention_fwd_wrapper"
+
+
+REMAT_POLICIES = {
+    "none": None,  # no rematerialization
+    "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
+    "dots": jax.checkpoint_policies.save_from_both_policies(  # keep matmul outputs
+        jax.checkpoint_policies.checkpoint_dots, _save_projections
+    ),
+    "dots_no_batch": _save_dots_no_batch,
+    # dots_no_batch, plus the fused attention's residuals (model.attention cudnn): the backward
+    # pass runs no attention forward again.
+    "dots_no_batch_attention": jax.checkpoint_policies.save_from_both_policies(
+        _save_dots_no_batch, _fused_attention_saveable
+    ),
+    # dots_no_batch, plus the collective outputs: the backward pass repeats no communication.
+    "dots_no_batch_comm": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(PROJECTION, *COLLECTIVE_OUTPUTS),
+    ),
+}
+
+
+def remat_policy(cfg):
+    """The remat policy of config.model: REMAT_POLICIES[remat], also keeping model.remat_save's names."""
+    policy = REMAT_POLICIES[cfg.remat]
+    if not cfg.saved_names:
+        return policy
+    return jax.checkpoint_policies.save_from_both_policies(
+        policy, jax.checkpoint_policies.save_only_these_names(*cfg.saved_names)
+    )
+
+
+ATTENTION_IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "auto")
+# The ModelConfig fields that are sizes: each must be positive.
+SIZES = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
+PROJECTION_GRADS = ("auto", "explicit", "xla")
+MLP_GRADS = ("auto", "fused", "one_pass", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Model hyperparameters (config.model); saved with every checkpoint."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 32
+    mlp_dim: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: str = "float32"  # compute dtype; parameters are always float32
+    remat: str = "none"  # a key of REMAT_POLICIES
+    # Named activations (SAVEABLE_NAMES, comma-separated) kept on top of the remat policy's, so the
+    # backward pass reads them instead of recomputing them: memory for elementwise passes.
+    remat_save: str = ""
+    # einsum: the attention written out, its scores annotated with logical axes; xla / cudnn:
+    # jax.nn.dot_product_attention with that implementation (cudnn: fused flash attention, GPU
+    # only, bf16/fp16); auto: cudnn on GPU in bf16/fp16, einsum elsewhere (attention_implementation).
+    # Sampling from the key/value cache always takes the einsum path.
+    attention: str = "einsum"
+    # einsum path, training and evaluation: queries in blocks of this many positions, each block
+    # scoring only the keys up to its own end, so the causal upper triangle beyond the diagonal
+    # blocks is never computed (0: one block, the whole square). The same result, to rounding.
+    attention_block: int = 0
+    scan_layers: bool = True
+    # The projections' weight gradients: explicit transposes the smaller operand itself (faster on
+    # XLA:CPU, BENCHMARKS.md); xla leaves it to autodiff; auto: explicit on CPU, xla elsewhere.
+    projection_grad: str = "auto"
+    # The SwiGLU MLP's gradient. xla: autodiff's (its two halves zero-padded and added); one_pass:
+    # SwiGLU's gradient as one elementwise pass; fused: the whole MLP's backward written out, SwiGLU's
+    # output recomputed in the same pass as its gradient rather than in a pass of its own. auto: fused
+    # on GPU where no mesh axis splits `mlp` (and mlp_hidden is not in remat_save), one_pass on GPU
+    # otherwise, xla elsewhere (mlp_implementation).
+    mlp_grad: str = "auto"
+
+    @property
+    def saved_names(self) -> tuple[str, ...]:
+        """model.remat_save as a tuple of names."""
+        return tuple(n.strip() for n in self.remat_save.split(",") if n.strip())
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    def validate(self) -> list[str]:
+        """Problems with these sizes, as one-line messages (empty when fine)."""
+        problems = []
+        for name in SIZES:
+            if getattr(self, name) <= 0:
+                problems.append(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
+            problems.append(
+                f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if not self.rope_theta > 0:  # "not >" so that NaN is refused too
+            problems.append(f"model.rope_theta must be positive, got {self.rope_theta}")
+        if not self.norm_eps >= 0:
+            problems.append(f"model.norm_eps must be 0 or more, got {self.norm_eps}")
+        if self.head_dim % 2:
+            problems.append(f"model.head_dim must be even for rotary embedding, got {self.head_dim}")
+        if self.remat not in REMAT_POLICIES:
+            problems.append(f"model.remat {self.remat!r} is not one of {sorted(REMAT_POLICIES)}")
+        unknown = [n for n in self.saved_names if n not in SAVEABLE_NAMES]
+        if unknown:
+            problems.append(
+                f"model.remat_save {self.remat_save!r}: {', '.join(map(repr, unknown))} not among "
+                f"{', '.join(SAVEABLE_NAMES)}"
+            )
+        elif self.saved_names and self.remat == "none":
+            problems.append(
+                f"model.remat_save {self.remat_save!r} needs a model.remat policy: with 'none' every "
+                "activation is kept already"
+            )
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            problems.append(f"model.dtype {self.dtype!r} is not float32, bfloat16 or float16")
+        if self.attention_block < 0:
+            problems.append(f"model.attention_block must be 0 (off) or positive, got {self.attention_block}")
+        if self.projection_grad not in PROJECTION_GRADS:
+            problems.append(
+                f"model.projection_grad {self.projection_grad!r} is not one of {PROJECTION_GRADS}"
+            )
+        if self.mlp_grad not in MLP_GRADS:
+            problems.append(f"model.mlp_grad {self.mlp_grad!r} is not one of {MLP_GRADS}")
+        elif self.mlp_grad == "fused" and "mlp_hidden" in self.saved_names:
+            problems.append(
+                "model.remat_save keeps mlp_hidden, which model.mlp_grad 'fused' never reads (its "
+                "backward recomputes SwiGLU's output beside its gradient): drop one of the two"
+            )
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            problems.append(f"model.attention {self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
+        elif self.attention == "cudnn" and self.dtype == "float32":
+            problems.append("model.attention 'cudnn' needs model.dtype bfloat16 or float16, got float32")
+        if self.attention in ("xla", "cudnn") and self.attention_block > 0:
+            problems.append(
+                f"model.attention_block={self.attention_block} applies to einsum attention only; with "
+                f"model.attention {self.attention!r} set it to 0"
+            )
+        return problems
+
+
+def _constrain(x, names):
+    return nn.with_logical_constraint(x, names)
+
+
+def _constrain_cotangent(x, names):
+    """Identity forward; in the backward pass the incoming gradient is constrained to `names`.
+
+    A projection's output gradient feeds two matmuls (the input gradient and the weight gradient).
+    When both need it gathered, GSPMD gathers it once per consumer; constraining it once here makes
+    a single gathered copy that both read. Used on the MLP output only: on the attention output the
+    TPU compiler already gathers the gradient once, in bf16 after its own cast, and this constraint
+    would pin the gather to float32 before that cast (2D: 1.02 -> 1.16 of the analysis on v5e).
+    """
+
+    @jax.custom_vjp
+    def identity(y):
+        return y
+
+    def fwd(y):
+        return y, None
+
+    def bwd(_, g):
+        return (_constrain(g, names),)
+
+    identity.defvjp(fwd, bwd)
+    return identity(x)
+
+
+# The inputs of the projections and the output-projection gradients: whole per position, never split
+# on the model width. Where a rule file shards `embed` in the residual stream (2D) the constraint is
+# the all-gather, and the gathered copy is what the backward pass keeps for the weight gradient
+# (otherwise it gathers the input a second time); elsewhere it changes nothing.
+_WHOLE_WIDTH = (BATCH, LENGTH, None)
+
+
+def _param(module, name, init, shape, names):
+    return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def embed_lookup(table, tokens, dtype):
+    """The rows of a float32 `table` for `tokens`, in the compute `dtype`.
+
+    The table is cast before the lookup, so where a rule file splits the vocabulary the all-reduce
+    that assembles the rows moves `dtype` bytes (each row is non-zero on one device only, so the sum
+    is exact in any dtype): half a float32 lookup's on bfloat16 models. The gradient still adds
+    every position's row gradient into the table in float32, as autodiff of take-then-cast does.
+    """
+    return jnp.take(table.astype(dtype), tokens, axis=0)
+
+
+def _embed_lookup_fwd(table, tokens, dtype):
+    # The table's shape rides along in an empty (vocab, 0) array of its dtype.
+    return embed_lookup(table, tokens, dtype), (tokens, jnp.zeros((table.shape[0], 0), table.dtype))
+
+
+def _embed_lookup_bwd(dtype, residuals, g):
+    tokens, empty = residuals
+    table = jnp.zeros((empty.shape[0], g.shape[-1]), empty.dtype)
+    return table.at[tokens].add(g.astype(empty.dtype)), None
+
+
+embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)
+
+
+def _weight(w, dtype):
+    """A float32 weight in the compute dtype, named "weights" (model.remat_save may keep it)."""
+    return checkpoint_name(w.astype(dtype), "weights")
+
+
+# The key/value cache of one layer: logical names only, so a rule file decides where it lives.
+CACHE_AXES = (BATCH, LENGTH, KV_HEADS, HEAD_DIM)
+
+
+@flax.struct.dataclass
+class Decoding:
+    """Where the tokens of a decoding call sit: positions (batch, length) are each row's absolute
+    positions (negative for left padding), `slot` the cache slot of the first of them."""
+
+    positions: jax.Array
+    slot: jax.Array
+    cache_length: int = flax.struct.field(pytree_node=False)
+
+
+def _extend_cache(module, k_blkd, v_blkd, decoding: Decoding):
+    """Writes this call's keys/values into the layer's cache at decoding.slot.
+
+    Returns (cached keys, cached values, mask (batch, 1, 1, q, slots)). The prompts are left-padded,
+    so a row's tokens fill the slots from slot - position onwards: a query sees the slots of its own
+    row up to its own slot, never the padding before it nor the unwritten slots after it.
+    """
+    b, length, k_heads, hd = k_blkd.shape
+    shape = (b, decoding.cache_length, k_heads, hd)
+    init = nn.with_logical_partitioning(jnp.zeros, CACHE_AXES)
+    cached_k = module.variable("cache", "key", init, shape, k_blkd.dtype)
+    cached_v = module.variable("cache", "value", init, shape, v_blkd.dtype)
+    start = (0, decoding.slot, 0, 0)
+    cached_k.value = _constrain(jax.lax.dynamic_update_slice(cached_k.value, k_blkd, start), CACHE_AXES)
+    cached_v.value = _constrain(jax.lax.dynamic_update_slice(cached_v.value, v_blkd, start), CACHE_AXES)
+    query_slot = decoding.slot + jnp.arange(length, dtype=jnp.int32)  # (q,)
+    row_start = query_slot[None, :] - decoding.positions  # (batch, q): the slot of position 0
+    key_slot = jnp.arange(decoding.cache_length, dtype=jnp.int32)[None, None, :]
+    mask = (key_slot >= row_start[:, :, None]) & (key_slot <= query_slot[None, :, None])
+    return cached_k.value, cached_v.value, mask[:, None, None]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last (embed) axis, computed in float32."""
+
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), (EMBED,))
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * scale).astype(self.dtype)
+
+
+def rotary(x, positions, theta: float):
+    """Rotary position embedding (the rotate-half layout of Llama/HF) on the last axis of x.
+
+    x: (batch, length, ..., head_dim); positions: (length,), or (batch, length) when each row has
+    its own (decoding left-padded prompts).
+    """
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # ([batch,] length, d/2)
+    angles = jnp.concatenate([freqs, freqs], axis=-1)  # ([batch,] length, d)
+    lead = (1, x.shape[1]) if positions.ndim == 1 else x.shape[:2]
+    shape = lead + (1,) * (x.ndim - 3) + (d,)
+    cos, sin = jnp.cos(angles).reshape(shape), jnp.sin(angles).reshape(shape)
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _score_heads() -> tuple:
+    """Logical names of the scores' (kv_heads, group) axes. Where the query heads are split over
+    mesh axes that the key/value heads are not (fewer key/value heads than the model-parallel
+    degree, kv_heads -> null), a device holds its own query heads, a split across both axes that
+    no single name describes, and every key/value head: the axes are left to GSPMD, which carries
+    the queries' split into the scores. Named (kv_heads, none), every score was gathered."""
+    mesh_axes = lambda name: set(axes_of(nn.logical_to_mesh_axes((name,))[0]))  # noqa: E731
+    if mesh_axes(HEADS) <= mesh_axes(KV_HEADS):
+        return KV_HEADS, None
+    return UNCONSTRAINED, UNCONSTRAINED
+
+
+def _attend(q, k, v, mask, dtype):
+    """Softmax attention of grouped queries q (batch, q, kv_heads, group, head_dim) over keys and
+    values (batch, s, kv_heads, head_dim) where `mask` (broadcasting to (batch, kv_heads, group, q,
+    s)) allows; the scores and softmax in float32. Returns (batch, q, kv_heads, group, head_dim)."""
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    scores = _constrain(scores, (BATCH, *_score_heads(), LENGTH, None))
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+
+
+def attention_implementation(setting: str, dtype: str, platform: str | None = None) -> str:
+    """The attention path ModelConfig.attention `setting` means on `platform` (by default JAX's
+    default backend): "auto" is cuDNN's fused attention on GPU in bfloat16 or float16 (on an H100,
+    2.7x the step rate of xla's, BENCHMARKS.md), the einsum path elsewhere."""
+    if setting != "auto":
+        return setting
+    gpu = (platform or jax.default_backend()) == "gpu"
+    return "cudnn" if gpu and dtype in ("bfloat16", "float16") else "einsum"
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped key/value heads and a fused qkv kernel."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_ble, positions):
+        """positions: (length,); or a Decoding, to attend through (and extend) the "cache" collection."""
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.dtype)
+        explicit = explicit_projection_grad(cfg.projection_grad)
+        k_heads, group, hd = cfg.num_kv_heads, cfg.group, cfg.head_dim
+        decoding = positions if isinstance(positions, Decoding) else None
+        if decoding is not None:
+            positions = decoding.positions  # (batch, length)
+        b, length, _ = x_ble.shape
+        init = nn.initializers.normal(0.02)
+        out_init = nn.initializers.normal(0.02 / (2 * cfg.num_layers) ** 0.5)
+        w_qkv = _param(
+            self, "qkv", init, (cfg.d_model, k_heads, group + 2, hd), (EMBED, KV_HEADS, None, HEAD_DIM)
+        )
+        w_out = _param(self, "out", out_init, (cfg.num_heads, hd, cfg.d_model), (HEADS, HEAD_DIM, EMBED))
+
+        qkv = project(x_ble, _weight(w_qkv, dtype), (EMBED, KV_HEADS, None, HEAD_DIM), 1, explicit)
+        qkv = _constrain(qkv, (BATCH, LENGTH, KV_HEADS, None, HEAD_DIM))
+        q = qkv[:, :, :, :group].reshape(b, length, cfg.num_heads, hd)
+        q = _constrain(rotary(q, positions, cfg.rope_theta) * hd**-0.5, (BATCH, LENGTH, HEADS, HEAD_DIM))
+        q = checkpoint_name(q, "query")
+        k = _constrain(
+            rotary(qkv[:, :, :, group], positions, cfg.rope_theta), (BATCH, LENGTH, KV_HEADS, HEAD_DIM)
+        )
+        k = checkpoint_name(k, "key")
+        v = _constrain(qkv[:, :, :, group + 1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+
+        implementation = attention_implementation(cfg.attention, cfg.dtype)
+        if decoding is None and implementation != "einsum":
+            # Query head h reads key/value head h // group, the grouping of the fused kernel.
+            out = jax.nn.dot_product_attention(
+                q, k, v, scale=1.0, is_causal=True, implementation=implementation
+            )
+        else:
+            q = q.reshape(b, length, k_heads, group, hd)
+            if decoding is not None:  # keys and values: the cache so far plus these tokens
+                k, v, causal = _extend_cache(self, k, v, decoding)
+                out = _attend(q, k, v, causal, dtype)
+            else:
+                # Query block [start, end) sees keys [0, end): the keys after a block's end are
+                # masked for every one of its queries, so they are left out rather than masked.
+                block = cfg.attention_block if 0 < cfg.attention_block < length else length
+                out = jnp.concatenate(
+                    [
+                        _attend(
+                            q[:, start : start + block],
+                            k[:, : start + block],
+                            v[:, : start + block],
+                            positions[start : start + block, None] >= positions[None, : start + block],
+                            dtype,
+                        )
+                        for start in range(0, length, block)
+                    ],
+                    axis=1,
+                )
+            out = out.reshape(b, length, cfg.num_heads, hd)
+        out = _constrain(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
+        y = project(out, _weight(w_out, dtype), (HEADS, HEAD_DIM, EMBED), 2, explicit)
+        # No _constrain_cotangent here (see there): XLA:CPU then gathers this gradient once per
+        # consumer under 2D, one extra all-gather per layer that the TPU compiler does not make.
+        return _constrain(y, (BATCH, NORM_LENGTH, EMBED))
+
+
+def mlp_implementation(cfg: ModelConfig, platform: str | None = None) -> str:
+    """The MLP gradient config.model.mlp_grad means on `platform` (by default JAX's default backend)
+    under the current logical axis rules: "auto" is fused on GPU where no mesh axis splits `mlp`
+    (its input gradient is two products, which would take two all-reduces there) and mlp_hidden is
+    not kept by remat_save (the fused backward recomputes it), one_pass elsewhere on GPU, xla on
+    other platforms."""
+    if cfg.mlp_grad != "auto":
+        return cfg.mlp_grad
+    if (platform or jax.default_backend()) != "gpu":
+        return "xla"
+    split = axes_of(nn.logical_to_mesh_axes((MLP,))[0])
+    return "one_pass" if split or "mlp_hidden" in cfg.saved_names else "fused"
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward with a fused gate/up kernel."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_ble):
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.dtype)
+        explicit = explicit_projection_grad(cfg.projection_grad)
+        w_in = _param(
+            self, "gate_up", nn.initializers.normal(0.02), (cfg.d_model, 2, cfg.mlp_dim), (EMBED, None, MLP)
+        )
+        w_out = _param(
+            self,
+            "down",
+            nn.initializers.normal(0.02 / (2 * cfg.num_layers) ** 0.5),
+            (cfg.mlp_dim, cfg.d_model),
+            (MLP, EMBED),
+        )
+        implementation = mlp_implementation(cfg)
+        if implementation == "fused":
+            y = fused_mlp(x_ble, _weight(w_in, dtype), _weight(w_out, dtype))
+        else:
+            gate_up = project(x_ble, _weight(w_in, dtype), (EMBED, None, MLP), 1, explicit)
+            gate_up = _constrain(gate_up, (BATCH, LENGTH, None, MLP))
+            hidden = swiglu(gate_up, one_pass_gradient=implementation == "one_pass")
+            hidden = checkpoint_name(_constrain(hidden, (BATCH, LENGTH, MLP)), "mlp_hidden")
+            y = project(hidden, _weight(w_out, dtype), (MLP, EMBED), 1, explicit)
+        return _constrain(_constrain_cotangent(y, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_ble, positions):
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.dtype)
+        x_ble = _constrain(x_ble, (BATCH, NORM_LENGTH, EMBED))
+        # Norms run where the residual stream lives (norm_length); the projections need whole
+        # sequences (length). Under sequence parallelism the second constraint is the all-gather.
+        h = _constrain(RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_ble), (BATCH, NORM_LENGTH, EMBED))
+        h = checkpoint_name(_constrain(h, _WHOLE_WIDTH), "attn_in")
+        x_ble = x_ble + checkpoint_name(Attention(cfg, name="attn")(h, positions), "attn_out")
+        h = _constrain(RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_ble), (BATCH, NORM_LENGTH, EMBED))
+        h = checkpoint_name(_constrain(h, _WHOLE_WIDTH), "mlp_in")
+        x_ble = x_ble + checkpoint_name(FeedForward(cfg, name="mlp")(h), "mlp_out")
+        return _constrain(x_ble, (BATCH, NORM_LENGTH, EMBED)), None
+
+
+class Transformer(nn.Module):
+    """tokens (batch, length) int32 -> logits (batch, length, vocab) float32."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens_bl, return_hidden: bool = False, decoding: Decoding | None = None):
+        """Logits; with return_hidden, (final-normed hidden states, output projection (embed,
+        vocab)) instead, so that a loss can project a block of positions at a time. With `decoding`,
+        attention reads and extends the key/value cache (apply with mutable=["cache"])."""
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.dtype)
+        embedding = _param(
+            self, "embedding", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED)
+        )
+        if dtype == embedding.dtype:
+            x_ble = jnp.take(embedding, tokens_bl, axis=0)
+        else:
+            x_ble = embed_lookup(embedding, tokens_bl, dtype)
+        # Look up whole sequences, then split them: a vocabulary-sharded lookup on split sequences
+        # makes GSPMD all-reduce the gradient of the whole table under sequence parallelism.
+        x_ble = _constrain(x_ble, (BATCH, LENGTH, EMBED))
+        x_ble = _constrain(x_ble, (BATCH, NORM_LENGTH, EMBED))
+        positions = jnp.arange(tokens_bl.shape[1], dtype=jnp.int32)
+        if decoding is not None:
+            positions = decoding  # Block hands it to Attention unchanged
+
+        block = Block
+        if cfg.remat != "none":
+            block = nn.remat(Block, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            stack = nn.scan(
+                block,
+                variable_axes={"params": 0, "cache": 0},  # each layer its own cache
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast,),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: LAYERS},
+            )
+            x_ble, _ = stack(cfg, name="layers")(x_ble, positions)
+        else:
+            for i in range(cfg.num_layers):
+                x_ble, _ = block(cfg, name=f"layers_{i}")(x_ble, positions)
+
+        x_ble = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_ble)
+        x_ble = _constrain(x_ble, _WHOLE_WIDTH)
+        if cfg.tie_embeddings:
+            head_ev = embedding.T
+        else:
+            head_ev = _param(
+                self, "lm_head", nn.initializers.normal(0.02), (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB)
+            )
+        if return_hidden:
+            return x_ble, head_ev
+        logits = output_projection(x_ble, head_ev.astype(dtype))
+        return _constrain(logits.astype(jnp.float32), (BATCH, LENGTH, VOCAB))

@@ -1,0 +1,214 @@
+"""What a sharding costs by analysis alone, from the setup and nothing compiled: each parameter and
+optimizer-state leaf's layout and bytes per device, and the bytes each device must send per step."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from gspmd_tp.model.params import path_str
+from gspmd_tp.sharding import axes
+from gspmd_tp.sharding.rules import axes_of
+from gspmd_tp.train import run_setup
+from gspmd_tp.train import step as step_lib
+from gspmd_tp.train.state import logical_specs
+
+REPLICATED_FLAG_BYTES = 1 << 20  # flag replicated leaves from 1 MiB up
+
+
+def leaf_table(s: run_setup.Setup, threshold: int = REPLICATED_FLAG_BYTES) -> list[dict]:
+    """One row per parameter and optimizer-state array: path, shape, logical axes, spec, bytes.
+
+    `replicated_over` lists the mesh axes that could shard a leaf of `threshold` bytes or more.
+    """
+    boxed, _ = logical_specs(s.model_cfg, s.tx, s.config.seq_len)
+    mesh_shape = dict(s.mesh.shape)
+    is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
+    boxes = jax.tree_util.tree_flatten_with_path(boxed, is_leaf=is_box)[0]
+    shardings = jax.tree.leaves(s.shardings)
+    rows = []
+    for (path, leaf), sharding in zip(boxes, shardings, strict=True):
+        names = tuple(leaf.names) if is_box(leaf) else (None,) * len(leaf.shape)
+        value = leaf.value if is_box(leaf) else leaf
+        spec = tuple(sharding.spec) + (None,) * (len(value.shape) - len(sharding.spec))
+        shards = math.prod(mesh_shape[a] for entry in spec for a in axes_of(entry))
+        total = int(np.prod(value.shape)) * np.dtype(value.dtype).itemsize
+        used = {a for entry in spec for a in axes_of(entry)}
+        # A mesh axis could shard this leaf if some unsharded dimension divides by its size.
+        could = [
+            a
+            for a, size in mesh_shape.items()
+            if size > 1
+            and a not in used
+            and any(
+                e is None and dim % size == 0 and dim > 1 for dim, e in zip(value.shape, spec, strict=True)
+            )
+        ]
+        p = path_str(path)
+        rows.append(
+            {
+                "path": p,
+                "kind": "params" if p.startswith("params/") else "opt_state",
+                "shape": list(value.shape),
+                "logical": list(names),
+                "spec": [list(axes_of(e)) if isinstance(e, tuple) else e for e in spec],
+                "bytes": total,
+                "bytes_per_device": total // shards,
+                "replicated_over": could if total >= threshold else [],
+            }
+        )
+    return rows
+
+
+def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict[str, float]:
+    """Bytes per device per step that the sharding needs, by source (ring algorithms).
+
+    Tensor parallelism (Megatron), each sublayer over the mesh axes that shard its own hidden
+    dimension in the activations: per layer and microbatch, attention all-reduces its output
+    forward (axes of `heads`) and its input gradient backward (axes of `kv_heads`, which shard the
+    fused q/k/v weight), the MLP one each way (axes of `mlp`), and a vocabulary-sharded embedding
+    lookup and output projection one each (axes of `vocab`); under sequence parallelism and 2D
+    sharding these become all-gathers plus reduce-scatters of the same bytes. Data parallelism:
+    each gradient all-reduced over the batch axes that do not shard it, once per step or, where
+    parameters are sharded over those axes, once per microbatch. FSDP (a parameter sharded
+    over a batch axis): gathered forward and backward per microbatch, its gradient
+    reduce-scattered. XLA:CPU lowers reduce-scatter as all-reduce plus slice, so on the CPU
+    backend a reduce-scatter costs an all-reduce. On the TPU backend a float32 model's products
+    read bf16 operands (JAX's default precision) and the compiler gathers them after the cast:
+    weights and the all-gather half of a sequence-parallel or 2D pair count 2 bytes an element (a
+    bf16 model's float32 weights it gathers whole and casts after). The GPU compiler gathers a
+    weight after its cast to the compute dtype and reduce-scatters its gradient in that dtype.
+    `unmodelled` lists shardings the analysis does not cover (head_dim, layers, length, norm_length
+    on an axis of its own): there the total is not what the rule file needs.
+    """
+    c, cfg = s.config, s.model_cfg
+    mesh_shape = dict(s.mesh.shape)
+    batch_axes = set(s.rules.batch_axes())
+
+    def hidden_axes(name: str) -> set[str]:
+        # The axes of `name` in an activation, where the batch has taken its axes first.
+        logical = (axes.BATCH, axes.LENGTH) + ((name,) if name != axes.LENGTH else ())
+        return set(axes_of(s.rules.spec(logical)[-1]))
+
+    def ways(mesh_axes: set[str]) -> int:
+        return math.prod(mesh_shape[a] for a in mesh_axes)
+
+    d_ways = ways(batch_axes)
+    k = c.grad_accum
+    act_bytes = 4 if (backend == "cpu" or cfg.dtype == "float32") else 2  # XLA:CPU promotes bf16
+    # What an all-gather moves per byte of a product's operand: the TPU compiler rounds float32
+    # operands to bfloat16 (JAX's default precision) and gathers them after the cast.
+    gather = 2 / act_bytes if backend == "tpu" else 1.0
+    # And per byte of a float32 weight: on the TPU as above (measured on v5p: a bf16 model's
+    # weights are gathered in float32), on the GPU after the cast to the compute dtype.
+    weight_gather = {"tpu": gather, "gpu": act_bytes / 4}.get(backend, 1.0)
+    # A weight used in products gets its gradient in the compute dtype, all-reduced in it before
+    # the float32 update (seen in TPU and GPU HLO; XLA:CPU promotes the all-reduce to float32);
+    # the GPU compiler reduce-scatters an FSDP gradient in it too, the TPU compiler in float32.
+    gradient = act_bytes / 4
+    activation = (c.batch_size // k // d_ways) * c.seq_len * cfg.d_model * act_bytes
+    # (all-reduces per microbatch, the mesh axes they run over), one entry per kind.
+    reductions = [
+        (cfg.num_layers, hidden_axes(axes.HEADS)),  # attention output, forward
+        (cfg.num_layers, hidden_axes(axes.KV_HEADS)),  # attention input gradient, backward
+        (2 * cfg.num_layers, hidden_axes(axes.MLP)),  # MLP output forward, input gradient backward
+        (2, hidden_axes(axes.VOCAB)),  # embedding lookup forward, output projection backward
+    ]
+    tensor_parallel = sum(k * n * 2 * (ways(a) - 1) / ways(a) * activation for n, a in reductions)
+    # Sequence parallelism (norm_length) and 2D (embed in activations) turn each all-reduce into
+    # an all-gather plus a reduce-scatter: the same ring bytes, except that XLA:CPU lowers the
+    # reduce-scatter as a whole all-reduce, so there the pair costs 3/2 of the all-reduce.
+    tp_axes = set().union(*(a for _, a in reductions))
+    residual = s.rules.spec((axes.BATCH, axes.NORM_LENGTH, axes.EMBED))
+    scattered = any(set(axes_of(e)) & tp_axes for e in list(residual)[1:])
+    if scattered and backend == "cpu":
+        tensor_parallel *= 1.5
+    elif scattered:
+        # Half of each pair is an all-gather, of a product's operand except for the embedding's
+        # output gradient (half of the vocabulary entry's gathers), which a scatter-add reads.
+        operands = [1.0] * (len(reductions) - 1) + [0.5]
+        tensor_parallel = sum(
+            k * n * 2 * (ways(a) - 1) / ways(a) * activation * (1 + f * gather + (1 - f)) / 2
+            for (n, a), f in zip(reductions, operands, strict=True)
+        )
+    # Shardings the analysis has no term for: the rest of the total is still right, but not the total.
+    unmodelled = {
+        (name, tuple(axes_of(e)))
+        for row in rows
+        if row["kind"] == "params"
+        for name, e in zip(row["logical"], row["spec"], strict=True)
+        if name in (axes.HEAD_DIM, axes.LAYERS) and e
+    }
+    # head_dim lives in the queries and keys, after their heads (which may take its mesh axes first).
+    head_dim = set().union(
+        *(
+            axes_of(s.rules.spec((axes.BATCH, axes.LENGTH, h, axes.HEAD_DIM))[-1])
+            for h in (axes.HEADS, axes.KV_HEADS)
+        )
+    )
+    unmodelled |= {
+        (n, tuple(sorted(a)))
+        for n, a in ((axes.LENGTH, hidden_axes(axes.LENGTH)), (axes.HEAD_DIM, head_dim))
+        if a
+    }
+    # A weight split over an axis that neither the batch nor its own activations use is gathered
+    # whole for every use ([mlp, [dp, mp]] after [batch, dp]: the activation cannot take dp).
+    for row in rows:
+        if row["kind"] != "params":
+            continue
+        known = batch_axes.union(*(hidden_axes(n) for n in row["logical"] if n))
+        for name, e in zip(row["logical"], row["spec"], strict=True):
+            if set(axes_of(e)) - known:
+                unmodelled.add((name, tuple(axes_of(e))))
+    # Sequence parallelism over axes the sublayers do not split (norm_length on an axis of its own):
+    # the residual stream is gathered over them for every sublayer, which no term above counts.
+    length_axes = set(axes_of(list(residual)[1])) if len(residual) > 1 else set()
+    if length_axes - tp_axes:
+        unmodelled.add((axes.NORM_LENGTH, tuple(sorted(length_axes - tp_axes))))
+    # Query heads split where their key/value heads are not (fewer kv_heads than the mesh axis):
+    # every device computes the scores of the heads it does not hold, and they are gathered.
+    if hidden_axes(axes.HEADS) != hidden_axes(axes.KV_HEADS):
+        unmodelled.add((f"{axes.HEADS} (not {axes.KV_HEADS})", tuple(sorted(hidden_axes(axes.HEADS)))))
+
+    # With microbatches, gradients are reduced over the batch axes once per step where the trainer
+    # sums them per batch shard, else once per microbatch (onto parameters sharded over those axes).
+    once = k == 1 or step_lib.sums_per_batch_shard(tuple(batch_axes), s.shardings.params, c.batch_size // k)
+    dp_reductions = 1 if once else k
+    data_parallel = fsdp_gather = fsdp_reduce = 0.0
+    for row in rows:
+        if row["kind"] != "params":
+            continue
+        used = {a for e in row["spec"] for a in axes_of(e)}
+        g = math.prod(mesh_shape[a] for a in batch_axes - used)
+        f = math.prod(mesh_shape[a] for a in batch_axes & used)
+        local = row["bytes_per_device"]
+        matrix = len(row["shape"]) > 1
+        if g > 1:
+            per_reduction = 2 * (g - 1) / g * local * (gradient if matrix else 1)
+            data_parallel += dp_reductions * per_reduction
+        if f > 1 and row["path"] == "params/embedding" and not cfg.tie_embeddings:
+            # A lookup table split on embed is read where it lies: each device looks up its own
+            # slice of every row and the rows are exchanged (all-to-all) forward and backward; the
+            # table is never gathered and its gradient never reduced.
+            rows_bytes = (c.batch_size // k // d_ways) * c.seq_len * cfg.d_model * act_bytes
+            fsdp_gather += k * 2 * (f - 1) / f * rows_bytes
+        elif f > 1:
+            gathered = local * f
+            # A layer's weight is gathered for the forward pass and again for the backward (ZeRO-3),
+            # scanned or unrolled (XLA:CPU and the TPU compiler both gather again rather than keep
+            # every layer's gathered copy); the output projection's gathered copy is kept.
+            gathers = 2 if row["path"].startswith("params/layers") else 1
+            fsdp_gather += k * gathers * (f - 1) / f * gathered * (weight_gather if matrix else 1)
+            reduced = {"cpu": 2, "gpu": gradient if matrix else 1}.get(backend, 1)
+            fsdp_reduce += k * (f - 1) / f * gathered * reduced
+    return {
+        "tensor_parallel": tensor_parallel,
+        "data_parallel": data_parallel,
+        "fsdp_gather": fsdp_gather,
+        "fsdp_reduce": fsdp_reduce,
+        "total": tensor_parallel + data_parallel + fsdp_gather + fsdp_reduce,
+        "unmodelled": sorted(f"{name}->{','.join(mesh_axes)}" for name, mesh_axes in unmodelled),
+    }

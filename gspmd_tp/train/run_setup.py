@@ -1,0 +1,227 @@
+"""A run's setup: the config checked (check_config, model_config), the rule file and mesh checked and
+the shardings derived (setup() -> Setup), and the compiled step's memory checked against the devices or
+the host (check_memory): all before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import flax.linen as nn
+import jax
+import optax
+
+from gspmd_tp.data import pipeline
+from gspmd_tp.job.config_keys import check_keys, ours
+from gspmd_tp.job.errors import UserError, warn
+from gspmd_tp.model.projection import explicit_projection_grad
+from gspmd_tp.model.transformer import ModelConfig, attention_implementation, mlp_implementation
+from gspmd_tp.sharding import axes
+from gspmd_tp.sharding.mesh import make_mesh, mesh_string
+from gspmd_tp.sharding.rules import Rules, load_rules, mesh_ways
+from gspmd_tp.train import optimizer
+from gspmd_tp.train import state as state_lib
+
+
+def model_config(config) -> ModelConfig:
+    """config.model as a validated ModelConfig."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(config.model) - fields)
+    if unknown:
+        named = ours(unknown[0])
+        hint = f"gspmd_tp calls it {named}" if named else f"known: {', '.join(sorted(fields))}"
+        raise UserError(f"config.model has unknown key {unknown[0]!r} ({hint})")
+    cfg = ModelConfig(**config.model.to_dict())
+    problems = cfg.validate()
+    if problems:
+        raise UserError(problems[0])
+    return cfg
+
+
+def check_config(config) -> None:
+    """Checks the run-level keys; raises UserError naming the key."""
+    check_keys(config)
+    for key in (
+        "steps",
+        "batch_size",
+        "grad_accum",
+        "seq_len",
+        "log_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "eval_every",
+        "eval_batches",
+    ):
+        if config[key] <= 0:
+            raise UserError(f"config.{key} must be positive, got {config[key]}")
+    if config.loss_chunk < 0 or (config.loss_chunk and config.seq_len % config.loss_chunk):
+        raise UserError(
+            f"config.loss_chunk={config.loss_chunk} must be 0 or divide config.seq_len={config.seq_len}"
+        )
+    if config.batch_size % config.grad_accum:
+        raise UserError(
+            f"config.batch_size={config.batch_size} is not divisible by config.grad_accum={config.grad_accum}"
+        )
+    if config.batch_size % jax.process_count():
+        raise UserError(
+            f"config.batch_size={config.batch_size} is not divisible by the {jax.process_count()} processes"
+        )
+    optimizer.check(config.optim)
+    if config.host_device_count < 0:
+        raise UserError(
+            f"config.host_device_count must be 0 (the host's devices) or more, got {config.host_device_count}"
+        )
+    if not 0 <= config.peak_flops_per_device < math.inf:
+        peak = config.peak_flops_per_device
+        raise UserError(f"config.peak_flops_per_device must be 0 (the known peak) or more, got {peak}")
+    if not 0 <= config.data.seed < 2**32:
+        raise UserError(f"config.data.seed must be in [0, 2**32), got {config.data.seed}")
+    pipeline.check(config.data)
+    for key in ("steps", "skip_steps"):
+        if config.profile[key] < 0:
+            raise UserError(f"config.profile.{key} must be 0 or more, got {config.profile[key]}")
+    # Every data source yields byte tokens, whatever the files hold.
+    if config.model.vocab_size < pipeline.BYTE_VOCAB:
+        raise UserError(f"config.model.vocab_size={config.model.vocab_size} is below the 256 byte tokens")
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a run derives from its config before compiling anything."""
+
+    config: object
+    model_cfg: ModelConfig
+    rules: Rules
+    mesh: jax.sharding.Mesh
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    abstract_state: object  # ShapeDtypeStructs carrying NamedShardings
+    shardings: object
+    batch_sharding: jax.sharding.NamedSharding
+
+    @property
+    def micro_batch(self) -> int:
+        return self.config.batch_size // self.config.grad_accum
+
+    def meta(self) -> dict:
+        """What a checkpoint records about how it was made."""
+        return {
+            "model": dataclasses.asdict(self.model_cfg),
+            "rules": {"source": self.rules.source, "text": self.rules.text},
+            "mesh": mesh_string(self.mesh),
+            "process_count": jax.process_count(),
+            "config": self.config.to_dict(),
+        }
+
+
+def setup(config, devices=None, rules: Rules | None = None) -> Setup:
+    """Validates the config, rule file and mesh (raising UserError), and derives the shardings.
+
+    `rules`, where given, stands in for the file config.rules names (a checkpoint's saved copy).
+    """
+    check_config(config)
+    model_cfg = model_config(config)
+    rules = rules or load_rules(config.rules)
+    mesh = make_mesh(config.mesh, rules.mesh_axes, devices, rules.source)
+    platform = mesh.devices.flat[0].platform
+    if model_cfg.attention == "cudnn" and platform != "gpu":
+        raise UserError(f"config.model.attention='cudnn' needs GPU devices; this run's are {platform}")
+    # "auto" follows the devices the step compiles for, not the host (a TPU plan made on a laptop).
+    explicit = explicit_projection_grad(model_cfg.projection_grad, platform)
+    with nn.logical_axis_rules(rules.rules):
+        mlp_grad = mlp_implementation(model_cfg, platform)
+    model_cfg = dataclasses.replace(
+        model_cfg,
+        projection_grad="explicit" if explicit else "xla",
+        mlp_grad=mlp_grad,
+        attention=attention_implementation(model_cfg.attention, model_cfg.dtype, platform),
+    )
+    micro_batch = config.batch_size // config.grad_accum
+    ways, sizes = mesh_ways(mesh.shape, rules.batch_axes())
+    if config.grad_accum > 1 and micro_batch % ways:
+        raise UserError(
+            f"config.batch_size={config.batch_size} / config.grad_accum={config.grad_accum} = {micro_batch} "
+            f"rows per microbatch is not divisible by the batch's mesh axes {sizes} ({rules.source})"
+        )
+    state_lib.validate(model_cfg, rules, mesh, micro_batch, config.seq_len)
+    if micro_batch % ways:  # every activation validate checks had a length rule take the batch's axes
+        raise UserError(
+            f"{rules.source}: the token batch (config.batch_size={config.batch_size}) is not divisible by "
+            f"its mesh axes {sizes}"
+        )
+    for axis, shards in state_lib.idle_mesh_axes(model_cfg, rules, mesh).items():
+        where = f"mesh axis {axis} ({mesh.shape[axis]} devices)"
+        if shards:
+            warn(
+                f"warning: {where} shards {' and '.join(shards)} but no activation of the attention, MLP "
+                f"or output layer under {rules.source}: its devices all compute the same products "
+                f"(map batch or a hidden axis such as mlp to {axis})"
+            )
+        else:
+            warn(
+                f"warning: {where} shards no parameter and no activation under {rules.source}: "
+                "its devices all compute the same thing"
+            )
+    for path, name, mine, theirs in state_lib.misaligned_params(model_cfg, rules, mesh):
+        better = theirs + tuple(a for a in mine if a not in theirs)
+        warn(
+            f"warning: {rules.source}: {path} splits {name} over [{', '.join(mine)}] but the activations "
+            f"over [{', '.join(theirs)}]: give [{name}, [{', '.join(better)}]], the activations' axes "
+            "first, so that each device's slice of the weight lies in its slice of the activations "
+            "(as written, every step shuffles the weight between devices and reduces its gradient whole)"
+        )
+    tx, schedule = optimizer.make_optimizer(config.optim, config.steps)
+    abstract, shardings = state_lib.state_shardings(model_cfg, tx, mesh, rules, config.seq_len)
+    return Setup(
+        config=config,
+        model_cfg=model_cfg,
+        rules=rules,
+        mesh=mesh,
+        tx=tx,
+        schedule=schedule,
+        abstract_state=abstract,
+        shardings=shardings,
+        batch_sharding=jax.sharding.NamedSharding(mesh, rules.spec((axes.BATCH, None))),
+    )
+
+
+_TRAIN_STEP_FIX = (
+    "shrink config.batch_size or config.seq_len, add config.grad_accum or another rule file "
+    "(python -m gspmd_tp.plan shows each)"
+)
+
+
+def check_memory(stats, mesh, step: str = "train step", fix: str = _TRAIN_STEP_FIX) -> None:
+    """UserError where the compiled `step` cannot fit: per device against an accelerator's memory,
+    or all of this host's simulated CPU devices together against its RAM; `fix` says what helps.
+    Before anything is written (or, for a reader, read)."""
+    need = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    need -= stats.alias_size_in_bytes  # the donated state is written in place
+    device = mesh.devices.flat[0]
+    if device.platform == "cpu":
+        local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        have = _host_memory()
+        what = f"this host's {_gib(have)} of RAM"
+        need *= local
+        where = f"{local} CPU devices x {_gib(need / local)}"
+    else:
+        have = (device.memory_stats() or {}).get("bytes_limit", 0)
+        what, where = f"a {device.device_kind}'s {_gib(have)}", f"{_gib(need)} per device"
+        if device.platform == "gpu" and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+            # JAX's allocator takes 75% of a GPU's memory unless told otherwise.
+            what += " (JAX's share of it; XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 raises the share)"
+    if have and need > have:
+        raise UserError(f"the compiled {step} needs {where}, more than {what}; {fix}")
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"

@@ -1,0 +1,193 @@
+"""The jit-compiled train and eval steps of a Setup: loss sums, gradient accumulation over
+microbatches (reduced over data parallelism once per step where the sharding allows), clipping and
+AdamW with the state donated.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from gspmd_tp.data import pipeline
+from gspmd_tp.model.transformer import Transformer
+from gspmd_tp.sharding import axes
+from gspmd_tp.sharding.rules import axes_of, batch_mesh_axes, mesh_ways
+from gspmd_tp.train import loss as loss_lib
+from gspmd_tp.train import state as state_lib
+
+if TYPE_CHECKING:  # run_setup builds the Setup; trainer calls this module
+    from gspmd_tp.train.run_setup import Setup
+
+
+def _loss_sums(model: Transformer, params, tokens, loss_chunk: int = 0, padded: bool = False):
+    """(sum of token losses, number of tokens) for (batch, seq_len + 1) tokens.
+
+    loss_chunk > 0 computes the logits that many positions at a time (see gspmd_tp/loss.py).
+    padded: the tokens may hold data.PAD (an evaluation pass's last batch), whose targets do not count.
+    """
+    inputs, targets, valid = tokens[:, :-1], tokens[:, 1:], None
+    if padded:
+        valid = targets != pipeline.PAD
+        inputs, targets = (jnp.where(t == pipeline.PAD, 0, t) for t in (inputs, targets))
+    if loss_chunk:
+        hidden, head = model.apply({"params": params}, inputs, return_hidden=True)
+        return loss_lib.chunked_cross_entropy_sums(hidden, head, targets, loss_chunk, valid)
+    return loss_lib.cross_entropy_sums(model.apply({"params": params}, inputs), targets, valid)
+
+
+def accumulated_grads(model: Transformer, accum: int, param_shardings, params, tokens, loss_chunk: int = 0):
+    """(mean token loss, gradient of it) for (batch, seq_len + 1) tokens, over `accum` microbatches.
+
+    Each microbatch differentiates its loss sum already divided by the tokens of the whole batch
+    (a constant), so the gradients sum to the full-batch gradient for any `accum` and no pass over
+    the gradients is left to divide them afterwards. Call it under the run's logical rules.
+
+    Where no parameter is sharded over the batch's mesh axes (dp, Megatron), every batch shard
+    keeps its own partial sum over the microbatches, and the data-parallel reduction runs once per
+    step instead of once per microbatch. Where parameters are (FSDP, 2D), each microbatch's
+    gradient is reduce-scattered onto them, as a sharded parameter needs.
+    """
+    b, t = tokens.shape
+    count = b * (t - 1)
+
+    def loss_and_grad(tokens_i):
+        return jax.value_and_grad(lambda p: _loss_sums(model, p, tokens_i, loss_chunk)[0] / count)(params)
+
+    if accum == 1:
+        return loss_and_grad(tokens)
+    # Microbatch i takes rows i, i + accum, ...: each stays spread over the batch axes.
+    micro = tokens.reshape(b // accum, accum, t).swapaxes(0, 1)
+    micro = nn.with_logical_constraint(micro, (None, axes.BATCH, None))
+    batch_axes = batch_mesh_axes()
+    if sums_per_batch_shard(batch_axes, param_shardings, b // accum):
+        return _shard_partial_sums(model, micro, count, batch_axes, params, param_shardings, loss_chunk)
+
+    def body(carry, tokens_i):
+        grads_acc, loss_acc = carry
+        loss_i, grads_i = loss_and_grad(tokens_i)
+        grads_acc = jax.tree.map(jnp.add, grads_acc, grads_i)
+        grads_acc = jax.lax.with_sharding_constraint(grads_acc, param_shardings)
+        return (grads_acc, loss_acc + loss_i), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
+    return loss, grads
+
+
+def sums_per_batch_shard(batch_axes: tuple, param_shardings, micro_batch: int) -> bool:
+    """Whether accumulated_grads sums the microbatches' gradients per batch shard and reduces them
+    over `batch_axes` once per step: no parameter is sharded over those axes, and a microbatch of
+    `micro_batch` rows splits evenly over them."""
+    mesh = jax.tree.leaves(param_shardings)[0].mesh
+    shards, _ = mesh_ways(mesh.shape, batch_axes)
+    sharded = {a for sh in jax.tree.leaves(param_shardings) for e in sh.spec for a in axes_of(e)}
+    return shards > 1 and micro_batch % shards == 0 and not sharded & set(batch_axes)
+
+
+def _shard_partial_sums(model, micro, count, batch_axes: tuple, params, param_shardings, loss_chunk):
+    """accumulated_grads for parameters not sharded over `batch_axes`: manual over those axes
+    (shard_map; GSPMD still shards the rest), each batch shard sums its microbatches' gradients
+    locally, and one psum over the batch axes reduces the sums."""
+    mesh = jax.tree.leaves(param_shardings)[0].mesh
+    # Inside, a shard's rows are local: no activation may name the manual axes.
+    inner = tuple(
+        (name, tuple(a for a in axes_of(target) if a not in batch_axes) or None)
+        for name, target in nn.get_logical_axis_rules()
+    )
+
+    def local(params, micro):  # micro: (accum, rows of this shard, seq_len + 1)
+        def body(carry, tokens_i):
+            grads_acc, loss_acc = carry
+            loss_i, grads_i = jax.value_and_grad(
+                lambda p: _loss_sums(model, p, tokens_i, loss_chunk)[0] / count
+            )(params)
+            return (jax.tree.map(jnp.add, grads_acc, grads_i), loss_acc + loss_i), None
+
+        with nn.logical_axis_rules(inner):
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
+        return jax.lax.psum((loss, grads), batch_axes)
+
+    # check_vma=False: the model's custom VJPs (explicit projection gradients) return cotangents
+    # without shard_map's varying-axes types; nothing here is differentiated through the map.
+    loss, grads = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(), P(None, batch_axes, None)),
+        out_specs=(P(), P()),
+        axis_names=set(batch_axes),
+        check_vma=False,
+    )(params, micro)
+    return loss, jax.lax.with_sharding_constraint(grads, param_shardings)
+
+
+def make_train_step(s: Setup):
+    """The jit-compiled step: accumulate gradients over microbatches, clip, AdamW; state donated.
+
+    With config.skip_nonfinite_steps a step whose loss or gradient is NaN/Inf keeps the old
+    parameters and optimizer state (a select on device, no host sync); only the step counter moves.
+    """
+    model = Transformer(s.model_cfg)
+    skip_nonfinite = s.config.skip_nonfinite_steps
+
+    def step(state: state_lib.TrainState, tokens):
+        loss, grads = accumulated_grads(
+            model, s.config.grad_accum, s.shardings.params, state.params, tokens, s.config.loss_chunk
+        )
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = s.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        if skip_nonfinite:
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            keep = lambda new, old: jnp.where(finite, new, old)
+            params = jax.tree.map(keep, params, state.params)
+            opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+        new_state = state_lib.TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+        # The rate this update used: the optimizer's own step count, which a skipped step leaves.
+        counts = optax.tree_utils.tree_get_all_with_path(state.opt_state, "count")
+        lr = s.schedule(counts[0][1] if counts else state.step)
+        stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr}
+        return new_state, stats
+
+    replicated = state_lib.replicated(s.mesh)
+    return jax.jit(
+        step,
+        in_shardings=(s.shardings, s.batch_sharding),
+        out_shardings=(s.shardings, replicated),
+        donate_argnums=(0,),
+    )
+
+
+def make_eval_step(s: Setup):
+    """jit-compiled (sum of token losses, token count) on one held-out batch; padding rows
+    (data.PAD) count no token."""
+    model = Transformer(s.model_cfg)
+
+    def step(params, tokens):
+        loss_sum, count = _loss_sums(model, params, tokens, s.config.loss_chunk, padded=True)
+        return loss_sum, jnp.asarray(count, jnp.float32)
+
+    return jax.jit(step, in_shardings=(s.shardings.params, s.batch_sharding))
+
+
+def compile_eval_step(s: Setup):
+    """Ahead-of-time compiles the eval step for the setup's abstract parameters and batch."""
+    with state_lib.sharding_context(s.mesh, s.rules):
+        params = s.abstract_state.params
+        return make_eval_step(s).lower(params, abstract_batch(s, s.config.batch_size)).compile()
+
+
+def abstract_batch(s: Setup, batch_size: int) -> jax.ShapeDtypeStruct:
+    """The (batch, seq_len + 1) int32 token array the steps take, with its sharding."""
+    return jax.ShapeDtypeStruct((batch_size, s.config.seq_len + 1), jnp.int32, sharding=s.batch_sharding)
+
+
+def compile_train_step(s: Setup):
+    """Ahead-of-time compiles the train step for the setup's abstract state and batch."""
+    with state_lib.sharding_context(s.mesh, s.rules):
+        return make_train_step(s).lower(s.abstract_state, abstract_batch(s, s.config.batch_size)).compile()

@@ -1,0 +1,420 @@
+"""bench: times the real step and reports the documented fields (no speed asserted here)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import small_config
+
+from gspmd_tp.bench import benchmark
+from gspmd_tp.job.errors import UserError
+from gspmd_tp.sharding import hlo
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def quick_matmul_rate(monkeypatch):
+    """benchmark.matmul_rate measured on 256 x 256 matrices, once, instead of 2048 x 2048 five times:
+    run() measures each dtype before and after the steps (about 3 s a report on a busy 2-core host),
+    and these reports need a measured rate, not an accurate one. bench.py's runs below measure at
+    full size."""
+    original = benchmark.matmul_rate
+    monkeypatch.setattr(benchmark, "matmul_rate", lambda dtype: original(dtype, n=256, repeats=1))
+
+
+def test_report_rows_have_the_documented_fields(quick_matmul_rate):
+    report = benchmark.run(small_config(), ["megatron_1d"], ["dp=2,mp=4", "dp=4,mp=2"], steps=2, warmup=1)
+    assert set(report["matmul_flops_per_sec"]) == {"float32", "bfloat16"}
+    assert (report["processes"], report["hosts"]) == (1, 1)
+    assert [r["mesh"] for r in report["results"]] == ["dp=2,mp=4", "dp=4,mp=2"]
+    for r in report["results"]:
+        assert {"rules", "mesh", "tokens_per_sec", "step_s", "compile_s", "mfu", "roofline_fraction"} <= set(
+            r
+        )
+        assert r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
+        assert r["mfu"] is None  # no published peak for a CPU
+        roof = max(report["matmul_flops_per_sec"].values())
+        assert abs(r["roofline_fraction"] - r["model_flops_per_sec"] / roof) < 1e-9
+        assert r["collective_bytes_per_device"] > 0
+        assert r["network_bytes_per_device"] == 0  # one host
+        # CPU time over wall time of the timed steps: the step runs on this machine's cores.
+        assert 0 < r["host_cpu_busy_cores"] <= len(os.sched_getaffinity(0)) * 1.05
+
+
+def test_profile_splits_the_step_time_into_groups(tmp_path, quick_matmul_rate):
+    report = benchmark.run(small_config(), ["megatron_1d"], ["dp=2,mp=4"], 1, 1, profile_dir=str(tmp_path))
+    profile = report["results"][0]["profile"]
+    assert set(profile) == set(hlo.GROUPS)
+    assert sum(g["share"] for g in profile.values()) == pytest.approx(1.0)
+    # megatron_1d all-reduces every layer's activations; every step multiplies matrices.
+    assert profile["matrix products"]["share"] > 0 and profile["collectives"]["share"] > 0
+    # The traced step's own wall time is reported beside the shares (the profiler slows it).
+    traced = report["results"][0]["profiled_step_s"]
+    assert traced > 0
+    table = benchmark.format_table(report)
+    assert "share of the profiled step's device time" in table
+    assert f"{traced * 1e3:.1f}" in table.split("share of the profiled")[1]
+
+
+def test_profiles_stay_under_profile_dir_whatever_path_names_the_rule_file(monkeypatch, tmp_path):
+    # An absolute rule path must not take the trace out of --profile_dir (os.path.join would drop
+    # profile_dir), and two rule files of one name must not share a trace directory.
+    other = tmp_path / "elsewhere" / "megatron_1d.yaml"
+    other.parent.mkdir()
+    other.write_text((ROOT / "rules" / "megatron_1d.yaml").read_text())
+    traced = []
+
+    def fake_bench_one(config, s, steps, warmup, profile_dir="", phases=False, host_of_process=(0,)):
+        traced.append(profile_dir)
+        return {"model_flops_per_sec": 1.0}
+
+    monkeypatch.setattr(benchmark, "matmul_rate", lambda *a: 1.0)
+    monkeypatch.setattr(benchmark, "bench_one", fake_bench_one)
+    monkeypatch.chdir(ROOT)  # for the relative rule path
+    profiles = tmp_path / "profiles"
+    rules = ["megatron_1d", str(other), "rules/megatron_2d.yaml"]
+    benchmark.run(small_config(), rules, ["dp=2,mp=4"], 1, 0, profile_dir=str(profiles))
+    assert traced == [
+        str(profiles / "megatron_1d_dp2_mp4"),
+        str(profiles / "megatron_1d_2_dp2_mp4"),
+        str(profiles / "megatron_2d_dp2_mp4"),
+    ]
+
+
+def test_phases_split_the_step_into_forward_backward_and_optimizer(tmp_path, quick_matmul_rate):
+    # With a profile too: the phases run on the state the profiled step hands on (it donates its own).
+    report = benchmark.run(
+        small_config(), ["megatron_1d"], ["dp=4,mp=2"], 2, 1, profile_dir=str(tmp_path), phases=True
+    )
+    r = report["results"][0]
+    assert r["forward_s"] > 0 and r["gradient_s"] > 0
+    assert r["backward_s"] == pytest.approx(r["gradient_s"] - r["forward_s"])
+    assert r["optimizer_s"] == pytest.approx(r["phase_step_s"] - r["gradient_s"])
+    # A third of the step's model FLOPs in the forward pass, two thirds in the backward pass.
+    roof = max(report["matmul_flops_per_sec"].values())
+    flops = r["model_flops_per_sec"] * r["step_s"]
+    assert r["forward_roofline_fraction"] * roof * r["forward_s"] == pytest.approx(flops / 3)
+    assert r["backward_roofline_fraction"] * roof * r["backward_s"] == pytest.approx(2 * flops / 3)
+    assert "the step split" in benchmark.format_table(report)
+
+
+def test_classify_goes_by_what_a_fusion_computes():
+    text = """HloModule m
+%fused_dot (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %p1 = f32[4,4]{1,0} parameter(1)
+  %dot.1 = f32[4,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %exp.1 = f32[4,4]{1,0} exponential(%dot.1)
+}
+ENTRY %main (a: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %copy_fusion = f32[4,4]{1,0} fusion(%a), kind=kLoop, calls=%fused_dot
+  %all-reduce.3 = f32[4,4]{1,0} all-reduce(%copy_fusion), replica_groups={}, to_apply=%add
+  %broadcast.2 = f32[4,4]{1,0} broadcast(%all-reduce.3), dimensions={0,1}
+  ROOT %transpose.1 = f32[4,4]{0,1} transpose(%broadcast.2), dimensions={1,0}
+}
+"""
+    groups = hlo.classify(text)
+    assert groups["copy_fusion"] == "matrix products"  # a dot inside, whatever the name says
+    assert groups["all-reduce.3"] == "collectives"
+    assert groups["broadcast.2"] == "broadcasts"
+    assert groups["transpose.1"] == "copies, transposes"
+    assert groups["exp.1"] == "other elementwise"
+
+
+def test_a_step_that_cannot_fit_is_one_line_before_any_state_is_made(monkeypatch):
+    from gspmd_tp.train import run_setup, state
+
+    monkeypatch.setattr(run_setup, "_host_memory", lambda: 2**20)
+    monkeypatch.setattr(state, "init_state", lambda *a, **k: pytest.fail("the state was made"))
+    with pytest.raises(
+        UserError, match=r"the compiled train step needs 8 CPU devices x .* more than this host"
+    ):
+        benchmark.run(small_config(), ["megatron_1d"], ["dp=2,mp=4"], steps=1, warmup=0)
+
+
+def test_steps_are_waited_for_only_once_the_next_is_queued(monkeypatch):
+    """Timing like training: step i+1 is dispatched before step i is waited for, and every step's
+    time runs from the end of the one before, so the times add up to the whole."""
+    events = []
+
+    class Output:
+        def __init__(self, name):
+            self.name = name
+
+        def block_until_ready(self):
+            events.append(f"wait {self.name}")
+            return self
+
+    def step(state, batch):
+        i = len([e for e in events if e.startswith("step")])
+        events.append(f"step {i}")
+        return Output(f"state {i}"), Output(f"stats {i}")
+
+    monkeypatch.setattr(benchmark.jax, "block_until_ready", lambda x: x.block_until_ready())
+    times = []
+    t0 = benchmark.time.perf_counter()
+    benchmark._time_steps(step, None, None, 3, times)
+    wall = benchmark.time.perf_counter() - t0
+    assert events == ["step 0", "step 1", "wait stats 0", "step 2", "wait stats 1", "wait state 2"]
+    assert len(times) == 3 and all(t >= 0 for t in times) and sum(times) <= wall
+
+
+def test_parse_variants():
+    assert benchmark.parse_variants("model.remat=none;model.attention_block=128,model.dtype=bfloat16") == [
+        {"model.remat": "none"},
+        {"model.attention_block": "128", "model.dtype": "bfloat16"},
+    ]
+    # A list value keeps its commas: an item with no "=" continues the value before it.
+    assert benchmark.parse_variants(
+        "model.remat_save=attn_in,mlp_in,model.remat=full;model.remat_save=key"
+    ) == [
+        {"model.remat_save": "attn_in,mlp_in", "model.remat": "full"},
+        {"model.remat_save": "key"},
+    ]
+    with pytest.raises(UserError, match="'model.remat' in 'model.remat' is not KEY=VALUE"):
+        benchmark.parse_variants("model.remat")
+    with pytest.raises(UserError, match=r"--variants: mesh is chosen by --meshes, not by a variant"):
+        benchmark.parse_variants("model.remat=none;mesh=dp=8,mp=1")
+    with pytest.raises(UserError, match=r"--variants: rules is chosen by --rules"):
+        benchmark.parse_variants("rules=fsdp")
+
+
+def test_variants_are_timed_against_the_configured_step(quick_matmul_rate):
+    variants = [{"model.attention_block": "16"}]
+    report = benchmark.run(
+        small_config(), ["megatron_1d"], ["dp=4,mp=2"], 1, 1, variants=variants, rounds=2, round_steps=1
+    )
+    rows = report["results"]
+    assert [r["variant"] for r in rows] == ["(as configured)", "model.attention_block=16"]
+    assert rows[0]["change"] == 0.0
+    roof = max(report["matmul_flops_per_sec"].values())
+    for r in rows:
+        assert r["mesh"] == "dp=4,mp=2" and r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
+        assert r["change"] == pytest.approx(r["step_s"] / rows[0]["step_s"] - 1)
+        assert r["roofline_fraction"] == pytest.approx(r["model_flops_per_sec"] / roof)
+    table = benchmark.format_table(report)
+    assert "change" in table and "model.attention_block=16" in table
+
+
+@pytest.mark.parametrize(
+    "variant, message",
+    [
+        ({"model.remat_policy": "none"}, "has no key 'model.remat_policy'"),
+        ({"model.attention_block": "many"}, "expected int"),
+        ({"model.remat": "sometimes"}, "remat"),
+    ],
+)
+def test_a_bad_variant_stops_the_comparison_before_anything_compiles(monkeypatch, variant, message):
+    monkeypatch.setattr(benchmark, "matmul_rate", lambda *a: pytest.fail("measured before checking"))
+    monkeypatch.setattr(benchmark, "_compiled", lambda *a: pytest.fail("compiled before checking"))
+    with pytest.raises(UserError, match=message) as info:
+        benchmark.run(small_config(), ["megatron_1d"], ["dp=4,mp=2"], 1, 0, variants=[variant])
+    assert str(info.value).startswith("--variants: ")
+
+
+def test_variants_refuse_profiles_and_phases():
+    with pytest.raises(UserError, match="--variants"):
+        benchmark.run(small_config(), ["megatron_1d"], ["dp=4,mp=2"], 1, 0, phases=True, variants=[{}])
+
+
+def test_cli_bad_variant_is_one_line_error():
+    run = subprocess.run(
+        [sys.executable, "bench.py", "--config=configs/bench_cpu.py",
+         "--variants=model.remat=none;model.nope=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == (
+        "error: --variants: --config.model.nope: the run's config has no key 'model.nope'"
+    )
+
+
+@pytest.mark.parametrize(
+    "meshes, steps, warmup, message",
+    [
+        (["dp=4,mp=2", "dp=3,mp=1"], 1, 0, "mesh 'dp=3,mp=1' has 3 devices but 8 are available"),
+        (["dp=4,mp=2"], 0, 0, "--steps=0 must be at least 1"),
+        (["dp=4,mp=2"], 1, -1, "--warmup=-1 must be at least 0"),
+    ],
+)
+def test_bad_input_stops_the_benchmark_before_anything_is_measured(
+    monkeypatch, meshes, steps, warmup, message
+):
+    # A bad last mesh must not end the run after the first has been compiled and timed.
+    monkeypatch.setattr(benchmark, "matmul_rate", lambda *a: pytest.fail("measured before checking"))
+    monkeypatch.setattr(benchmark, "_compiled", lambda *a: pytest.fail("compiled before checking"))
+    with pytest.raises(UserError, match=message):
+        benchmark.run(small_config(), ["megatron_1d"], meshes, steps, warmup)
+
+
+@pytest.mark.parametrize(
+    "rules, meshes, message",
+    [
+        (["megatron_1d"], ["dp=8,mp=1", "dp=8,mp=1"], r"^--meshes: mesh 'dp=8,mp=1' is given twice \("),
+        (
+            ["megatron_1d"],
+            ["dp=8,mp=1", "mp=1, dp=-1"],
+            r"^--meshes: mesh 'mp=1, dp=-1' is 'dp=8,mp=1' again",
+        ),
+        (
+            ["megatron_1d", "dp", "megatron_1d"],
+            ["dp=8,mp=1"],
+            r"^--rules: rule file 'megatron_1d' is given twice",
+        ),
+        (
+            ["megatron_1d", str(ROOT / "rules" / "megatron_1d.yaml")],
+            ["dp=8,mp=1"],
+            r"^--rules: rule file '/.*/rules/megatron_1d.yaml' is 'megatron_1d' again",
+        ),
+    ],
+)
+def test_a_rule_file_or_mesh_given_twice_is_an_error_before_anything_is_measured(
+    monkeypatch, rules, meshes, message
+):
+    # Timed twice, the two rows would carry the same rules and mesh and nothing to tell them apart.
+    monkeypatch.setattr(benchmark, "matmul_rate", lambda *a: pytest.fail("measured before checking"))
+    monkeypatch.setattr(benchmark, "_compiled", lambda *a: pytest.fail("compiled before checking"))
+    with pytest.raises(UserError, match=message):
+        benchmark.run(small_config(), rules, meshes, 1, 0)
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ("megatron_1d, nosuch", "rule file 'nosuch' not found (shipped rule files: dp, "),
+        ("megatron_1d,,dp", "--rules=megatron_1d,,dp: an empty rule file name (comma-separated names)"),
+    ],
+)
+def test_cli_rules_are_read_as_plan_reads_them(given, message):
+    """A space after a comma was part of the next name (`rule file ' megatron_1d' not found`),
+    where plan --compare strips it."""
+    run = subprocess.run(
+        [sys.executable, "bench.py", "--config=configs/bench_cpu.py", f"--rules={given}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1].startswith(f"error: {message}")
+
+
+def test_cli_unwritable_json_out_is_one_line_error_before_any_work(tmp_path):
+    blocker = tmp_path / "results"
+    blocker.write_text("a file where the report's directory would go")
+    run = subprocess.run(
+        [sys.executable, "bench.py", "--config=configs/bench_cpu.py", f"--json_out={blocker}/bench.json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"error: --json_out={blocker}/bench.json: {blocker} is a file, not a directory"
+    )
+    assert "matmul" not in run.stdout + run.stderr
+
+
+def _row(**extra):
+    """A report row as bench_one makes it, with made-up figures."""
+    return {
+        "rules": "megatron_1d", "mesh": "dp=2,mp=4", "tokens_per_sec": 2000.0, "step_s": 2.0,
+        "step_s_min": 1.9, "step_s_max": 2.1, "compile_s": 3.0, "model_flops_per_sec": 1e10, "mfu": None,
+        "roofline_fraction": 0.5, "memory_per_device": {"arguments": 3 * 2**20, "temporaries": 70 * 2**20},
+        "collective_bytes_per_device": 5 * 2**20, "host_cpu_busy_cores": 1.5, "loss": 9.0, "profile": None,
+        "profiled_step_s": None, **extra,
+    }  # fmt: skip
+
+
+def test_table_shows_the_per_device_memory():
+    report = {"devices": 8, "device_kind": "cpu", "matmul_flops_per_sec": {}, "results": [_row()]}
+    head, row = benchmark.format_table(report).splitlines()[-2:]
+    for name in ("step ms", "compile s", "args MiB", "temp MiB", "comm MiB", "cpu busy"):
+        head = head.replace(name, name.replace(" ", "_"))
+    columns = dict(zip(head.split(), row.split(), strict=True))
+    assert columns["args_MiB"] == "3.00" and columns["temp_MiB"] == "70.00"
+    assert columns["comm_MiB"] == "5.00" and columns["MFU"] == "n/a"
+
+
+def test_table_of_a_job_on_several_hosts_shows_the_bytes_between_them():
+    report = {
+        "devices": 16, "device_kind": "cpu", "processes": 4, "hosts": 2,
+        "matmul_flops_per_sec": {"float32": 4e11},
+        "results": [_row(network_bytes_per_device=2**20)],
+    }  # fmt: skip
+    lines = benchmark.format_table(report).splitlines()
+    assert lines[0] == "16 cpu devices in 4 processes on 2 hosts (the timings are process 0's)"
+    assert (
+        lines[1] == "jit matmul 2048^3 float32: 400.0 GFLOP/s on each of 2 hosts (the roofline: all of them)"
+    )
+    head, row = (line.replace(" MiB", "_MiB") for line in lines[-2:])
+    columns = dict(zip(head.replace("step ms", "step_ms").replace("compile s", "compile_s").replace(
+        "cpu busy", "cpu_busy").split(), row.split(), strict=True))  # fmt: skip
+    assert columns["comm_MiB"] == "5.00" and columns["net_MiB"] == "1.00"
+    # One process: no such column.
+    one = {**report, "processes": 1, "hosts": 1, "results": [_row(network_bytes_per_device=0)]}
+    assert "net MiB" not in benchmark.format_table(one)
+
+
+def test_table_columns_stay_under_their_headings_with_a_rule_file_path():
+    rows = [_row(rules="/home/me/sharding/mlp_over_both_axes.yaml", mesh="data=2,model=4"), _row()]
+    report = {"devices": 8, "device_kind": "cpu", "matmul_flops_per_sec": {}, "results": rows}
+    head, *table = benchmark.format_table(report).splitlines()[-3:]
+    end = head.index("tokens/s") + len("tokens/s")
+    for line in table:  # each figure ends where its heading does
+        assert line[:end].endswith("2,000"), line
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="os.access already refuses /proc to a user other than root")
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--json_out=/proc/bench.json", "error: --json_out=/proc/bench.json: cannot write it ("),
+        # Its directory does not exist yet: probed in /proc, where it would be created.
+        (
+            "--json_out=/proc/gspmd_tp_none/b.json",
+            "error: --json_out=/proc/gspmd_tp_none/b.json: cannot write it (",
+        ),
+        (
+            "--profile_dir=/proc/bench_profile",
+            "error: --profile_dir=/proc/bench_profile: cannot write there (",
+        ),
+    ],
+)
+def test_cli_an_output_the_filesystem_refuses_is_one_line_error_before_any_work(flag, message):
+    # As root os.access says /proc is writable: the file write, or the profiler, used to fail with a
+    # traceback after every step had been timed.
+    run = subprocess.run(
+        [sys.executable, "bench.py", "--config=configs/bench_cpu.py", "--config.model.num_layers=1",
+         "--config.seq_len=64", "--config.batch_size=8", "--steps=1", "--warmup=0", flag],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1].startswith(message)
+    assert "matmul" not in run.stdout + run.stderr and not run.stdout.strip()  # nothing timed
+
+
+def _strict_json(text: str) -> dict:
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_cli_json_is_strict_json_when_the_loss_is_not_finite(tmp_path):
+    """bench.py --json prints the report and --json_out writes it. One run checks both on a diverged
+    step, whose loss was written NaN, which JSON parsers other than Python's refuse (a run with a
+    finite loss took another 8 s of the suite for the same two outputs)."""
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "bench.py", "--config=configs/bench_cpu.py", "--config.model.num_layers=1",
+         "--config.seq_len=64", "--config.batch_size=8", "--config.optim.lr=1e30",
+         "--config.optim.warmup_steps=1", "--config.optim.clip_norm=0", "--steps=1", "--warmup=3",
+         "--json", f"--json_out={out}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    for text in (run.stdout, out.read_text()):
+        row = _strict_json(text)["results"][0]
+        assert row["rules"] == "megatron_1d"  # bench_cpu.py's rule file
+        assert row["loss"] is None and row["mfu"] is None and row["tokens_per_sec"] > 0

@@ -1,0 +1,337 @@
+"""The model: causal, GQA-correct, scan equals unrolled, remat changes nothing, no mesh names."""
+
+import re
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.ad_checkpoint import saved_residuals  # jax.ad_checkpoint.print_saved_residuals' list
+
+from gspmd_tp.model import transformer
+from gspmd_tp.model.transformer import ModelConfig, Transformer, attention_implementation, rotary
+
+CFG = ModelConfig(
+    vocab_size=256, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64
+)
+TOKENS = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
+
+
+def init(cfg):
+    return nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), TOKENS)["params"])
+
+
+def test_logits_shape_and_causality():
+    params = init(CFG)
+    logits = Transformer(CFG).apply({"params": params}, TOKENS)
+    assert logits.shape == (2, 12, 256) and logits.dtype == jnp.float32
+    changed = TOKENS.at[:, 7].set((TOKENS[:, 7] + 1) % 256)
+    logits2 = Transformer(CFG).apply({"params": params}, changed)
+    np.testing.assert_allclose(logits2[:, :7], logits[:, :7], atol=1e-6)  # the past is unaffected
+    assert not np.allclose(logits2[:, 7:], logits[:, 7:])
+
+
+def reference_attention(cfg, layer, x):
+    """Plain multi-head attention with each key/value head repeated for its query group."""
+    qkv = jnp.einsum("ble,ekgd->blkgd", x, layer["qkv"])
+    g = cfg.group
+    q = qkv[:, :, :, :g].reshape(*x.shape[:2], cfg.num_heads, cfg.head_dim)
+    k = jnp.repeat(qkv[:, :, :, g], g, axis=2)
+    v = jnp.repeat(qkv[:, :, :, g + 1], g, axis=2)
+    pos = jnp.arange(x.shape[1])
+    q, k = rotary(q, pos, cfg.rope_theta), rotary(k, pos, cfg.rope_theta)
+    s = jnp.einsum("bqhd,bshd->bhqs", q, k) / np.sqrt(cfg.head_dim)
+    s = jnp.where(pos[:, None] >= pos[None, :], s, -jnp.inf)
+    out = jnp.einsum("bhqs,bshd->bqhd", jax.nn.softmax(s, -1), v)
+    return jnp.einsum("blhd,hde->ble", out, layer["out"])
+
+
+def test_grouped_attention_matches_repeated_heads():
+    from gspmd_tp.model.transformer import Attention
+
+    x = jax.random.normal(jax.random.key(2), (2, 12, CFG.d_model))
+    pos = jnp.arange(12)
+    params = nn.meta.unbox(Attention(CFG).init(jax.random.key(3), x, pos)["params"])
+    got = Attention(CFG).apply({"params": params}, x, pos)
+    np.testing.assert_allclose(got, reference_attention(CFG, params, x), rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_preserves_norm_and_relative_positions():
+    x = jax.random.normal(jax.random.key(4), (1, 6, 1, 8))
+    pos = jnp.arange(6)
+    y = rotary(x, pos, 10000.0)
+    np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+    # <R(p)a, R(p+d)b> depends on d only.
+    a, b = x[0, 0, 0], x[0, 1, 0]
+    both = jnp.stack([jnp.tile(a, (6, 1)), jnp.tile(b, (6, 1))])[:, :, None]  # (2, 6, 1, 8)
+    r = rotary(both, pos, 10000.0)
+    dots = [float(r[0, p, 0] @ r[1, p + 2, 0]) for p in range(4)]
+    np.testing.assert_allclose(dots, dots[0], rtol=1e-4)
+
+
+def test_scan_equals_unrolled_layers():
+    scanned = init(CFG)
+    unrolled_cfg = ModelConfig(**{**CFG.__dict__, "scan_layers": False})
+    unrolled = {k: v for k, v in scanned.items() if k != "layers"}
+    for i in range(CFG.num_layers):
+        unrolled[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], scanned["layers"])
+    a = Transformer(CFG).apply({"params": scanned}, TOKENS)
+    b = Transformer(unrolled_cfg).apply({"params": unrolled}, TOKENS)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "policy", ["full", "dots", "dots_no_batch", "dots_no_batch_comm", "dots_no_batch_attention"]
+)
+def test_remat_policies_give_the_same_gradients(policy):
+    params = init(CFG)
+    remat_cfg = ModelConfig(**{**CFG.__dict__, "remat": policy})
+
+    def loss(cfg):
+        return jax.grad(lambda p: Transformer(cfg).apply({"params": p}, TOKENS).mean())(params)
+
+    for g0, g1 in zip(jax.tree.leaves(loss(CFG)), jax.tree.leaves(loss(remat_cfg)), strict=True):
+        np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    "policy, saved",
+    [("full", "attn_in,mlp_in"), ("dots_no_batch", "query,key"), ("dots_no_batch", "mlp_hidden,weights")],
+)
+def test_remat_save_keeps_its_names_and_changes_no_gradient(policy, saved):
+    unrolled = ModelConfig(**{**CFG.__dict__, "scan_layers": False})  # names stay visible outside a scan
+    params = init(unrolled)
+    cfg = ModelConfig(**{**unrolled.__dict__, "remat": policy, "remat_save": saved})
+    apply = lambda c: lambda p: Transformer(c).apply({"params": p}, TOKENS).mean()
+    kept = lambda c: {
+        name
+        for _, where in saved_residuals(apply(c), params)
+        for name in transformer.SAVEABLE_NAMES
+        if f"named '{name}'" in where
+    }
+    assert kept(cfg) == set(saved.split(","))
+    assert not kept(ModelConfig(**{**cfg.__dict__, "remat_save": ""}))  # the policy alone keeps none
+    for g0, g1 in zip(
+        jax.tree.leaves(jax.grad(apply(unrolled))(params)),
+        jax.tree.leaves(jax.grad(apply(cfg))(params)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("remat", ["none", "dots_no_batch"])
+def test_projection_grad_settings_give_the_same_gradients(remat):
+    params = init(CFG)
+
+    def grads(setting):
+        cfg = ModelConfig(**{**CFG.__dict__, "remat": remat, "projection_grad": setting})
+        return jax.grad(lambda p: Transformer(cfg).apply({"params": p}, TOKENS).mean())(params)
+
+    for g0, g1 in zip(jax.tree.leaves(grads("xla")), jax.tree.leaves(grads("explicit")), strict=True):
+        np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-7)
+
+
+def test_dots_no_batch_keeps_the_explicit_projections():
+    """The hand-written gradient hides the product from the dot policy; its name must keep it, or
+    the backward pass would compute every projection a second time."""
+    params = init(CFG)
+
+    def dots(remat):
+        cfg = ModelConfig(**{**CFG.__dict__, "remat": remat, "projection_grad": "explicit"})
+        jaxpr = jax.make_jaxpr(jax.grad(lambda p: Transformer(cfg).apply({"params": p}, TOKENS).mean()))(
+            params
+        )
+        return str(jaxpr).count("dot_general")
+
+    assert dots("dots_no_batch") < dots("full")
+
+
+def test_tied_embeddings_have_no_lm_head():
+    tied = init(ModelConfig(**{**CFG.__dict__, "tie_embeddings": True}))
+    assert "lm_head" not in tied and "lm_head" in init(CFG)
+
+
+def test_bfloat16_compute_keeps_float32_params():
+    cfg = ModelConfig(**{**CFG.__dict__, "dtype": "bfloat16"})
+    params = init(cfg)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    logits = Transformer(cfg).apply({"params": params}, TOKENS)
+    assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_every_parameter_is_logically_annotated():
+    boxed = Transformer(CFG).init(jax.random.key(0), TOKENS)["params"]
+    leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    assert leaves and all(isinstance(x, nn.LogicallyPartitioned) for x in leaves)
+
+
+def test_model_code_names_no_mesh_axis():
+    for module in (Path(__file__).parents[2] / "gspmd_tp" / "model").glob("*.py"):
+        source = module.read_text()
+        assert not re.search(r"PartitionSpec|['\"](dp|mp)['\"]", source), module
+
+
+def test_config_validation_names_the_problem():
+    bad = ModelConfig(num_heads=6, num_kv_heads=4, remat="sometimes", projection_grad="manual")
+    problems = bad.validate()
+    assert any("model.projection_grad 'manual'" in p for p in problems)
+    assert any("num_heads (6) must be a multiple of model.num_kv_heads (4)" in p for p in problems)
+    assert any("model.remat 'sometimes'" in p for p in problems)
+    problems = ModelConfig(rope_theta=0.0, norm_eps=-1e-5).validate()
+    assert problems == [
+        "model.rope_theta must be positive, got 0.0",
+        "model.norm_eps must be 0 or more, got -1e-05",
+    ]
+    assert len(ModelConfig(rope_theta=float("nan"), norm_eps=float("nan")).validate()) == 2
+    assert ModelConfig(remat="full", remat_save="mlp_in, queries").validate() == [
+        "model.remat_save 'mlp_in, queries': 'queries' not among attn_in, attn_out, mlp_in, mlp_out, "
+        "query, key, mlp_hidden, weights"
+    ]
+    assert ModelConfig(remat_save="mlp_in").validate() == [
+        "model.remat_save 'mlp_in' needs a model.remat policy: with 'none' every activation is kept already"
+    ]
+
+
+@pytest.mark.parametrize(
+    "setting, dtype, platform, chosen",
+    [
+        ("auto", "bfloat16", "gpu", "cudnn"),
+        ("auto", "float16", "gpu", "cudnn"),
+        ("auto", "float32", "gpu", "einsum"),  # cuDNN's fused attention takes 16-bit inputs only
+        ("auto", "bfloat16", "cpu", "einsum"),
+        ("auto", "bfloat16", "tpu", "einsum"),
+        ("xla", "float32", "gpu", "xla"),
+        ("einsum", "bfloat16", "gpu", "einsum"),
+    ],
+)
+def test_auto_attention_is_cudnn_on_gpu_in_16_bits_only(setting, dtype, platform, chosen):
+    assert attention_implementation(setting, dtype, platform) == chosen
+
+
+def test_auto_attention_on_cpu_is_the_einsum_path():
+    auto = ModelConfig(**{**CFG.__dict__, "attention": "auto", "attention_block": 4})
+    assert auto.validate() == []
+    params = init(CFG)
+    np.testing.assert_array_equal(
+        Transformer(auto).apply({"params": params}, TOKENS),
+        Transformer(ModelConfig(**{**CFG.__dict__, "attention_block": 4})).apply({"params": params}, TOKENS),
+    )
+
+
+def test_the_attention_remat_policy_names_the_fused_attention_of_this_jax():
+    """The policy goes by the primitive's name; a jax that renamed it would silently save nothing."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    assert transformer._fused_attention_saveable(cudnn_attention._dot_product_attention_fwd_p_wrapper)
+    assert not transformer._fused_attention_saveable(jax.lax.exp_p)
+
+
+def test_dot_product_attention_equals_the_einsum_path():
+    """jax.nn.dot_product_attention (xla) gives the einsum path's logits and gradients, GQA included."""
+    params = init(CFG)
+    xla_cfg = ModelConfig(**{**CFG.__dict__, "attention": "xla"})
+
+    def logits_and_grads(cfg):
+        f = lambda p: Transformer(cfg).apply({"params": p}, TOKENS)
+        return f(params), jax.grad(lambda p: (f(p) ** 2).mean())(params)
+
+    (l0, g0), (l1, g1) = logits_and_grads(CFG), logits_and_grads(xla_cfg)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("block", [4, 5, 12])
+def test_blocked_causal_attention_equals_the_whole_square(block):
+    """Query blocks that score only the keys up to their end give the logits and gradients of the
+    whole masked square: blocks dividing the length (4), not dividing it (5: 5+5+2), one block (12)."""
+    params = init(CFG)
+    blocked = ModelConfig(**{**CFG.__dict__, "attention_block": block})
+
+    def logits_and_grads(cfg):
+        f = lambda p: Transformer(cfg).apply({"params": p}, TOKENS)
+        return f(params), jax.grad(lambda p: (f(p) ** 2).mean())(params)
+
+    (l0, g0), (l1, g1) = logits_and_grads(CFG), logits_and_grads(blocked)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert any("attention_block must be" in p for p in ModelConfig(attention_block=-1).validate())
+
+
+def test_attention_choice_is_validated():
+    assert any("model.attention 'flash'" in p for p in ModelConfig(attention="flash").validate())
+    assert any("needs model.dtype bfloat16" in p for p in ModelConfig(attention="cudnn").validate())
+    assert ModelConfig(attention="cudnn", dtype="bfloat16").validate() == []
+    # Query blocks are the einsum path's: with a fused kernel they would be silently ignored.
+    blocked = ModelConfig(attention="xla", attention_block=64).validate()
+    assert blocked == [
+        "model.attention_block=64 applies to einsum attention only; with model.attention 'xla' set it to 0"
+    ]
+    assert ModelConfig(attention="einsum", attention_block=64).validate() == []
+
+
+@pytest.mark.parametrize("remat", ["none", "dots_no_batch"])
+def test_fused_mlp_gradient_equals_autodiffs(remat):
+    unrolled = ModelConfig(**{**CFG.__dict__, "scan_layers": False, "remat": remat, "projection_grad": "xla"})
+    params = init(unrolled)
+    apply = lambda c: lambda p: Transformer(c).apply({"params": p}, TOKENS).mean()
+    cfgs = {g: ModelConfig(**{**unrolled.__dict__, "mlp_grad": g}) for g in ("xla", "one_pass", "fused")}
+    grads = {g: jax.grad(apply(c))(params) for g, c in cfgs.items()}
+    for g in ("one_pass", "fused"):
+        for a, b in zip(jax.tree.leaves(grads["xla"]), jax.tree.leaves(grads[g]), strict=True):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-8)
+    if remat != "none":  # the fused backward keeps what autodiff keeps (the gate_up product), no more
+        kept = lambda c: sorted(a.str_short() for a, _ in saved_residuals(apply(c), params))
+        assert kept(cfgs["fused"]) == kept(cfgs["xla"])
+
+
+@pytest.mark.parametrize(
+    "mlp_grad, platform, rules, saved, chosen",
+    [
+        ("auto", "cpu", "dp", "", "xla"),
+        ("auto", "gpu", "dp", "", "fused"),
+        ("auto", "gpu", "fsdp", "", "fused"),
+        ("auto", "gpu", "megatron_1d", "", "one_pass"),  # mlp split: dx would take two all-reduces
+        ("auto", "gpu", "dp", "mlp_hidden", "one_pass"),  # kept, so nothing to recompute
+        ("fused", "cpu", "megatron_1d", "", "fused"),
+        ("xla", "gpu", "dp", "", "xla"),
+    ],
+)
+def test_mlp_implementation(mlp_grad, platform, rules, saved, chosen):
+    from gspmd_tp.sharding.rules import load_rules
+
+    cfg = ModelConfig(mlp_grad=mlp_grad, remat="full" if saved else "none", remat_save=saved)
+    with nn.logical_axis_rules(load_rules(rules).rules):
+        assert transformer.mlp_implementation(cfg, platform) == chosen
+
+
+def test_mlp_grad_setting_is_checked():
+    assert ModelConfig(mlp_grad="manual").validate() == [
+        "model.mlp_grad 'manual' is not one of ('auto', 'fused', 'one_pass', 'xla')"
+    ]
+    assert ModelConfig(mlp_grad="fused", remat="full", remat_save="mlp_hidden").validate() == [
+        "model.remat_save keeps mlp_hidden, which model.mlp_grad 'fused' never reads (its backward "
+        "recomputes SwiGLU's output beside its gradient): drop one of the two"
+    ]
+
+
+def test_embed_lookup_in_bf16_gives_take_then_cast_exactly_and_its_float32_gradient():
+    """The table is cast before the lookup (so a vocabulary-parallel all-reduce moves bf16 rows);
+    rows and gradient are bit for bit those of looking up in float32 and casting after."""
+    table = jax.random.normal(jax.random.key(0), (256, 64), jnp.float32)
+    tokens = jax.random.randint(jax.random.key(1), (4, 32), 0, 256)
+    weights = jax.random.normal(jax.random.key(2), (4, 32, 64), jnp.float32)
+    old = jnp.take(table, tokens, axis=0).astype(jnp.bfloat16)
+    new = transformer.embed_lookup(table, tokens, jnp.bfloat16)
+    assert new.dtype == jnp.bfloat16 and np.array_equal(np.asarray(new), np.asarray(old))
+
+    def loss(lookup):
+        return lambda t: jnp.sum(lookup(t).astype(jnp.float32) * weights)
+
+    g_old = jax.grad(loss(lambda t: jnp.take(t, tokens, axis=0).astype(jnp.bfloat16)))(table)
+    g_new = jax.grad(loss(lambda t: transformer.embed_lookup(t, tokens, jnp.bfloat16)))(table)
+    assert g_new.dtype == jnp.float32 and np.array_equal(np.asarray(g_new), np.asarray(g_old))
+    assert np.count_nonzero(np.asarray(g_new).any(axis=1)) == len(np.unique(np.asarray(tokens)))

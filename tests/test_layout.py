@@ -1,0 +1,50 @@
+"""The package layout: imports point one way, from the tools down to the job plumbing, never back up."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "gspmd_tp"
+
+# Lowest first: a package may import those before it, never those after it. The tools at the top
+# are peers that import none of each other.
+LAYERS = ["job", "sharding", "model", "data", "checkpoint", "train"]
+TOOLS = ["plan", "bench", "inference", "convert"]
+
+
+def _imports(path: Path) -> set[str]:
+    """The gspmd_tp packages (or top-level modules) that a file imports, at any depth of its code."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "gspmd_tp":
+            parts = node.module.split(".")
+            found.update([parts[1]] if len(parts) > 1 else [a.name for a in node.names])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("gspmd_tp."))
+    return found
+
+
+def _allowed(package: str) -> set[str]:
+    if package in TOOLS:
+        return set(LAYERS)
+    return set(LAYERS[: LAYERS.index(package)])
+
+
+@pytest.mark.parametrize("package", LAYERS + TOOLS)
+def test_a_package_imports_only_those_below_it(package):
+    wrong = {
+        f"{path.relative_to(PACKAGE)} imports gspmd_tp.{imported}"
+        for path in (PACKAGE / package).glob("*.py")
+        for imported in _imports(path) - {package}
+        if imported not in _allowed(package)
+    }
+    assert not wrong, sorted(wrong)
+
+
+def test_every_module_lives_in_a_package():
+    """Beside the packages only the entry points of `python -m gspmd_tp.evaluate|generate` stand."""
+    loose = {p.name for p in PACKAGE.glob("*.py")} - {"__init__.py", "evaluate.py", "generate.py"}
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert not loose
+    assert packages == set(LAYERS + TOOLS)

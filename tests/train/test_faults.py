@@ -1,0 +1,738 @@
+"""Faults: stop signals, SIGKILL during an async save, corrupted checkpoints, NaN/Inf, mismatches."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import child_env, small_config
+from test_train_cli import ROOT, SMALL, train
+
+from gspmd_tp.checkpoint import step_dirs, store, tool
+from gspmd_tp.job import output_paths
+from gspmd_tp.job.errors import JobError, UserError
+from gspmd_tp.train import faults, loop, optimizer
+
+RUN_FOREVER = ["--config.steps=100000", "--config.log_every=1", "--config.eval_every=100000"]
+
+
+def start(workdir, *flags):
+    """train.py as a child process, its output line by line on .stdout."""
+    env = child_env()
+    cmd = [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}", *SMALL, *flags]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+    )
+
+
+def wait_for(proc, pattern, timeout=120):
+    """Reads stdout until a line matches `pattern`; returns the lines read."""
+    lines, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if re.search(pattern, line):
+            return lines
+    proc.kill()
+    raise AssertionError(f"never printed {pattern!r}: {''.join(lines)[-2000:]} {proc.stderr.read()[-2000:]}")
+
+
+@pytest.mark.parametrize("sig, name", [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
+def test_a_stop_signal_before_training_begins_is_one_line(tmp_path, sig, name):
+    workdir = tmp_path / "new"
+    proc = start(workdir, *RUN_FOREVER)
+    wait_for(proc, r"^gspmd_tp: .* parameters")  # then the data is read and the step compiled
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, (out[-1000:], err[-2000:])
+    assert (
+        err.strip().splitlines()[-1] == f"stopped by {name} before training began; no checkpoint was written"
+    )
+    # The workdir this run created held only its lock: removed, as a run that fails early removes it.
+    assert "Traceback" not in err and not workdir.exists()
+
+
+def test_stop_signal_saves_at_the_step_boundary_and_exits_0(tmp_path):
+    sig = signal.SIGTERM  # SIGINT: test_stop_signal_during_evaluation_saves_at_that_step
+    proc = start(tmp_path, *RUN_FOREVER, "--config.checkpoint_every=100000")
+    wait_for(proc, r"step +3/")
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    stopped = re.search(rf"stopped by {sig.name} after step (\d+): checkpoint saved", out)
+    assert stopped, out[-2000:]
+    # The only checkpoint is the one the signal asked for, complete.
+    step = stopped[1]
+    assert os.listdir(tmp_path / "checkpoints") == [step]
+    assert (tmp_path / "checkpoints" / step / "state" / "_METADATA").is_file()
+
+
+def test_a_signal_while_the_last_checkpoint_is_written_waits_for_it(tmp_path, monkeypatch, capsys):
+    original = faults.StopSignal.finishing
+
+    def signalled(stop, failed):  # SIGTERM once the loop is over, the last step's save in flight
+        original(stop, failed)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(faults.StopSignal, "finishing", signalled)
+    last = loop.train(small_config(steps=4, checkpoint_every=100), str(tmp_path))
+    out = capsys.readouterr().out
+    assert "received SIGTERM while the run finishes: it exits once its last checkpoint is written" in out
+    assert last["step"] == 4 and "stopped" not in last and "done: metrics in" in out
+    assert os.listdir(tmp_path / "checkpoints") == ["4"]
+    assert (tmp_path / "checkpoints" / "4" / "state" / "_METADATA").is_file()
+
+
+def test_second_signal_exits_at_once(tmp_path):
+    proc = start(tmp_path, *RUN_FOREVER, "--config.checkpoint_every=100000")
+    wait_for(proc, r"step +2/")
+    # Two different signals: the same one twice could merge into one delivery.
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode in (128 + signal.SIGTERM, 128 + signal.SIGINT), (out[-1000:], err[-1000:])
+    assert "again: exiting at once without saving" in err
+    assert "checkpoint saved" not in out
+
+
+def test_in_a_multi_process_job_every_process_reads_the_signals_one_check_later(monkeypatch):
+    """Each check starts the all-reduce of the processes' signals and reads the previous one's, so
+    the host never waits for the step it just dispatched; here one process poses as process 0 of 2."""
+    monkeypatch.setattr(faults.jax, "process_count", lambda: 2)  # the one jax module everywhere
+    with faults.StopSignal(lambda msg: None) as stop:
+        assert not stop.requested()  # nothing shared before
+        signal.raise_signal(signal.SIGTERM)
+        assert not stop.requested()  # reads the check before the signal; shares it
+        assert stop.requested()
+        assert stop.stopped_by == "SIGTERM on process 0"
+        assert stop.requested()  # and stays stopped, sharing nothing more
+
+
+# The main thread inside one long call into C (as in a step or a save): Python runs the handler once,
+# after the call, however many signals came meanwhile.
+BUSY_IN_C = """
+import sys, numpy as np
+from gspmd_tp.train import faults
+with faults.StopSignal(print) as stop:
+    a = np.random.default_rng(0).random((1600, 1600))
+    print("busy", flush=True)
+    np.linalg.svd(a)
+    print("stop requested:", stop.requested(), flush=True)
+"""
+
+
+def test_a_second_signal_while_the_first_waits_to_be_handled_still_exits_at_once():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BUSY_IN_C], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline() == "busy\n"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, (out, err[-2000:])
+    assert "received SIGINT again: exiting at once without saving" in err and "stop requested" not in out
+
+
+def test_sigkill_during_async_save_keeps_the_previous_checkpoint(tmp_path):
+    proc = start(tmp_path, *RUN_FOREVER, "--config.checkpoint_every=2")
+    ckpt = tmp_path / "checkpoints"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        names = os.listdir(ckpt) if ckpt.is_dir() else []
+        if any(n.isdigit() for n in names) and any("tmp" in n for n in names):
+            proc.kill()  # SIGKILL while a save is half written
+            break
+        time.sleep(0.002)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    names = os.listdir(ckpt)
+    assert any("tmp" in n for n in names), names  # the kill did land inside a save
+    newest = max(int(n) for n in names if n.isdigit())
+
+    again = train(tmp_path, f"--config.steps={newest + 1}", "--config.checkpoint_every=2")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resumed from step {newest}" in again.stdout
+    assert not [n for n in os.listdir(ckpt) if "tmp" in n]  # the half-written save was cleaned up
+
+
+# --- in-process runs on one trained workdir ---
+
+
+@pytest.fixture(scope="module")
+def trained(trained_workdir):
+    """A finished 4-step run with checkpoints at steps 2 and 4: the session's shared one (the tests
+    copy it before changing anything, or check that nothing in it changed)."""
+    assert sorted(os.listdir(trained_workdir / "checkpoints")) == ["2", "4"]
+    return trained_workdir
+
+
+def _tree(path: Path) -> dict:
+    """Each path under `path` and when it was last written; the lock file, which every start
+    rewrites with its pid, left out."""
+    return {str(p): p.stat().st_mtime_ns for p in path.rglob("*") if p.name != output_paths.LOCK}
+
+
+def _garble_arrays(step_dir: Path):
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(b"\0garbage" * 16)
+
+
+def flip_bytes(step_dir: Path):
+    """Damages the compressed array chunks in place: orbax then raises a bare Exception around
+    tensorstore's decoding error (with some 60 lines of tensorstore spec in its message)."""
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d" and f.stat().st_size > 10_000:
+            data = bytearray(f.read_bytes())
+            for i in range(len(data) // 4, 3 * len(data) // 4, 97):
+                data[i] ^= 0xFF
+            f.write_bytes(bytes(data))
+
+
+def _remove_metadata(step_dir: Path):
+    (step_dir / "state" / "_METADATA").unlink()
+
+
+def _remove_a_data_file(step_dir: Path):
+    """One file of array chunks gone: tensorstore reads it as a truncated zstd stream."""
+    max(
+        (f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"),
+        key=os.path.getsize,
+    ).unlink()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_remove_metadata, _garble_arrays, flip_bytes, _remove_a_data_file],
+    ids=["partial", "corrupted", "undecodable", "data-file-gone"],
+)
+def test_broken_newest_checkpoint_is_skipped_with_a_warning(trained, tmp_path, capsys, damage):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    damage(workdir / "checkpoints" / "4")
+    capsys.readouterr()
+    loop.train(small_config(steps=5, log_every=1, eval_every=100), str(workdir))
+    out = capsys.readouterr().out
+    warning = next(line for line in out.splitlines() if line.startswith("warning: skipping"))
+    assert warning.startswith(f"warning: skipping checkpoint {workdir / 'checkpoints' / '4'}: ")
+    assert len(warning) < 600 and "tensorstore_spec" not in warning and "TensorStore({" not in out
+    assert "resumed from step 2" in out
+    # Kept for inspection, out of the way of the step 4 this run saved again.
+    assert [p.name[:2] for p in (workdir / "corrupt_checkpoints").iterdir()] == ["4-"]
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4", "5"]
+
+
+# A failed read, then a read that succeeds (the next older step), then what the failed read left in
+# flight ending: an orbax coroutine collected unfinished, and asyncio's never-retrieved task.
+LEFTOVERS_AFTER_A_LATER_SUCCESS = """
+import inspect, logging, sys, types
+from orbax.checkpoint._src.serialization import serialization
+from gspmd_tp.checkpoint import store as checkpoint
+try:
+    with checkpoint.quiet_after_a_failed_read():
+        raise ValueError("step 4 does not read")
+except ValueError:
+    pass
+with checkpoint.quiet_after_a_failed_read():
+    pass  # step 2 reads
+read = serialization._read_array_index_and_device_put
+kwargs = [p.name for p in inspect.signature(read).parameters.values() if p.kind == p.KEYWORD_ONLY]
+orphan = read(None, None, None, **dict.fromkeys(kwargs))  # a coroutine object, never run
+sys.unraisablehook(types.SimpleNamespace(
+    exc_type=Exception, exc_value=Exception("reading array index"), exc_traceback=None,
+    err_msg="Exception ignored in", object=orphan))
+orphan.close()
+logging.getLogger("asyncio").error("Task exception was never retrieved")
+print("done", flush=True)
+"""
+
+
+def test_what_a_failed_read_left_in_flight_stays_unprinted_after_a_later_read_succeeds():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", LEFTOVERS_AFTER_A_LATER_SUCCESS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout == "done\n", out.stderr[-2000:]
+    assert out.stderr == ""
+
+
+def test_a_finished_run_whose_last_checkpoint_is_damaged_trains_its_last_steps_again(
+    trained, tmp_path, capsys, monkeypatch
+):
+    """Not "nothing to do": the newest step is read before the run says so, and only then (a read
+    of every array of a large model's checkpoint takes minutes)."""
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    flip_bytes(workdir / "checkpoints" / "4")
+    reads, original = [], store._restore_step
+    monkeypatch.setattr(store, "_restore_step", lambda d, a: reads.append(d.name) or original(d, a))
+    capsys.readouterr()
+    last = loop.train(small_config(steps=4, log_every=1, eval_every=100), str(workdir))
+    out = capsys.readouterr().out
+    assert reads == ["4", "2"]
+    warning = f"warning: skipping checkpoint {workdir / 'checkpoints' / '4'}: partial or corrupted ("
+    assert "nothing to do" not in out and out.count(warning) == 1
+    assert "resumed from step 2" in out and last["step"] == 4
+    assert [p.name[:2] for p in (workdir / "corrupt_checkpoints").iterdir()] == ["4-"]
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+
+
+def test_a_different_model_is_named_before_anything_is_written(trained):
+    before = _tree(trained)
+    with pytest.raises(UserError) as e:
+        loop.train(small_config(steps=6, **{"model.d_model": 128}), str(trained))
+    message = str(e.value)
+    assert "different model (d_model: saved 64, now 128" in message
+    assert "embedding saved (256, 64), now (256, 128)" in message
+    assert "layers/attn/qkv saved (2, 64, 8, 4, 8), now (2, 128, 8, 4, 8)" in message
+    assert "\n" not in message
+    assert _tree(trained) == before
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"data.seed": 1}, r"data\.seed: saved 0, now 1"),
+        # The held-out split decides which documents are trained on.
+        ({"data.eval_fraction": 0.5}, r"data\.eval_fraction: saved 0\.05, now 0\.5"),
+        (
+            {"data.eval_files": "held_out.txt"},
+            r"data\.eval_files: saved '', now '/.*held_out\.txt'; "
+            r"data\.eval_fraction: saved 0\.05, now unused \(data\.eval_files given\)\)",
+        ),
+    ],
+)
+def test_a_workdir_of_another_run_is_refused_before_anything_is_written(trained, tmp_path, change, message):
+    if "data.eval_files" in change:
+        (tmp_path / "held_out.txt").write_text("held-out text " * 100)
+        change = {"data.eval_files": str(tmp_path / "held_out.txt")}
+    before = _tree(trained)
+    with pytest.raises(UserError, match=rf"holds another run \({message}"):
+        loop.train(small_config(steps=6, **change), str(trained))
+    assert _tree(trained) == before
+
+
+def test_other_eval_fraction_with_the_same_eval_files_is_the_same_run():
+    """With held-out files the fraction is unused: changing it changes nothing."""
+    saved = small_config(**{"data.eval_files": "held_out.txt"}).to_dict()
+    now = small_config(**{"data.eval_files": "held_out.txt", "data.eval_fraction": 0.5})
+    store.check_same_run(saved, now, "run")
+    del saved["data"]["eval_files"]  # a run saved before the key existed used its default
+    store.check_same_run(saved, small_config(), "run")
+
+
+def test_data_files_are_saved_absolute_and_one_file_spelled_two_ways_is_one_run(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    for i in range(40):
+        (tmp_path / "data" / f"doc{i}.txt").write_text(f"document {i} " * 40)
+    monkeypatch.chdir(tmp_path)
+    loop.train(
+        small_config(
+            steps=1, eval_every=100, **{"data.train_files": "data/*.txt", "data.eval_fraction": 0.5}
+        ),
+        "run",
+    )
+    (meta,) = [m for _, m in step_dirs.readable_checkpoints(str(tmp_path / "run"))]
+    assert meta["config"]["data"]["train_files"] == f"{tmp_path}/data/*.txt"
+    elsewhere = tmp_path / "data"
+    monkeypatch.chdir(elsewhere)  # the same files, spelled from another directory
+    last = loop.train(
+        small_config(steps=2, eval_every=100, **{"data.train_files": "./*.txt", "data.eval_fraction": 0.5}),
+        "../run",
+    )
+    assert last["step"] == 2
+    with pytest.raises(
+        UserError, match=r"data\.train_files: saved '.*/data/\*\.txt', now '.*/data/doc1\*\.txt'"
+    ):
+        loop.train(
+            small_config(steps=3, **{"data.train_files": "doc1*.txt", "data.eval_fraction": 0.5}), "../run"
+        )
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda w: (w / "checkpoints").write_text(""),
+            r"--workdir's checkpoints=.*/checkpoints: .* is a file",
+        ),
+        (lambda w: (w / "metrics.jsonl").mkdir(), r"--workdir's metrics=.*/metrics\.jsonl: is a directory"),
+        (
+            lambda w: (w / "metrics_replaced.jsonl").mkdir(),
+            r"--workdir's replaced metrics=.*/metrics_replaced\.jsonl: is a directory",
+        ),
+        (
+            lambda w: (w / "tensorboard").write_text(""),
+            r"--workdir's tensorboard=.*: .* is a file, not a directory",
+        ),
+    ],
+    ids=["checkpoints", "metrics", "replaced-metrics", "tensorboard"],
+)
+def test_what_the_run_writes_in_its_workdir_is_checked_before_compiling(tmp_path, monkeypatch, make, message):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    make(workdir)
+    monkeypatch.setattr(loop.step_lib, "compile_train_step", lambda s: pytest.fail("compiled"))
+    with pytest.raises(UserError, match=message):
+        loop.train(small_config(), str(workdir))
+
+
+def test_a_read_failure_that_is_not_damage_moves_nothing(trained, tmp_path, monkeypatch):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+
+    def unreadable(*_):
+        raise PermissionError(13, "Permission denied", str(workdir / "checkpoints" / "4" / "state"))
+
+    monkeypatch.setattr(store, "_restore_step", unreadable)
+    with pytest.raises(UserError) as e:
+        loop.train(small_config(steps=6), str(workdir))
+    message = str(e.value)
+    assert "does not look like a damaged checkpoint, so nothing was skipped or moved" in message
+    assert "PermissionError: [Errno 13] Permission denied" in message and "\n" not in message
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+    assert not (workdir / "corrupt_checkpoints").exists()
+
+
+# --- a multi-process job: every process goes on from the same step, here posed by one process ---
+
+
+def _peer_answers(monkeypatch, *answers):
+    """Poses as process 0 of 2: each call of every_process gets the next answer as process 1's
+    values (None: the same as this process's)."""
+    it = iter(answers)
+
+    def every_process(values):
+        peer = next(it)
+        return [list(values), list(values) if peer is None else peer]
+
+    monkeypatch.setattr(store.distributed, "every_process", every_process)
+
+
+@pytest.mark.parametrize(
+    "answers, why",
+    [
+        # A shard only process 1 reads: process 0, which read step 4, goes back to step 2 as well.
+        (
+            (None, [store._DAMAGED], None),
+            "partial or corrupted (process 1 of this job could not read its part: see its warning)",
+        ),
+        # Step 4's metadata: tried by no process, and moved aside before this run saves its own step 4.
+        (([2], None), "its metadata does not read on process 1 of this job"),
+    ],
+    ids=["arrays", "metadata"],
+)
+def test_a_checkpoint_another_process_cannot_read_is_skipped_by_every_process(
+    trained, tmp_path, monkeypatch, capsys, answers, why
+):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    _peer_answers(monkeypatch, *answers)  # the steps listed, then each read's outcome
+    capsys.readouterr()
+    loop.train(small_config(steps=5, log_every=1, eval_every=100), str(workdir))
+    out = capsys.readouterr().out
+    assert f"warning: skipping checkpoint {workdir / 'checkpoints' / '4'}: {why}\n" in out
+    assert "resumed from step 2" in out
+    assert [p.name[:2] for p in (workdir / "corrupt_checkpoints").iterdir()] == ["4-"]
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4", "5"]
+
+
+@pytest.mark.parametrize(
+    "answers, message",
+    [
+        # Step 4's arrays fail to read on process 1 for a reason other than damage (permissions, say).
+        (
+            (None, [store._FAILED]),
+            "{ckpt}/4 does not read on process 1 of this job (its error says why); nothing was skipped or "
+            "moved: fix the cause and run again",
+        ),
+        # Process 1 reads no step's metadata.
+        (
+            ([],),
+            "{ckpt}: no checkpoint's metadata reads on every process of this job (see the warnings above); "
+            "nothing was moved: repair the files or the hosts' view of them and run again",
+        ),
+        # Process 1 stops with its own one line (no complete checkpoint in its view of the files); this
+        # process names it instead of waiting for it in the next collective.
+        (
+            ([store._UNUSABLE],),
+            "{ckpt} cannot be resumed from on process 1 of this job (its error says why); nothing was moved",
+        ),
+    ],
+    ids=["read-failure", "no-step-everywhere", "directory-unusable"],
+)
+def test_what_another_process_cannot_read_stops_every_process_and_moves_nothing(
+    trained, tmp_path, monkeypatch, answers, message
+):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    before = _tree(workdir)
+    _peer_answers(monkeypatch, *answers)  # the steps listed, then each read's outcome
+    with pytest.raises(JobError) as e:  # every process stops there: none tells the others (train.py)
+        loop.train(small_config(steps=6), str(workdir))
+    assert str(e.value) == message.format(ckpt=workdir / "checkpoints")
+    assert _tree(workdir) == before
+
+
+def test_damage_here_and_a_failure_elsewhere_stop_every_process(trained, tmp_path, monkeypatch):
+    """The worse outcome decides: this process found step 4 damaged, process 1 failed otherwise."""
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    flip_bytes(workdir / "checkpoints" / "4")
+    _peer_answers(monkeypatch, None, [store._FAILED])
+    with pytest.raises(JobError, match=r"/4 does not read on process 1 of this job"):
+        loop.train(small_config(steps=6), str(workdir))
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+
+
+def test_a_process_that_cannot_use_the_checkpoint_directory_shares_that_before_it_stops(
+    trained, tmp_path, monkeypatch
+):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    for step in ("2", "4"):
+        _remove_metadata(workdir / "checkpoints" / step)
+    shared = []
+
+    def every_process(values):  # process 0 of 2, whose peer reads steps 2 and 4
+        shared.append(list(values))
+        return [list(values), [4, 2]]
+
+    monkeypatch.setattr(store.distributed, "every_process", every_process)
+    with pytest.raises(JobError, match=r"holds no complete checkpoint \(steps 4, 2 are partial or corrupted"):
+        loop.train(small_config(steps=6), str(workdir))
+    assert shared == [[store._UNUSABLE]]
+
+
+def test_no_checkpoint_that_restores_never_starts_the_run_afresh(trained, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    for step in ("2", "4"):
+        flip_bytes(workdir / "checkpoints" / step)
+    with pytest.raises(UserError) as e:
+        loop.train(small_config(steps=6), str(workdir))
+    aside = workdir / "corrupt_checkpoints"
+    assert str(e.value) == (
+        f"no checkpoint in {workdir / 'checkpoints'} restores: steps 4, 2 are damaged and were moved to "
+        f"{aside}; inspect them, then remove {aside} to start this run afresh"
+    )
+    assert os.listdir(workdir / "checkpoints") == [] and len(os.listdir(aside)) == 2
+    # The next start must not quietly begin at step 0 with the run's progress set aside.
+    before = _tree(workdir)
+    with pytest.raises(
+        UserError, match=rf"{aside} holds checkpoints moved aside as damaged \(2-\d+, 4-\d+\)"
+    ):
+        loop.train(small_config(steps=6), str(workdir))
+    assert _tree(workdir) == before
+
+
+def test_only_partial_checkpoints_are_an_error_and_stay_in_place(trained, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    for step in ("2", "4"):
+        _remove_metadata(workdir / "checkpoints" / step)
+    before = _tree(workdir)
+    with pytest.raises(
+        UserError, match=r"holds no complete checkpoint \(steps 4, 2 are partial or corrupted; "
+    ):
+        loop.train(small_config(steps=6), str(workdir))
+    assert _tree(workdir) == before
+
+
+def test_damage_is_told_apart_from_other_read_failures():
+    spec = "TensorStore({\n  'driver': 'zarr',\n" + "  'x': 1,\n" * 60 + "})"
+    try:
+        try:
+            raise ValueError(
+                'FAILED_PRECONDITION: Error reading "params.x/0.0" in OCDBT database: '
+                "ZSTD_decompressStream() failed: Data corruption detected [source locations='a.cc:1']"
+            )
+        except ValueError:
+            raise Exception(f"Encountered error while reading array index: (slice(0, 2, 1),). {spec}")  # noqa: B904
+    except Exception as e:  # noqa: BLE001
+        wrapped = e
+    assert step_dirs.damage(wrapped) == (
+        'ValueError: FAILED_PRECONDITION: Error reading "params.x/0.0" in OCDBT database: '
+        "ZSTD_decompressStream() failed: Data corruption detected"
+    )
+    assert step_dirs.damage(ValueError("OUT_OF_RANGE: Error reading byte range [tensorstore_spec='{}']"))
+    assert step_dirs.damage(FileNotFoundError("item 'meta' is missing"))
+    for other in (
+        PermissionError(13, "Permission denied"),
+        MemoryError(),
+        ValueError("PERMISSION_DENIED: Error opening file"),
+        ValueError("UNAVAILABLE: connection reset"),
+        ValueError("FAILED_PRECONDITION: generation mismatch"),
+    ):
+        assert step_dirs.damage(other) is None, other
+
+
+# --- non-finite values ---
+
+EXPLODE = {
+    "optim.lr": 1e30,
+    "optim.clip_norm": 1e30,
+    "log_every": 1,
+    "eval_every": 100,
+    "checkpoint_every": 2,
+}
+
+
+def test_non_finite_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
+    with pytest.raises(UserError) as e:
+        loop.train(small_config(steps=6, **EXPLODE), str(tmp_path))
+    message = str(e.value)
+    assert re.search(r"non-finite (loss|gradient) at step 3 \(loss", message), message
+    assert "the newest checkpoint is step 2" in message
+    assert os.listdir(tmp_path / "checkpoints") == ["2"]
+    saved = np.load(_export(tmp_path, 2))
+    assert all(np.isfinite(saved[k]).all() for k in saved.files)
+
+
+def test_skip_nonfinite_steps_keeps_the_old_state(tmp_path):
+    c = small_config(steps=4, skip_nonfinite_steps=True, **{**EXPLODE, "checkpoint_every": 4})
+    last = loop.train(c, str(tmp_path / "run"))
+    assert last["skipped_steps"] == 2  # steps 3 and 4
+    # Step 4 updated (or would have) at the rate of the optimizer's third update, as step 3 did.
+    schedule = optimizer.make_schedule(c.optim, c.steps)
+    assert last["learning_rate"] == pytest.approx(float(schedule(2)))
+    assert float(schedule(2)) != pytest.approx(float(schedule(3)))
+    # A checkpoint interval whose every step was skipped is a diverged run: it stops, saving nothing
+    # (the state has not moved; a save would prune an older checkpoint for a copy of it).
+    diverged = r"every step since checkpoint 2 \(3\.\.4\) had a non-finite loss or gradient and was skipped: "
+    with pytest.raises(
+        UserError, match=diverged + r"the run has diverged; stopped without saving \(the newest"
+    ):
+        loop.train(small_config(steps=4, skip_nonfinite_steps=True, **EXPLODE), str(tmp_path / "every_2"))
+    assert os.listdir(tmp_path / "every_2" / "checkpoints") == ["2"]
+    at_2, at_4 = np.load(_export(tmp_path / "every_2", 2)), np.load(_export(tmp_path / "run", 4))
+    for k in at_2.files:
+        np.testing.assert_array_equal(at_4[k], at_2[k])
+    # Resumed, the count goes on from the checkpoint's (steps 5 and 6 are skipped too), until the
+    # save of a run that moved nothing since step 4.
+    with pytest.raises(UserError, match=r"every step since checkpoint 4 \(5\.\.6\)"):
+        loop.train(small_config(steps=6, skip_nonfinite_steps=True, **EXPLODE), str(tmp_path / "run"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 6 and rows[-1]["skipped_steps"] == 4
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["4"]
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["stop", "skip"])
+def test_parameters_a_finite_step_overflowed_are_never_saved(tmp_path, skip):
+    """A rate near the top of float32's range times a large decay: step 3's loss and gradient are
+    finite, its update is not. Its checkpoint would be the newest, the one a resume picks, NaN from
+    there on."""
+    workdir = tmp_path / "run"
+    loop.train(small_config(steps=2, checkpoint_every=1), str(workdir))
+    overflow = {**EXPLODE, "optim.lr": 3e38, "optim.weight_decay": 1e3, "checkpoint_every": 1}
+    message = (
+        r"non-finite parameters or optimizer state at step 3: an update since step 2 made them NaN or Inf "
+        r"from a finite loss and gradient; stopped without saving \(the newest checkpoint is step 2\)"
+    )
+    with pytest.raises(UserError, match=message):
+        loop.train(small_config(steps=4, skip_nonfinite_steps=skip, **overflow), str(workdir))
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2"]
+    saved = np.load(_export(workdir, 2))
+    assert all(np.isfinite(saved[k]).all() for k in saved.files)
+
+
+def test_a_non_finite_checkpoint_is_not_resumed(tmp_path, monkeypatch):
+    """A NaN state saved before saves were checked (check_state off, as in earlier versions) is the
+    newest checkpoint: a resume names it and the older ones, and moves nothing."""
+    workdir = tmp_path / "run"
+    loop.train(small_config(steps=2, checkpoint_every=1), str(workdir))
+    monkeypatch.setattr(faults.NonFiniteWatch, "check_state", lambda *args: None)
+    overflow = {**EXPLODE, "optim.lr": 3e38, "optim.weight_decay": 1e3, "checkpoint_every": 1}
+    with pytest.raises(UserError, match="non-finite"):  # step 4's loss; step 3 was saved NaN
+        loop.train(small_config(steps=4, **overflow), str(workdir))
+    monkeypatch.undo()
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2", "3"]
+    ckpt_dir = workdir / "checkpoints"
+    message = (
+        rf"checkpoint step 3 in {ckpt_dir} holds NaN or Inf parameters or optimizer state; every step "
+        rf"resumed from it would be NaN: move {ckpt_dir}/3 out of {ckpt_dir} to resume from step 2, with a "
+        r"lower config.optim.lr"
+    )
+    with pytest.raises(UserError, match=message):
+        loop.train(small_config(steps=6, checkpoint_every=1), str(workdir))
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2", "3"]
+    shutil.move(ckpt_dir / "3", tmp_path / "3")
+    assert loop.train(small_config(steps=3, checkpoint_every=1), str(workdir))["step"] == 3
+
+
+def _export(workdir, step):
+    out = str(workdir / f"params_{step}.npz")
+    tool.export_params(str(workdir), out, step)
+    return out
+
+
+def test_stop_signal_during_evaluation_saves_at_that_step(trained_workdir, tmp_path, monkeypatch, capsys):
+    original = loop.evaluate
+
+    def interrupted(*args):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the held-out batches are read
+        return original(*args)
+
+    monkeypatch.setattr(loop, "evaluate", interrupted)
+    last = loop.train(small_config(steps=8, eval_every=2, checkpoint_every=100), str(tmp_path))
+    assert last["stopped"] and last["step"] == 2
+    assert "eval_loss" not in last  # cut short, not reported as a full evaluation
+    assert os.listdir(tmp_path / "checkpoints") == ["2"]
+    monkeypatch.setattr(loop, "evaluate", original)
+    # Shortened to the step it stopped at: the first start runs the evaluation and trains nothing;
+    # the next has nothing to do (the figure is in metrics.jsonl).
+    short = tmp_path.parent / f"{tmp_path.name}_short"
+    shutil.copytree(tmp_path, short)
+    capsys.readouterr()
+    loop.train(small_config(steps=2, eval_every=2, checkpoint_every=100), str(short))
+    out = capsys.readouterr().out
+    assert "step 2's evaluation, cut short by the stop, done now" in out and "no step left to train" in out
+    assert "learning-rate schedule" not in out
+    loop.train(small_config(steps=2, eval_every=2, checkpoint_every=100), str(short))
+    assert "nothing to do: the newest checkpoint is at step 2" in capsys.readouterr().out
+    # The resumed run evaluates step 2 first and adds the figure to step 2's row.
+    loop.train(small_config(steps=4, eval_every=2, checkpoint_every=100), str(tmp_path))
+    assert "step 2's evaluation, cut short by the stop, done now: eval_loss" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "eval_loss" in r) for r in rows] == [(1, False), (2, True), (3, False), (4, True)]
+    # The shared run is this config uninterrupted (its checkpoint_every=2 changes no figure).
+    want = [json.loads(line) for line in (trained_workdir / "metrics.jsonl").read_text().splitlines()]
+    assert want[1]["step"] == 2 and rows[1]["eval_loss"] == pytest.approx(want[1]["eval_loss"], rel=1e-6)
+
+
+def test_a_second_run_on_a_workdir_in_use_stops_before_touching_it(tmp_path):
+    """Two jobs on one workdir: the second would take the first one's newest checkpoints, still
+    being written, for damaged ones and move them aside. It stops at the lock instead."""
+    workdir = tmp_path / "run"
+    loop.train(small_config(steps=2), str(workdir))
+    before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+    with output_paths.workdir_lock(str(workdir)):  # held as a running job holds it
+        message = r"--workdir=.*/run is in use by another job \(pid \d+ on .* since .*train.lock\)"
+        with pytest.raises(UserError, match=message):
+            loop.train(small_config(steps=4), str(workdir))
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
+    assert not (workdir / "corrupt_checkpoints").exists()
+    assert loop.train(small_config(steps=4), str(workdir))["step"] == 4  # released with the job
+
+
+def test_a_run_that_fails_early_leaves_no_workdir_behind(tmp_path):
+    workdir = tmp_path / "new"
+    with pytest.raises(UserError, match="train_files: no file matches"):
+        loop.train(small_config(**{"data.train_files": str(tmp_path / "none*.txt")}), str(workdir))
+    assert not workdir.exists()
