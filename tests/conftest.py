@@ -189,6 +189,32 @@ def loss_and_grads(config, variants):
     return out
 
 
+def step_flops(config) -> float:
+    """Training FLOPs of one step of `config`, counted from the parameters its model creates: 6 per
+    token per weight that multiplies (2 forward, 4 backward), the lookup table only where it is also
+    the output projection, and causal attention's 12 * layers * heads * head_dim * seq_len per
+    token, halved. Independent of gspmd_tp.model.params, which the plan and bench figures use."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    from gspmd_tp.model.transformer import Transformer
+    from gspmd_tp.train import run_setup
+
+    cfg = run_setup.model_config(config)
+    shapes = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    leaves = jax.tree_util.tree_leaves_with_path(shapes["params"])
+    weights = 0
+    for path, leaf in leaves:
+        name = jax.tree_util.keystr(path)
+        if "norm" in name or ("embedding" in name and not cfg.tie_embeddings):
+            continue
+        weights += math.prod(leaf.shape)
+    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * config.seq_len / 2
+    return (6 * weights + attention) * config.batch_size * config.seq_len
+
+
 @pytest.fixture(scope="session")
 def trained_workdir(tmp_path_factory):
     """A workdir trained 4 steps with small_config() (megatron_2d on dp=2,mp=4): checkpoints at
