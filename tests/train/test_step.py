@@ -1,13 +1,17 @@
-"""The train step: it really shards, and gradient accumulation equals the full batch and reduces
-over data parallelism once per step where parameters are replicated over it. The eval step counts
-no padding row."""
+"""The train step: it really shards; its loss is the mean over the batch's tokens and its update
+AdamW's of that loss's gradient; gradient accumulation equals the full batch and reduces over data
+parallelism once per step where parameters are replicated over it. The eval step counts no padding
+row."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import loss_and_grads, small_config, token_batches
 
 from gspmd_tp.data import pipeline
+from gspmd_tp.model.transformer import Transformer
 from gspmd_tp.sharding import hlo
 from gspmd_tp.train import run_setup
 from gspmd_tp.train import state as state_lib
@@ -34,6 +38,72 @@ def test_gradient_accumulation_equals_full_batch(rules, mesh):
     np.testing.assert_allclose(float(loss4), float(loss1), rtol=1e-6)
     for g1, g4 in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads4), strict=True):
         np.testing.assert_allclose(np.asarray(g4), np.asarray(g1), rtol=1e-4, atol=1e-7)
+
+
+def _plain_mean_loss(s):
+    """jit-compiled (mean token loss, gradient) of setup `s`'s model, by optax's cross entropy on
+    the whole batch's logits: the reference the step's own sums must agree with."""
+    model = Transformer(s.model_cfg)
+
+    def mean_loss(params, tokens):
+        logits = model.apply({"params": params}, tokens[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return jax.jit(jax.value_and_grad(mean_loss))
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_the_loss_is_the_mean_over_the_batch_tokens_and_the_gradient_its_gradient(accum):
+    """Each microbatch's loss sum is divided by the whole batch's tokens: a division by its own
+    would make the loss (and gradient) `accum` times too large; a missing one, 16 x 32 times."""
+    c = small_config(rules="megatron_1d", mesh="dp=2,mp=4", batch_size=16)
+    ((loss, grads),) = loss_and_grads(c, [(accum, 0)])
+    s = run_setup.setup(c)
+    state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, c.seq_len, c.seed)
+    with state_lib.sharding_context(s.mesh, s.rules):
+        tokens = jax.device_put(token_batches(c, 1)[0], s.batch_sharding)
+        want_loss, want_grads = _plain_mean_loss(s)(state.params, tokens)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    assert 4 < float(want_loss) < 7  # about ln(256) = 5.5 at initialization: a per-token mean
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-7)
+
+
+def test_the_train_step_applies_adamw_to_the_clipped_mean_gradient_at_the_rate_it_reports():
+    """Two compiled steps (2 microbatches each, no warmup) against the same two updates composed
+    here: mean-loss gradient, then the optimizer's update of it (clipping included), then applied.
+    The reported rate is the schedule's at the update's own count (step 1 at the peak, step 2 a
+    little down the cosine), and the reported norm the gradient's before clipping."""
+    c = small_config(rules="megatron_1d", mesh="dp=2,mp=4", batch_size=16, grad_accum=2)
+    c.optim.warmup_steps, c.optim.clip_norm = 0, 0.5  # the initial gradient's norm is about 0.6
+    s = run_setup.setup(c)
+    state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, c.seq_len, c.seed)
+    initial = jax.tree.map(np.asarray, state.params)
+    batches = [jax.device_put(b, s.batch_sharding) for b in token_batches(c, 2)]
+    with state_lib.sharding_context(s.mesh, s.rules):
+        plain = _plain_mean_loss(s)
+        update = jax.jit(s.tx.update)
+        params, opt_state, want = state.params, state.opt_state, []
+        for tokens in batches:
+            loss, grads = plain(params, tokens)
+            updates, opt_state = update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            want.append((float(loss), float(optax.global_norm(grads))))
+    params = jax.tree.map(np.asarray, params)
+    step = step_lib.compile_train_step(s)
+    lrs = []
+    for tokens, (loss, norm) in zip(batches, want, strict=True):
+        state, stats = step(state, tokens)
+        assert float(stats["loss"]) == pytest.approx(loss, rel=1e-5)
+        assert float(stats["grad_norm"]) == pytest.approx(norm, rel=1e-4)
+        lrs.append(float(stats["learning_rate"]))
+    assert want[0][1] > c.optim.clip_norm  # the first gradient was clipped
+    assert lrs == pytest.approx([c.optim.lr, float(s.schedule(1))]) and lrs[1] < lrs[0]
+    # Adam moves a weight by up to about lr a step: agreeing to 1% of lr is agreeing on the update.
+    for got, ref in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=0, atol=0.01 * c.optim.lr)
+    moved = jax.tree.map(lambda a, b: np.abs(a - b).mean(), params, initial)
+    assert min(jax.tree.leaves(moved)) > 0.5 * c.optim.lr  # two updates of about lr each
 
 
 @pytest.mark.parametrize("rules, mesh", [("dp", "dp=8,mp=1"), ("megatron_1d", "dp=2,mp=4")])
