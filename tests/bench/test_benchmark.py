@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import small_config
+from conftest import small_config, step_flops
 
 from gspmd_tp.bench import benchmark
 from gspmd_tp.job.errors import UserError
@@ -86,19 +86,21 @@ def test_profiles_stay_under_profile_dir_whatever_path_names_the_rule_file(monke
 
 
 def test_phases_split_the_step_into_forward_backward_and_optimizer(tmp_path, quick_matmul_rate):
+    """The three phases are timed apart from the report's steps, so they check one another: the
+    forward pass alone is shorter than forward and backward together, the split step takes about
+    as long as the steps timed without it (a phase timed before its device work ended would read
+    a hundredth of it), and the roofline fractions divide FLOPs counted here from the model's
+    parameters (a third forward, two thirds backward)."""
     # With a profile too: the phases run on the state the profiled step hands on (it donates its own).
-    report = benchmark.run(
-        small_config(), ["megatron_1d"], ["dp=4,mp=2"], 2, 1, profile_dir=str(tmp_path), phases=True
-    )
+    c = small_config()
+    report = benchmark.run(c, ["megatron_1d"], ["dp=4,mp=2"], 3, 1, profile_dir=str(tmp_path), phases=True)
     r = report["results"][0]
-    assert r["forward_s"] > 0 and r["gradient_s"] > 0
-    assert r["backward_s"] == pytest.approx(r["gradient_s"] - r["forward_s"])
-    assert r["optimizer_s"] == pytest.approx(r["phase_step_s"] - r["gradient_s"])
-    # A third of the step's model FLOPs in the forward pass, two thirds in the backward pass.
+    assert 0 < r["forward_s"] < r["gradient_s"] and r["backward_s"] > 0
+    assert r["step_s"] / 3 < r["phase_step_s"] < 3 * r["step_s"], (r["phase_step_s"], r["step_s"])
     roof = max(report["matmul_flops_per_sec"].values())
-    flops = r["model_flops_per_sec"] * r["step_s"]
-    assert r["forward_roofline_fraction"] * roof * r["forward_s"] == pytest.approx(flops / 3)
-    assert r["backward_roofline_fraction"] * roof * r["backward_s"] == pytest.approx(2 * flops / 3)
+    flops = step_flops(c)
+    assert r["forward_roofline_fraction"] == pytest.approx(flops / 3 / r["forward_s"] / roof, rel=1e-6)
+    assert r["backward_roofline_fraction"] == pytest.approx(2 * flops / 3 / r["backward_s"] / roof, rel=1e-6)
     assert "the step split" in benchmark.format_table(report)
 
 
