@@ -1,4 +1,6 @@
-"""Joining JAX's multi-controller runtime (jax.distributed) before any computation."""
+"""Joining JAX's multi-controller runtime (jax.distributed), and the small exchanges between the
+job's processes that the trainer and the tools make: jax.experimental.multihost_utils underneath,
+whose device collectives fail as soon as a dead peer's connection closes."""
 
 from __future__ import annotations
 
@@ -12,14 +14,15 @@ import threading
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from gspmd_tp.job import peer_socket
 from gspmd_tp.job.errors import JobError, UserError
 
 
 def _port_taken(port: int) -> bool:
-    """Whether another socket already listens on `port` on some interface: jax's coordination service
-    binds it on all of them, and its gRPC server can crash the process when the bind fails."""
+    """Whether a socket already listens on `port` on some interface: JAX's coordination service
+    binds it on all of them, and its failed bind can crash the process."""
     for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
         try:
             with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -39,17 +42,12 @@ def initialize(
     heartbeat_timeout_s: int = 100,
     join_timeout_s: int = 300,
 ) -> None:
-    """Joins the other processes: explicitly (address, count, id), or auto-detected on TPU pods and
-    SLURM (`auto`). No arguments and no `auto`: a single process. A second call is harmless.
+    """Joins the job's processes: given explicitly (address, count, id), or found on TPU pods and
+    SLURM (`auto`); neither: a single process. A second call is harmless.
 
-    A process whose peer stops answering for `heartbeat_timeout_s` exits with an error instead of
-    waiting forever in a collective. Process 0 checks the other processes' --num_processes and
-    --process_id before JAX joins them (handshake.py): flags that disagree are one line on every
-    process that came. With `auto` the job found (cluster_job) goes through the same handshake, so
-    that there too a stop, an error or a death before training stops every process at once. One
-    whose job has not all joined in `join_timeout_s` (a process not started, or started with another
-    address) exits with one line, status 1 (JAX itself would abort with a stack trace, blaming a
-    dead task)."""
+    Bad flags are one UserError before anything joins; peer_socket checks that the processes' flags
+    agree and tells stops and deaths until training begins; a job not all joined in
+    `join_timeout_s` exits with one line, status 1; a peer silent for `heartbeat_timeout_s` ends it."""
     if jax.distributed.is_initialized():
         return
     if num_processes < 1:
@@ -76,14 +74,11 @@ def initialize(
         raise UserError(f"{given}: all three are needed, with 0 <= process_id < num_processes")
     if not explicit and not auto:
         return
-    # The address JAX's coordinator listens on, as the messages name it.
-    where = f"--coordinator_address={coordinator_address}"
+    where = f"--coordinator_address={coordinator_address}"  # as the messages name the coordinator
     how = given if explicit else "--distributed"
     local_device_ids = None
     found = None if explicit else cluster_job(join_timeout_s)
-    if found is not None:
-        # Found as jax.distributed.initialize() would find it: the job goes through the same
-        # handshake as one given by flags (stops and deaths before training seen at once).
+    if found is not None:  # a cluster's job goes through the same handshake as one given by flags
         coordinator_address, num_processes, process_id, local_device_ids = found
         host, _, port = coordinator_address.rpartition(":")
         explicit = True
@@ -100,17 +95,16 @@ def initialize(
     timeouts = {
         "heartbeat_timeout_seconds": heartbeat_timeout_s,
         "shutdown_timeout_seconds": heartbeat_timeout_s,
-        # JAX's own limit comes later: _give_up_unless says what to check, in one line.
-        "initialization_timeout": join_timeout_s + 60,
+        "initialization_timeout": join_timeout_s + 60,  # after _give_up_unless's one line
     }
     joined = threading.Event()
     threading.Thread(target=_give_up_unless, args=(joined, join_timeout_s, how), daemon=True).start()
     try:
-        if explicit and process_id == 0:
-            peer_socket.gather(int(port), num_processes, coordinator_address)
-        elif explicit:
-            peer_socket.report(host, int(port), process_id, num_processes, coordinator_address)
         if explicit:
+            if process_id == 0:
+                peer_socket.gather(int(port), num_processes, coordinator_address)
+            else:
+                peer_socket.report(host, int(port), process_id, num_processes, coordinator_address)
             jax.distributed.initialize(
                 coordinator_address,
                 num_processes=num_processes,
@@ -122,8 +116,7 @@ def initialize(
             jax.distributed.initialize(**timeouts)
     except UserError:
         raise
-    except (ValueError, RuntimeError) as e:
-        # No cluster environment for --distributed, a coordinator port already taken, ...
+    except (ValueError, RuntimeError) as e:  # no cluster found for --distributed, a port taken, ...
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         failed = "--distributed (no TPU pod or SLURM job found?)" if not explicit else where
         raise UserError(f"{failed}: joining the job failed: {first}") from None
@@ -133,10 +126,9 @@ def initialize(
 
 
 def cluster_job(timeout_s: int) -> tuple[str, int, int, list[int] | None] | None:
-    """(coordinator address, process count, this process's id, local device ids) of the cluster job
-    (SLURM, a TPU pod, ...) that jax.distributed.initialize() with no arguments would join, found
-    the way it finds them; None where it finds no job of two processes or more, or where this jax
-    offers no such lookup (its own initialize() then finds the job, without the handshake)."""
+    """(coordinator address, process count, process id, local device ids) of the cluster job (SLURM,
+    a TPU pod) that jax.distributed.initialize() would find; None where it finds no job of two
+    processes or more, or this jax has no such lookup (its initialize() then finds the job alone)."""
     try:
         from jax._src.clusters import ClusterEnv
 
@@ -151,6 +143,7 @@ def cluster_job(timeout_s: int) -> tuple[str, int, int, list[int] | None] | None
 
 
 def _give_up_unless(joined: threading.Event, seconds: int, how: str) -> None:
+    # One line instead of JAX's own abort (a stack trace that blames a dead task).
     if not joined.wait(seconds):
         print(
             f"error: {how}: the job's processes did not all join within --join_timeout_s={seconds}: start "
@@ -163,9 +156,8 @@ def _give_up_unless(joined: threading.Event, seconds: int, how: str) -> None:
 
 
 def check_device_counts() -> None:
-    """UserError, on every process (each sees every device: no collective), where the processes of
-    the job hold different numbers of devices: the batch and every exchange between processes give
-    each process the same share."""
+    """JobError, on every process (no collective: each sees every device), where the job's processes
+    hold different numbers of devices: the batch and every exchange give each the same share."""
     counts = [0] * jax.process_count()
     for d in jax.devices():
         counts[d.process_index] += 1
@@ -178,13 +170,15 @@ def check_device_counts() -> None:
         )
 
 
+# Every function below is collective: every process of the job must call it at the same point.
+
+
 def check_same_everywhere(
     config: dict | None, rules_text: str | None = None, flags: dict | None = None
 ) -> None:
-    """UserError, on every process, naming the first config key (or the rule file, where its text is
-    given, or the command-line flag of `flags`, {"--name": value}) that some process of the job was
-    given otherwise: processes started with other values would train apart. `config` None compares
-    the rule file's text alone (the config compared before)."""
+    """JobError, on every process, naming the first config key, the rule file (`rules_text`) or the
+    flag of `flags` ({"--name": value}) that some process was given otherwise: processes started
+    with other values would train apart."""
     if jax.process_count() == 1:
         return
     items = sorted(_flat(config or {}).items())
@@ -206,12 +200,10 @@ def check_same_everywhere(
 
 
 def first_disagreement(values: list) -> tuple[int, int] | None:
-    """(i, p): values[i] is the first of `values` that another process of the job holds otherwise
-    (compared by a 24-bit digest of its repr), p the first such process; (len(values), p) where
-    process p holds another number of values; None where every process holds the same. Every
-    process of the job must call it at the same point."""
+    """(i, p): values[i] is the first value that process p holds otherwise (compared by a 24-bit
+    digest of its repr); (len(values), p) where p holds another number of values; None where all agree."""
     digests = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:3], "little") for v in values]
-    rows = every_process(digests)  # 24-bit digests fit int32
+    rows = every_process(digests)
     other = next((p for p, row in enumerate(rows) if len(row) != len(digests)), None)
     if other is not None:
         return len(values), other
@@ -224,10 +216,9 @@ def first_disagreement(values: list) -> tuple[int, int] | None:
 
 
 def agreed(fn, *args):
-    """fn(*args) on every process of the job, with one outcome for all: where it raises UserError on
-    some process (a file only that host lacks, a value only that process was given), that process
-    raises it and every other raises a UserError naming that process, instead of going on into a
-    collective that the failed process never joins. Every process must call it at the same point."""
+    """fn(*args) with one outcome on every process: where it raises UserError on some process (a file
+    only that host lacks), that one raises it and every other names it, instead of waiting in a
+    collective that the failed process never joins."""
     if jax.process_count() == 1:
         return fn(*args)
     try:
@@ -243,64 +234,54 @@ def agreed(fn, *args):
 
 
 def agreed_setup(config, fn, *args):
-    """fn(*args), a run_setup.Setup, made as one on every process of the job: `config` compared
-    across the processes first (a value given to one process alone, a rule file or data path only it
-    lacks, is named on every one rather than failing there alone while the others wait for it in a
-    collective), fn run under agreed(), and the rule file's text fn read compared after it."""
+    """fn(*args), a run_setup.Setup, made alike on every process: `config` compared first, fn run
+    under agreed(), then the rule file's text that fn read compared."""
     check_same_everywhere(config.to_dict())
     s = agreed(fn, *args)
-    check_same_everywhere(None, s.rules.text)  # the config was compared; the rule file is all that is new
+    check_same_everywhere(None, s.rules.text)
     return s
 
 
 def every_process(values: list[int]) -> list[list[int]]:
-    """Each process's `values` (int32, any number of them), in process order; [values] in a
-    one-process job. Every process of the job must call it at the same point."""
+    """Each process's int32 `values` (any number of them), in process order."""
     if jax.process_count() == 1:
         return [list(values)]
-    counts = read(share([len(values)]))[:, 0]
-    width = int(counts.max())
-    if not width:
-        return [[] for _ in counts]
-    rows = read(share(list(values) + [0] * (width - len(values))))
+    counts = multihost_utils.process_allgather(np.int32(len(values)))
+    padded = np.zeros(int(counts.max()), np.int32)
+    padded[: len(values)] = values
+    rows = multihost_utils.process_allgather(padded) if padded.size else [padded] * counts.size
     return [row[:count].tolist() for row, count in zip(rows, counts, strict=True)]
 
 
 def hosts() -> list[int]:
-    """Each process's host, numbered from 0 in the order the processes first name it (by host name,
-    compared by a 48-bit digest); [0] in a one-process job. Every process of the job must call it
-    at the same point."""
+    """Each process's host, numbered from 0 in the order the processes first name it (its host name,
+    compared by a 48-bit digest)."""
     digest = hashlib.sha256(socket.gethostname().encode()).digest()
-    rows = every_process([int.from_bytes(digest[i : i + 3], "little") for i in (0, 3)])  # int32 each
+    rows = every_process([int.from_bytes(digest[i : i + 3], "little") for i in (0, 3)])
     numbers: dict[tuple[int, ...], int] = {}
     return [numbers.setdefault(tuple(row), len(numbers)) for row in rows]
 
 
 def from_process_0(value: int) -> int:
-    """Process 0's int `value` on every process (the value itself in a one-process job). Every
-    process of the job must call it at the same point."""
-    if jax.process_count() == 1:
-        return int(value)
-    return every_process([int(value)])[0][0]
+    """Process 0's int32 `value`, on every process."""
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
 
 def barrier() -> None:
-    """Returns once every process of the job has called it (at once in a one-process job)."""
-    if jax.process_count() > 1:
-        read(share([0]))
+    """Returns once every process of the job has called it."""
+    multihost_utils.sync_global_devices("gspmd_tp barrier")
 
 
 def share(values) -> jax.Array:
-    """Starts giving every process of the job each process's `values` (int32, as many on every
-    process) and returns the (processes, len) result without waiting for it; `read` waits. It is
-    an all-reduce of rows that are zero but for each process's own, queued on the devices behind
-    the work already dispatched, in the same order on every process."""
+    """Starts gathering each process's int32 `values` (as many on each) into a (processes, len)
+    array, and returns it without waiting, unlike multihost_utils.process_allgather: the loop's stop
+    check reads it one check later, so the host never waits for the step it just dispatched."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     mesh = Mesh(np.array(jax.devices()), ("devices",))
     values = np.asarray(values, np.int32).ravel()
     rows = np.zeros((jax.local_device_count(), jax.process_count(), values.size), np.int32)
-    rows[0, jax.process_index()] = values  # once per process, on its first device's row
+    rows[0, jax.process_index()] = values  # on this process's first device; zeros elsewhere
     rows = jax.make_array_from_process_local_data(NamedSharding(mesh, PartitionSpec("devices")), rows)
     with jax.set_mesh(mesh):  # whatever mesh the caller has in force
         return _sum_over_devices(mesh)(rows)

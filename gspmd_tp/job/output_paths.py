@@ -1,8 +1,8 @@
-"""Output paths, checked before any work: a command that computes for minutes must not fail when it
-comes to write its result. The checks write nothing, unless asked to probe by writing (and then
-leave nothing behind, no directory created); `make_parent` creates a file's directory at write time.
+"""Output paths checked before any work (a command that computes for minutes must not fail when it
+comes to write), written whole or not at all, and the workdir's lock.
 
-No jax import here, so entry points can check their flags first.
+The checks write nothing, unless asked to probe by writing (then they leave nothing behind). No jax
+import at module level, so entry points can check their flags first.
 """
 
 import contextlib
@@ -44,12 +44,10 @@ def _not_creatable(directory: str) -> str | None:
 
 
 def write_refused(path: str, directory: bool = False) -> OSError | None:
-    """The error the filesystem gives a write at `path`, found by writing, else None: os.access,
-    which the checks ask, says yes to root where the filesystem refuses (/proc, a read-only mount).
-    An existing file is opened for appending (its bytes untouched); otherwise a temporary file is
-    made and removed at once in the directory that would hold `path` (with `directory`, `path`
-    itself) or, where that does not exist yet, in its nearest existing ancestor. No directory is
-    created, nothing is left behind. The error's filename is the path that refused."""
+    """The error the filesystem gives a write at `path` (a directory with `directory`), found by
+    writing, else None: os.access says yes to root where the filesystem refuses (/proc, a read-only
+    mount). An existing file is opened for appending; otherwise a temporary file is made and removed
+    in the nearest existing directory. Nothing is left behind."""
     full = os.path.abspath(path)
     if not directory and os.path.isfile(full):
         try:
@@ -66,9 +64,8 @@ def write_refused(path: str, directory: bool = False) -> OSError | None:
 
 
 def check_dir(path: str, flag: str, probe: bool = False) -> None:
-    """Raises UserError ("FLAG=PATH: why") unless directory `path` exists and is writable, or can be
-    created (its nearest existing ancestor is a writable directory). With `probe`, found so by
-    writing there too (write_refused): "FLAG=PATH: cannot write there (why)"."""
+    """UserError ("FLAG=PATH: why") unless directory `path` is writable or can be created; with
+    `probe`, found so by writing there too (write_refused)."""
     if not path:
         raise UserError(f"{flag} is empty")  # an unset shell variable, say: not the current directory
     reason = _not_creatable(os.path.abspath(path))
@@ -80,9 +77,8 @@ def check_dir(path: str, flag: str, probe: bool = False) -> None:
 
 
 def check_file(path: str, flag: str, probe: bool = False) -> None:
-    """Raises UserError ("FLAG=PATH: why") unless file `path` can be written: not a directory, not
-    a read-only file, and in a directory that exists and is writable or can be created. With
-    `probe`, found so by writing too (write_refused): "FLAG=PATH: cannot write it (why)"."""
+    """UserError ("FLAG=PATH: why") unless file `path` can be written (not a directory, not
+    read-only, its directory writable or creatable); with `probe`, found so by writing too."""
     if not path:
         raise UserError(f"{flag} is empty")
     full = os.path.abspath(path)
@@ -99,9 +95,8 @@ def check_file(path: str, flag: str, probe: bool = False) -> None:
 
 
 def check_image(path: str, flag: str) -> None:
-    """check_file (probing by writing), and the extension must name an image format matplotlib
-    writes: a name without one would be written as NAME.png, one it does not know would fail after
-    the work is done."""
+    """check_file (probing by writing), and an extension that names an image format matplotlib
+    writes: it would otherwise write NAME.png, or fail once the work is done."""
     from matplotlib.backend_bases import FigureCanvasBase
 
     check_file(path, flag, probe=True)
@@ -126,9 +121,9 @@ def _remove(path: str) -> None:
 
 @contextlib.contextmanager
 def whole_file(path: str):
-    """Yields a temporary name beside file `path` for the body to write; renamed to `path` once the
-    body is done, removed where it ends in an exception (Ctrl-C included). A write cut short thus
-    leaves no file that looks complete, and an older file at `path` as it was."""
+    """Yields a temporary name beside file `path` for the body to write: renamed to `path` once the
+    body is done, removed where it raises (Ctrl-C too), so a write cut short leaves no file that
+    looks complete and an older one as it was."""
     make_parent(path)
     partial = f"{path}.{os.getpid()}.partial"
     try:
@@ -141,10 +136,9 @@ def whole_file(path: str):
 
 @contextlib.contextmanager
 def removed_if_cut_short(directory: str):
-    """Runs the body, which writes into `directory`. Where it ends in an exception (Ctrl-C included),
-    what it added there is removed (each entry that was not there before, and the directory where it
-    was not there either), so that a write cut short is not left looking complete nor in the way of
-    the next one; nothing that was there before is touched."""
+    """Runs the body, which writes into `directory`; where it raises (Ctrl-C too), removes what it
+    added there (and the directory, if it was new), so a write cut short neither looks complete nor
+    stands in the next one's way. Nothing that was there before is touched."""
     existed = os.path.isdir(directory)
     before = set(os.listdir(directory)) if existed else set()
     try:
@@ -161,9 +155,8 @@ def removed_if_cut_short(directory: str):
 
 @contextlib.contextmanager
 def stdout_to_stderr():
-    """Within it, what is written to file descriptor 1 goes to stderr: Python's prints and a
-    library's own (gloo's connection lines, in a multi-process job on CPUs), so that stdout holds
-    only the report printed after it."""
+    """Within it, file descriptor 1 goes to stderr (Python's prints and a library's own, such as
+    gloo's connection lines), so that stdout holds only the report printed after it."""
     sys.stdout.flush()
     saved = os.dup(1)
     try:
@@ -177,18 +170,14 @@ def stdout_to_stderr():
 
 @contextlib.contextmanager
 def workdir_lock(workdir: str, warn=print):
-    """Holds WORKDIR/train.lock (an exclusive flock, taken by process 0 of the job) while the body
-    runs. A second job on the same workdir raises UserError on every process before it reads or
-    writes anything there: it would take the running job's newest checkpoints, still being written,
-    for damaged ones. The lock goes with the process, however it ends. A workdir this call
-    created holds only the lock file (and empty directories) when the body fails early: all are
-    removed. Where the filesystem has no locks, it warns and goes on without one.
+    """Holds WORKDIR/train.lock (an exclusive flock, taken by process 0) while the body runs: a
+    second job on the workdir is a JobError on every process before it reads or writes there (it
+    would take the running job's checkpoints in progress for damaged ones). A workdir this call
+    created and left holding only the lock is removed. No locks on the filesystem: a warning.
 
-    In a multi-process job every process must then read the line process 0 wrote in the lock file
-    (a number drawn for this job): a process given another --workdir, or one whose workdir is not
-    the storage process 0 writes to, would save its shards of every checkpoint elsewhere and wait
-    in the save's barriers. UserError on every process instead, naming the first that does not.
-    """
+    Every process of the job must then read the number process 0 wrote in the lock file: one given
+    another --workdir, or storage process 0 does not write to, would save its shards elsewhere and
+    wait in the save's barriers. JobError on every process instead, naming the first."""
     import jax
 
     from gspmd_tp.job import distributed
@@ -256,8 +245,8 @@ def workdir_lock(workdir: str, warn=print):
 
 
 def _remove_if_only_the_lock(workdir: str) -> None:
-    """Removes `workdir` where it holds nothing but the lock file and empty directories (orbax makes
-    the checkpoints directory before the first save): a run stopped before writing anything."""
+    """Removes `workdir` where it holds only the lock file and empty directories (orbax makes the
+    checkpoints directory before the first save): a run stopped before writing anything."""
     if not os.path.isdir(workdir) or LOCK not in (names := os.listdir(workdir)):
         return
     others = [os.path.join(workdir, name) for name in names if name != LOCK]
@@ -273,16 +262,15 @@ def _remove_if_only_the_lock(workdir: str) -> None:
 
 
 def remove_created_workdirs() -> None:
-    """Removes each workdir that a workdir_lock of this process created and holds, where it holds
-    nothing but the lock file (and empty directories): what the lock's own exit does, for an exit
-    through os._exit (a stop signal while the run compiles), which skips it."""
+    """What workdir_lock's exit does, for an exit through os._exit that skips it: removes each
+    workdir it created that holds only the lock."""
     for workdir in _created:
         _remove_if_only_the_lock(workdir)
 
 
 def _check_one_workdir(workdir: str, path: str, job: int) -> None:
-    """UserError on every process of the job unless each reads `job` (process 0's number; 0: it
-    wrote none, nothing to check) in its own lock file `path`. Every process must call it."""
+    """JobError on every process unless each reads `job` (process 0's number; 0: none written) in
+    its own lock file `path`. Every process must call it."""
     import jax
 
     from gspmd_tp.job import distributed

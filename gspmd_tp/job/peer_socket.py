@@ -1,26 +1,16 @@
-"""A plain socket between process 0 and each other process of a job, beside jax.distributed's.
+"""The job's one home-made protocol: a plain socket between process 0 and each other process.
 
-Made on the coordinator's port before JAX's coordination service binds it, it first carries the
-job flags: each other process sends its --process_id and --num_processes, and process 0 answers
-every one of them once all have come, or as soon as two disagree. JAX itself accepts another
---num_processes on a process other than 0 without a word (the job runs with process 0's count),
-aborts with a stack trace where a process's id is one process 0 does not expect, and where a
-second process joins with an id already taken, aborts every process of the running job.
+JAX lacks two things that it gives. jax.distributed.initialize does not compare the job flags: it
+takes another --num_processes without a word, and aborts with a stack trace on an unexpected or
+duplicate --process_id (a duplicate aborts the running job too); process 0 compares them here, on
+the coordinator's port before JAX binds it. And JAX sees a dead or stopped peer only at its
+heartbeat timeout, while its coordination client aborts the process when the service's host exits,
+so a stop cannot go through it; here the kernel's close of a dead process's socket is seen at once.
 
-Then, until the training loop begins, it carries a stop: a process stopped by a signal tells the
-others (through process 0), which would otherwise wait for it in a collective until JAX's
-heartbeat timeout. Not through JAX's coordination service: a call into its client while a peer
-that hosts it exits makes the client abort the process. And it tells a death: a process killed
-(SIGKILL, the OOM killer) or crashed says nothing, but the kernel closes its end of the socket.
-So each process says when it is done with the socket: `training` once its loop began (from then
-on its stops and its end are the loop's, which every process sees), `bye` where it exits on
-purpose (the run's end, or an error that every process reports itself). An end of file without
-either is a death: process 0 passes it on to the others, and every process stops at once.
-`training` covers a close only once this process's own loop is over too (its last save, then its
-exit): while that loop runs, a close without `bye` is a death as well, which its next collective
-would otherwise wait for until the heartbeat timeout. An error of this process alone (a file or a
-limit of its host; a bug) it tells as `error PROCESS MESSAGE`, and the others stop at once too,
-naming it.
+Lines: `stop SIGNUM PROCESS`, `error PROCESS MESSAGE` (before training) and `died PROCESS`, which
+process 0 passes on; `training` (the sender's loop began: its stops are the loop's) and `bye` (it
+exits on purpose). A close is a death unless the peer said `bye`, or said `training` and this
+process's own loop is over too (training_ended).
 """
 
 from __future__ import annotations
@@ -36,30 +26,29 @@ _HELLO = b"gspmd_tp job flags: "
 _OK = b"ok"
 _REFUSED = b"error: "
 _READ_S = 5  # for a line from a peer that connected: a stray connection must not stall the join
-_STOP = b"stop "  # `stop SIGNUM PROCESS`: that process was stopped by signal SIGNUM
-_DIED = b"died "  # `died PROCESS`, from process 0: that process's end closed without a word
-_ERROR = b"error "  # `error PROCESS MESSAGE`: that process stops with an error of its own
+_STOP = b"stop "
+_DIED = b"died "
+_ERROR = b"error "
 _MESSAGE_CHARS = 1000  # of an error's first line: the others print it within a line of their own
-_TRAINING = b"training"  # the sender's training loop began
-_BYE = b"bye"  # the sender exits on purpose
+_TRAINING = b"training"
+_BYE = b"bye"
 
 # This process's connections once the job's flags agreed (process 0: one per other process, else
-# one to process 0), each with the process at its other end; whether a stop of this process is
-# still to be told (until its training loop begins); whether its loop began; and what follow()
-# was given, for a thread that starts once the flags agreed.
+# one to process 0), each with the process at its other end, and what follow() was given, for a
+# thread that starts once the flags agreed.
 _peers: dict[socket.socket, int] = {}
 _process_id = 0
-_telling = threading.Event()
-_began = threading.Event()
+_telling = threading.Event()  # flags agreed and the loop not begun: stops and errors are told
+_began = threading.Event()  # this process's training loop began
 _ended = threading.Event()  # this process's training loop is over (training_ended)
 _following: tuple | None = None
 _death = threading.Event()  # the thread that follows the peers saw one die or fail
 
 
 def gather(port: int, num_processes: int, address: str) -> None:
-    """Process 0: waits on `port` for every other process's flags and answers each. UserError,
-    on every process that came and on this one, naming the first disagreement: another process
-    count, or two processes with one id."""
+    """Process 0: waits on `port` for every other process's flags and answers each. UserError, here
+    and on every process that came, naming the first disagreement: another process count, or two
+    processes with one id."""
     if socket.has_dualstack_ipv6():  # JAX's service listens on [::]: IPv4 and IPv6 clients alike
         server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
     else:
@@ -87,11 +76,7 @@ def gather(port: int, num_processes: int, address: str) -> None:
                 )
             came.append((conn, pid))
     answer = _OK if problem is None else _REFUSED + problem.encode()
-    for conn, _ in came:
-        try:
-            conn.sendall(answer + b"\n")
-        except OSError:
-            pass  # a peer gone meanwhile: JAX's join names it
+    _send([conn for conn, _ in came], answer + b"\n")  # a peer gone meanwhile: JAX's join names it
     if problem is not None:
         for conn, _ in came:
             conn.close()
@@ -100,8 +85,8 @@ def gather(port: int, num_processes: int, address: str) -> None:
 
 
 def report(host: str, port: int, process_id: int, num_processes: int, address: str) -> None:
-    """Every process but 0: sends its flags to process 0 (waiting for it to listen) and returns
-    once process 0 answers that they agree; UserError with process 0's reason where not."""
+    """Every process but 0: sends its flags to process 0 (waiting for it to listen) and returns once
+    process 0 answers that they agree; UserError with process 0's reason where not."""
     unanswered = 0
     while True:
         try:
@@ -136,9 +121,9 @@ def report(host: str, port: int, process_id: int, num_processes: int, address: s
 
 
 def ask_the_first_process_0(host: str, port: int, num_processes: int) -> None:
-    """A process 0 that finds the coordinator's port taken on its host: where another process 0
-    holds it, still waiting for its job's processes (one started twice), both are refused with a
-    line naming the two (UserError here). Returns where something else holds the port."""
+    """A process 0 that finds the coordinator's port taken: where another process 0 holds it, still
+    waiting for its job (one started twice), both get a line naming the two (UserError here).
+    Returns where something else holds the port."""
     try:
         with socket.create_connection((host.strip("[]"), port), timeout=_READ_S) as conn:
             conn.sendall(_HELLO + f"0 {num_processes}\n".encode())
@@ -160,19 +145,16 @@ def _keep(conns: dict[socket.socket, int], process_id: int) -> None:
 
 
 def tell_stop(signum: int) -> None:
-    """Tells the other processes of the job that this one stops by signal `signum` before its
-    training loop began (they would wait for it in a collective). Nothing in a one-process job,
-    before the job's flags agreed, once training_began(), or where a peer is gone."""
+    """Tells the other processes that this one stops by signal `signum` before its training loop
+    began (they would wait for it in a collective). Nothing where before_training() is False."""
     if _telling.is_set():
         _send(_peers, _STOP + f"{signum} {_process_id}\n".encode())
         _leave_last(_peers)
 
 
 def tell_error(message: str) -> bool:
-    """Tells the other processes of the job that this one stops with an error of its own (the first
-    line of `message`) before its training loop began: they would wait for it in a collective.
-    Whether it told them: False in a one-process job, before the job's flags agreed, and once
-    training_began() (every process sees the loop's own errors)."""
+    """Tells the other processes that this one stops with an error of its own (the first line of
+    `message`) before its training loop began; whether it told them (see before_training)."""
     if not before_training():
         return False
     first = (message.strip().splitlines() or [""])[0][:_MESSAGE_CHARS]
@@ -182,7 +164,7 @@ def tell_error(message: str) -> bool:
 
 
 def before_training() -> bool:
-    """Whether this process is in a multi-process job whose flags agreed and its training loop has
+    """Whether this process is in a multi-process job whose flags agreed, and its training loop has
     not begun: where tell_stop and tell_error tell the others."""
     return _telling.is_set()
 
@@ -193,9 +175,8 @@ def training_has_begun() -> bool:
 
 
 def training_began() -> None:
-    """From now on this process's stops are the training loop's (which every process sees); the
-    others take its socket's close without `bye` for a death only while their own loops run (whose
-    collectives would wait for it), not once they are over too."""
+    """From now on this process's stops are the training loop's, which every process sees; the
+    peers are told (`training`)."""
     _telling.clear()
     _ended.clear()  # a library caller's second run in this process
     _began.set()
@@ -203,27 +184,22 @@ def training_began() -> None:
 
 
 def training_ended() -> None:
-    """This process's training loop is over (it waits for its last save, then exits): from now on a
-    peer's close is its own exit, whatever it said before. While the loop runs, a peer that closes
-    without `bye` died (or exited at once: a second stop signal, a failed step), and this process,
-    whose next collective would wait for it until the heartbeat timeout, is told at once."""
+    """This process's training loop is over: a peer that said `training` and closes now exited on
+    its own. While the loop runs, such a close is a death (a kill, or an exit at once), which this
+    process's next collective would wait for until the heartbeat timeout."""
     _ended.set()
 
 
 def leave() -> None:
-    """This process exits on purpose (the run's end, or an error that it reports itself, as every
-    process does an error found by distributed.agreed): the others do not take its socket's close
-    for a death. Nothing in a one-process job."""
+    """This process exits on purpose (the run's end, or an error that every process reports itself):
+    the others do not take its socket's close for a death."""
     _send(_peers, _BYE + b"\n")
 
 
 def follow(on_stop, on_death, on_error) -> None:
     """From the moment the job's flags agree (now, where they did), on a background thread: calls
-    on_stop(signum, process) once another process of the job told its stop (tell_stop),
-    on_error(process, message) once one told its error (tell_error), or on_death(process) once one
-    died: its end of the socket closed without `bye`, and without `training` or before this
-    process's loop was over (training_ended); process 0 first passes each on to the others. Nothing
-    in a one-process job."""
+    on_stop(signum, process), on_error(process, message) or on_death(process) once another process
+    told its stop, told its error, or died; process 0 first passes each on to the others."""
     global _following
     _following = (on_stop, on_death, on_error)
     if _peers:
@@ -231,9 +207,9 @@ def follow(on_stop, on_death, on_error) -> None:
 
 
 def a_peer_died(seconds: float) -> bool:
-    """Whether the thread that follow() started sees another process of the job die (or stop with
-    an error before training), waiting at most `seconds` for it: a collective may fail on the
-    closed connection first, and that thread names the process."""
+    """Whether the thread that follow() started sees a peer die (or fail before training), waiting
+    at most `seconds`: a collective may fail on the closed connection first, and that thread names
+    the process."""
     return bool(_following and _peers) and _death.wait(seconds)
 
 
@@ -266,7 +242,7 @@ def _follow(on_stop, on_death, on_error) -> threading.Thread:
                         return
                     elif (died := _numbers(line, _DIED, 1)) is not None:
                         _death.set()
-                        on_death(*died)  # process 0 passes it on: here, the one connection
+                        on_death(*died)  # from process 0, which passed it on
                         return
                     elif (error := _error(line)) is not None:
                         _death.set()
@@ -294,17 +270,16 @@ def _error(line: bytes) -> tuple[int, str] | None:
 
 
 def _pass_on(source: socket.socket, message: bytes) -> None:
-    """On process 0: tells every other process what `source`'s process told or did, and returns
-    once they closed (_leave_last). Nothing elsewhere: their one connection is `source`."""
+    """On process 0: tells the other processes what `source`'s process told or did, and returns
+    once they closed. Nothing elsewhere: their one connection is `source`."""
     others = [c for c in _peers if c is not source]
     _send(others, message)
     _leave_last(others)
 
 
 def _leave_last(conns, seconds: float = 10) -> None:
-    """On process 0, returns once every one of `conns` is closed (those processes exited), or after
-    `seconds`: process 0 hosts JAX's coordination service, and a process whose JAX client loses it
-    is aborted with a stack trace."""
+    """On process 0, returns once every one of `conns` closed, or after `seconds`: process 0 hosts
+    JAX's coordination service, whose loss aborts the others' JAX clients with a stack trace."""
     waiting, deadline = [c for c in conns if _process_id == 0], time.monotonic() + seconds
     while waiting and (left := deadline - time.monotonic()) > 0:
         ready, _, _ = select.select(waiting, [], [], left)

@@ -639,8 +639,8 @@ def test_a_coordinator_port_already_taken_is_one_line(monkeypatch):
 
 
 def test_share_gives_each_process_its_row():
-    """The stop check and the config comparison go through `share`: the values of one process in
-    one row, whatever its device count."""
+    """The loop's stop check goes through `share`: the values of one process in one row, whatever
+    its device count."""
     from gspmd_tp.job import distributed
 
     assert distributed.read(distributed.share([3, -5, 7])).tolist() == [[3, -5, 7]]
