@@ -1,11 +1,13 @@
-"""How a training job ends outside its training loop: stop signals, a peer's stop, death or error
-before training began (a peer's death during training too), and errors, each as one line and an exit
-status. bench.py's job, which has no training loop, ends the same way.
+"""How a job stops: SIGTERM and Ctrl-C, inside the training loop and around it, and another
+process's stop, death or error (told by peer_socket); each ends in one line and an exit status.
 
-The training loop saves and stops on a signal itself (faults.py); around it (joining the job,
-compiling, restoring, exiting) this module's handlers take over. No jax import at module level:
-train.py installs them before jax is imported, while the job's processes join.
+Inside the loop, StopSignal makes a first signal a checkpoint at the next step boundary, the same
+one on every process. Around it (joining the job, compiling, restoring, exiting), and in bench.py's
+job, which has no loop, run_job's handlers exit at once. No jax import at module level: train.py
+installs the handlers before jax is imported, while the job's processes join.
 """
+
+from __future__ import annotations
 
 import os
 import signal
@@ -17,23 +19,60 @@ import traceback
 from gspmd_tp.job import output_paths, peer_socket
 from gspmd_tp.job.errors import JobError, UserError
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class _Deliveries:
+    """Counts stop signals as the kernel delivers them: Python's C handler writes a byte per signal
+    to the wakeup fd at once, while the Python handler may run much later (after a long call into
+    C), once however many came. Main thread only."""
+
+    def __init__(self):
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        self._previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+
+    def take(self) -> list[signal.Signals]:
+        """The stop signals delivered since the last take, in order."""
+        try:
+            received = os.read(self._read, 4096)
+        except BlockingIOError:
+            received = b""
+        return [signal.Signals(b) for b in received if b in STOP_SIGNALS]
+
+    def close(self) -> None:
+        """Gives the wakeup fd back to the one it replaced."""
+        signal.set_wakeup_fd(self._previous, warn_on_full_buffer=False)
+        os.close(self._read)
+        os.close(self._write)
+
+
+# ---- Around the training loop: run_job's handlers, which exit at once.
+
+# What a stop outside the training loop means, said in the one line it prints.
+_BEFORE_TRAINING = "before training began; no checkpoint was written"
+_BEFORE = _BEFORE_TRAINING  # run_job's `before`, for a job that does not train
+_OUTSIDE_THE_LOOP = _BEFORE
+_ENDED = False  # the job's work is done: what is left is the exit
+# One stop prints its line and exits: a signal's handler on the main thread, a peer's stop or death
+# on the thread that follows them, or a failed collective. Reentrant: a second signal may run its
+# handler inside the first's.
+_STOPPING = threading.RLock()
+_own: _Deliveries | None = None  # this process's stop signals, for the thread that follows the peers
+
 
 def run_job(job, before: str = "", after: str = "") -> None:
-    """Runs job() (join the job's processes, then train) with the stops of this module in place;
-    every failure ends in one line and an exit status. Call before jax is imported. A job that does
-    not train (bench.py) says in `before` what a stop before its end leaves ("(nothing written)"),
-    and in `after` what one after it does."""
-    global _OUTSIDE_THE_LOOP, _BEFORE, _ENDED
+    """Runs job() (join the job's processes, then train) with this module's stops in place; every
+    failure ends in one line and an exit status. Call before jax is imported. A job that does not
+    train (bench.py) says what a stop leaves `before` its end and `after` it."""
+    global _OUTSIDE_THE_LOOP, _BEFORE, _ENDED, _own
     _BEFORE = before or _BEFORE
     _OUTSIDE_THE_LOOP = _BEFORE
-    # Until the training loop's own handler takes over (and after it), SIGTERM and Ctrl-C stop the
-    # run at once: one line, no traceback; from the start, while the job's processes join, too.
-    take_stop_signals()
-    _count_own_signals()
-    # Another process stopped so, died, or stopped with an error of its own before training began:
-    # this one stops too, at once, instead of waiting for it in a collective until the heartbeat
-    # timeout. From the moment the job's flags agree, before JAX joins the processes (where one may
-    # die too).
+    take_stop_signals()  # from the start: while the job's processes join, too
+    _own = _Deliveries()
+    # Another process stopped, died or failed before training: this one stops at once too, rather
+    # than wait for it in a collective until the heartbeat timeout.
     peer_socket.follow(_peer_stopped, _peer_died, _peer_failed)
     try:
         job()
@@ -49,12 +88,10 @@ def run_job(job, before: str = "", after: str = "") -> None:
     except UserError as e:
         with _STOPPING:
             print(f"error: {e}", file=sys.stderr, flush=True)
-            # This process's alone (a file or a limit of its host), before training began: the others
-            # are told, and stop too. Then out at once: the normal exit waits at jax.distributed's
-            # shutdown barrier for them.
+            # This process's alone (a file or a limit of its host), before training: the others are
+            # told and stop too. Then out at once, not through jax.distributed's shutdown barrier.
             if peer_socket.tell_error(str(e)):
-                output_paths.remove_created_workdirs()
-                os._exit(1)
+                _exit(None, 1)
             peer_socket.leave()
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C where a library put Python's own handler back
@@ -80,49 +117,24 @@ def _failed(e: Exception) -> None:
     # guess); gloo may see the closed connection a moment before it does.
     if peer_socket.a_peer_died(1):
         time.sleep(15)
-    # Exit now: the normal exit path would wait at jax.distributed's shutdown barrier for that peer.
+    # Exit now: the normal exit would wait at jax.distributed's shutdown barrier for that peer.
     with _STOPPING:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         what = f"error: process {jax.process_index()}: {type(e).__name__}: {first}"
         if peer_socket.before_training():
-            # No peer was seen to die (a_peer_died): most likely this process's own error (a
-            # bug), whose traceback says where. The others are told: they would wait for this
-            # process in a collective.
+            # No peer was seen to die: most likely this process's own error (a bug), whose traceback
+            # says where. The others are told: they would wait for this process in a collective.
             traceback.print_exception(e)
             print(what, file=sys.stderr, flush=True)
             peer_socket.tell_error(f"{type(e).__name__}: {first}")
-        else:
-            print(f"{what} (another process of the job has probably died)", file=sys.stderr, flush=True)
-        output_paths.remove_created_workdirs()  # what the lock's exit would have done
-        os._exit(1)
-
-
-# What a stop outside the training loop means, said in the one line it prints.
-_TRAINING = "before training began; no checkpoint was written"
-_BEFORE = _TRAINING  # run_job's `before`, for a job that does not train
-_OUTSIDE_THE_LOOP = _BEFORE
-_ENDED = False  # the job's work is done: what is left is the exit
-# One stop prints its line and exits: a signal's handler on the main thread, a peer's stop or death
-# on the thread that follows them, or a failed collective. Reentrant: a second signal may run its
-# handler inside the first's.
-_STOPPING = threading.RLock()
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_OWN_SIGNALS = None  # the read end of Python's wakeup fd: a byte per signal, written on delivery
+            _exit(None, 1)
+        _exit(f"{what} (another process of the job has probably died)", 1)
 
 
 def take_stop_signals():
     """SIGTERM and Ctrl-C stop the job at once, one line each (again after a library took them over)."""
-    for sig in _STOP_SIGNALS:
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _stop_outside_the_loop)
-
-
-def _count_own_signals():
-    global _OWN_SIGNALS
-    read, write = os.pipe()
-    os.set_blocking(read, False)
-    os.set_blocking(write, False)
-    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    _OWN_SIGNALS = read
 
 
 def _stop_outside_the_loop(signum, frame):
@@ -133,19 +145,24 @@ def _stop_outside_the_loop(signum, frame):
 
 
 def _stopped(sig: signal.Signals, process: int | None = None):
-    """Outside the training run (whose signals save and stop): compiling, restoring, exiting. One line,
-    and out at once: a normal exit while XLA's compiler threads still run can end in a segfault.
-
-    Before training began, the job's other processes are told (handshake.tell_stop) and stop too;
-    `process`: the one signalled, where it is another."""
+    """One line, and out at once: a normal exit while XLA's compiler threads run can segfault.
+    Before training, the other processes are told (peer_socket.tell_stop); `process`: the one
+    signalled, where it is another."""
     with _STOPPING:
         name = "Ctrl-C" if sig == signal.SIGINT else sig.name
         if process is None and not _ENDED:
             peer_socket.tell_stop(sig)
         where = "" if process is None else f" on process {process}"
-        print(f"stopped by {name}{where} {_OUTSIDE_THE_LOOP}", file=sys.stderr, flush=True)
-        output_paths.remove_created_workdirs()  # a new workdir holding only the lock: gone, as on an error
-        os._exit(128 + sig)
+        _exit(f"stopped by {name}{where} {_OUTSIDE_THE_LOOP}", 128 + sig)
+
+
+def _exit(line: str | None, status: int):
+    """Prints `line` and exits at once, removing the workdir this process made where it holds only
+    the lock (what the lock's own exit would have done)."""
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+    output_paths.remove_created_workdirs()
+    os._exit(status)
 
 
 def _peer_stopped(signum: int, process: int):
@@ -158,7 +175,7 @@ def _peer_stopped(signum: int, process: int):
 def _peer_died(process: int):
     if not peer_socket.training_has_begun():
         _peer_ended(f"stopped: process {process} died (killed or crashed) {_BEFORE}")
-    # During training: the peer may also have exited at once (a second stop signal, a failed step),
+    # During training the peer may also have exited at once (a second stop signal, a failed step),
     # and a save of this process may be in flight (left unfinished: the next start removes it).
     _peer_ended(
         f"stopped: process {process} died during training (killed or crashed, or exited at once); "
@@ -167,7 +184,7 @@ def _peer_died(process: int):
 
 
 def _peer_failed(process: int, message: str):
-    if _BEFORE != _TRAINING:  # a job that does not train
+    if _BEFORE != _BEFORE_TRAINING:  # a job that does not train
         _peer_ended(f"stopped: process {process} stopped with an error (error: {message}) {_BEFORE}")
     _peer_ended(
         f"stopped: process {process} stopped with an error before training began (error: {message}); "
@@ -176,33 +193,112 @@ def _peer_failed(process: int, message: str):
 
 
 def _peer_ended(line: str):
-    # Taken at once: a collective that failed on the closed connection waits for this line
-    # (handshake.a_peer_died) rather than print its own guess. And no wait for a signal of this
-    # process's own still on its way: where process 0 died, JAX's client aborts this process
-    # (with a stack trace) as soon as it sees the coordination service gone.
+    # At once: a collective that failed on the closed connection waits for this line
+    # (peer_socket.a_peer_died). And no wait for a signal of this process's own still on its way:
+    # where process 0 died, JAX's client aborts this process as soon as it sees the service gone.
     with _STOPPING:
         own = _own_signal(waits=(0,))  # a job stopped as a whole: this process's own line
         if own:
             _stopped(own)
-        print(line, file=sys.stderr, flush=True)
-        output_paths.remove_created_workdirs()
-        os._exit(1)
+        _exit(line, 1)
 
 
 def _own_signal(waits=(0, 0.2)) -> signal.Signals | None:
     """A stop signal this process received, its handler run or not, or None. On the thread that
-    follows the peers' stops."""
+    follows the peers."""
     # A signal sent before the peer's stop may not be delivered yet (the kernel hands it to the
     # main thread, which may be waiting for a core): pending, seen where this thread blocks it.
-    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     for wait in waits:  # and a handler that took it may be writing its byte right now
         time.sleep(wait)
-        try:
-            received = os.read(_OWN_SIGNALS, 4096) if _OWN_SIGNALS is not None else b""
-        except BlockingIOError:
-            received = b""
-        own = [signal.Signals(b) for b in received if b in _STOP_SIGNALS]
-        own += sorted(signal.sigpending() & set(_STOP_SIGNALS))
+        own = _own.take() if _own is not None else []
+        own += sorted(signal.sigpending() & set(STOP_SIGNALS))
         if own:
             return own[0]
     return None
+
+
+# ---- Inside the training loop: a stop at the next step boundary, agreed by every process.
+
+
+class StopSignal:
+    """While entered, the first SIGTERM/SIGINT asks for a stop at the next step boundary; a second
+    exits at once."""
+
+    def __init__(self, log):
+        self._log = log
+        self._signum = 0  # the signal this process received, 0 for none
+        self.stopped_by: str | None = None  # what stopped the run: this process's signal, or a peer's
+        self._previous: dict = {}
+        self._deliveries: _Deliveries | None = None
+        self._shared = None  # multi-process: every process's signal as of the last check, on device
+        self._agreed = False
+        self._finishing = False  # the loop is over; the run waits for its last save
+
+    def __enter__(self) -> StopSignal:
+        peer_socket.training_began()  # a stop from here on is seen by every process at a step boundary
+        # signal.signal works on the main thread only; elsewhere (a library caller's worker thread)
+        # the process keeps its own handlers.
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            self._deliveries = _Deliveries()  # run_job's is given back on exit
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        if self._deliveries:
+            self._deliveries.close()
+            self._deliveries = None
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        # Two signals while the main thread was in one long call run this handler once: counted.
+        if self._signum or (self._deliveries is not None and len(self._deliveries.take()) > 1):
+            # The user (or the scheduler) insists: no checkpoint, the shell's exit code.
+            _exit(f"received {name} again: exiting at once without saving", 128 + signum)
+        self._signum, self.stopped_by = signum, name
+        if self._finishing:
+            self._log(
+                f"received {name} while the run finishes: it exits once its last checkpoint is written "
+                "(send again to exit at once)"
+            )
+            return
+        self._log(
+            f"received {name}: saving a checkpoint at the next step boundary, then stopping "
+            "(send again to exit at once)"
+        )
+
+    def finishing(self, failed: bool = False) -> None:
+        """The loop is over: a first signal now only says that the run exits once its last checkpoint
+        is written; a second still exits at once. A peer's close is from now on its own exit
+        (peer_socket.training_ended), unless the loop `failed`: a failed step most likely saw a peer
+        die, whose socket may close only after it."""
+        self._finishing = True
+        if not failed:
+            peer_socket.training_ended()
+
+    def requested(self) -> bool:
+        """True once a stop signal arrived on any process of the job. Every process calls it at the
+        same points and stops at the same one (or the collective save deadlocks): each call starts a
+        gather of every process's signal and reads the previous call's, so the host never waits for
+        the step it just dispatched, and a signal stops every process one call later."""
+        import jax
+
+        from gspmd_tp.job import distributed
+
+        if jax.process_count() == 1:
+            return bool(self._signum)
+        if self._agreed:
+            return True
+        previous, self._shared = self._shared, distributed.share([self._signum])
+        if previous is None:
+            return False
+        signums = distributed.read(previous)[:, 0]  # 0 where no signal arrived
+        senders = [int(p) for p in signums.nonzero()[0]]
+        if senders:
+            self.stopped_by = f"{signal.Signals(int(signums[senders[0]])).name} on process {senders[0]}"
+            self._agreed = True
+        return self._agreed

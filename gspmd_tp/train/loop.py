@@ -13,7 +13,7 @@ import jax
 
 from gspmd_tp.checkpoint import step_dirs, store
 from gspmd_tp.data import documents, pipeline
-from gspmd_tp.job import distributed, output_paths, paths
+from gspmd_tp.job import distributed, output_paths, paths, signals
 from gspmd_tp.job.config_keys import changed
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.model.params import flops_per_token, param_count
@@ -302,7 +302,7 @@ def _train(s: Setup, workdir: str, checkpoint_dir: str) -> dict:
     finish_saves = True
     failed = False  # the loop ended with an error
     # Entered until the run returns: a signal while the last save finishes waits for it too.
-    with faults.StopSignal(log) as stop:
+    with signals.StopSignal(log) as stop:
         try:
             with state_lib.sharding_context(s.mesh, s.rules):
                 # Read ahead only once a stop signal is handled: one that comes while a batch is being

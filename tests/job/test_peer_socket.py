@@ -252,10 +252,10 @@ def test_a_close_after_this_loop_failed_is_a_death(monkeypatch, failed, heard):
     the handshake socket shows the close: that close is still a death. It was taken for the peer's
     own exit, and the failed step's line guessed ("another process of the job has probably died"),
     in 1 of 5 runs of a killed peer on a busy machine."""
-    from gspmd_tp.train import faults
+    from gspmd_tp.job import signals
 
     ends = fake_peers(monkeypatch, 0, [1])
-    with faults.StopSignal(lambda message: None) as stop:  # the loop begins: `training` to the peers
+    with signals.StopSignal(lambda message: None) as stop:  # the loop begins: `training` to the peers
         stop.finishing(failed)
     got, thread = follow()
     ends[1].sendall(b"training\n")

@@ -10,13 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from conftest import child_env, small_config
 from test_train_cli import ROOT, SMALL, train
 
 from gspmd_tp.checkpoint import step_dirs, store, tool
-from gspmd_tp.job import output_paths
+from gspmd_tp.job import output_paths, signals
 from gspmd_tp.job.errors import JobError, UserError
 from gspmd_tp.train import faults, loop, optimizer
 
@@ -77,13 +78,13 @@ def test_stop_signal_saves_at_the_step_boundary_and_exits_0(tmp_path):
 
 
 def test_a_signal_while_the_last_checkpoint_is_written_waits_for_it(tmp_path, monkeypatch, capsys):
-    original = faults.StopSignal.finishing
+    original = signals.StopSignal.finishing
 
     def signalled(stop, failed):  # SIGTERM once the loop is over, the last step's save in flight
         original(stop, failed)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(faults.StopSignal, "finishing", signalled)
+    monkeypatch.setattr(signals.StopSignal, "finishing", signalled)
     last = loop.train(small_config(steps=4, checkpoint_every=100), str(tmp_path))
     out = capsys.readouterr().out
     assert "received SIGTERM while the run finishes: it exits once its last checkpoint is written" in out
@@ -107,8 +108,8 @@ def test_second_signal_exits_at_once(tmp_path):
 def test_in_a_multi_process_job_every_process_reads_the_signals_one_check_later(monkeypatch):
     """Each check starts the all-reduce of the processes' signals and reads the previous one's, so
     the host never waits for the step it just dispatched; here one process poses as process 0 of 2."""
-    monkeypatch.setattr(faults.jax, "process_count", lambda: 2)  # the one jax module everywhere
-    with faults.StopSignal(lambda msg: None) as stop:
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # the one jax module everywhere
+    with signals.StopSignal(lambda msg: None) as stop:
         assert not stop.requested()  # nothing shared before
         signal.raise_signal(signal.SIGTERM)
         assert not stop.requested()  # reads the check before the signal; shares it
@@ -121,8 +122,8 @@ def test_in_a_multi_process_job_every_process_reads_the_signals_one_check_later(
 # after the call, however many signals came meanwhile.
 BUSY_IN_C = """
 import sys, numpy as np
-from gspmd_tp.train import faults
-with faults.StopSignal(print) as stop:
+from gspmd_tp.job import signals
+with signals.StopSignal(print) as stop:
     a = np.random.default_rng(0).random((1600, 1600))
     print("busy", flush=True)
     np.linalg.svd(a)
