@@ -73,8 +73,6 @@ def get_config() -> ConfigDict:
     # end (skips the masked upper triangle; exact). 0: the whole square at once.
     c.model.attention_block = 0
     c.model.scan_layers = True
-    # auto | explicit | xla: the projections' weight gradients (auto: explicit on CPU, faster there)
-    c.model.projection_grad = "auto"
     # auto | fused | one_pass | xla: the SwiGLU MLP's gradient (auto: fused on GPU where mlp is not
     # split over a mesh axis, one_pass on other GPU runs, xla elsewhere)
     c.model.mlp_grad = "auto"

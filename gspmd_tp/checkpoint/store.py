@@ -35,7 +35,7 @@ from gspmd_tp.checkpoint.step_dirs import (
 )
 from gspmd_tp.data.documents import absolute_patterns
 from gspmd_tp.job import distributed
-from gspmd_tp.job.config_keys import lookup
+from gspmd_tp.job.config_keys import laid_over, lookup
 from gspmd_tp.job.errors import JobError, UserError, warn
 from gspmd_tp.model.params import param_axes
 from gspmd_tp.model.transformer import ModelConfig
@@ -60,7 +60,6 @@ FREE_MODEL_KEYS = (
     "remat_save",
     "attention",
     "attention_block",
-    "projection_grad",
     "mlp_grad",
 )
 
@@ -311,8 +310,9 @@ def _param_shapes(model: dict) -> dict[str, tuple[int, ...]]:
 
 
 def saved_model(model: dict) -> dict:
-    """A checkpoint's model config, keys added since it was saved taking their defaults."""
-    return {**dataclasses.asdict(ModelConfig()), **model}
+    """A checkpoint's model config, keys added since it was saved taking their defaults and keys
+    removed since (model.projection_grad) left out."""
+    return laid_over(dataclasses.asdict(ModelConfig()), model)
 
 
 def check_model_matches(

@@ -18,9 +18,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from absl import flags
 from ml_collections import ConfigDict
 
-from gspmd_tp.job import config_keys, paths
+from gspmd_tp.job import config_keys, job_flags, paths
 from gspmd_tp.job.config_keys import default_config, laid_over
 from gspmd_tp.job.errors import UserError, warn
 
@@ -31,7 +32,7 @@ DEFAULT_DEVICES = 8  # what train.py simulates by default (configs/tiny.py host_
 # A reader's --config.model overrides that change the parameters: the fix is to leave them out.
 READ_AS_SAVED = (
     "the parameters are read as saved: leave out the --config.model overrides that change them "
-    "(dtype, remat, remat_save, attention, attention_block, projection_grad and mlp_grad may differ)"
+    "(dtype, remat, remat_save, attention, attention_block and mlp_grad may differ)"
 )
 
 
@@ -77,14 +78,26 @@ def saved_config(
     return step, meta, config_keys.apply_overrides(config, overrides)
 
 
-def add_run_arguments(parser) -> None:
-    """--workdir and --step, as every reader of a trained run takes them."""
-    parser.add_argument(
-        "--workdir", required=True, type=paths.expand, help="a run directory (train.py --workdir)"
+def reader_flags() -> flags.FlagValues:
+    """The flags every reader of a trained run takes (--workdir, --step and the job flags), in a
+    FlagValues of the command's own: evaluate and generate each add theirs, of the same names in part."""
+    values = flags.FlagValues()
+    paths.define_flag("workdir", None, "A run directory (train.py --workdir).", flag_values=values)
+    flags.mark_flag_as_required("workdir", flag_values=values)
+    flags.DEFINE_integer(
+        "step", None, "Checkpoint step (default: the newest that reads).", flag_values=values
     )
-    parser.add_argument(
-        "--step", type=int, default=None, help="checkpoint step (default: the newest that reads)"
-    )
+    job_flags.define(values)
+    return values
+
+
+def config_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the --config arguments, the others) of a reader's argv: the --config.KEY=VALUE overrides go
+    on top of the run's saved config (split_overrides), not to the flag parser."""
+    given, others = [], []
+    for arg in argv:
+        (given if arg == "--config" or arg.startswith(("--config.", "--config=")) else others).append(arg)
+    return given, others
 
 
 def _rule_file_found(name_or_path: str) -> bool:
@@ -282,5 +295,5 @@ def device_count_from_argv(argv: list[str]) -> int:
     try:
         processes = int(flag_from_argv(argv, "--num_processes") or 1)
     except ValueError:
-        processes = 1  # argparse names the bad value
+        processes = 1  # the flag parser names the bad value
     return count // processes if processes > 0 and count % processes == 0 else count

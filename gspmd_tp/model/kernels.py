@@ -1,25 +1,154 @@
-"""The SwiGLU MLP's activation and its hand-written gradients (model.mlp_grad).
+"""The model's hand-written kernels, each selected by config and called by the model by one name.
 
-`swiglu` is silu(gate) * up of a stacked gate/up activation, with autodiff's gradient or one
-elementwise pass; `fused_mlp` is the whole MLP (gate/up product, SwiGLU, down product) with its
-backward written out. Logical axis names only, as in model.py.
+- `attention` (model.attention, model.attention_block): cuDNN's fused attention on GPU in 16 bits,
+  or the attention written out, its causal square in query blocks where model.attention_block asks.
+- `mlp` (model.mlp_grad): the SwiGLU MLP with autodiff's gradient, SwiGLU's gradient in one
+  elementwise pass, or the whole MLP's backward written out.
+- `embed` (model.dtype): the embedding lookup in the compute dtype with a float32 table gradient.
+
+Each stays for a gain measured on the platform it serves (docs/benchmarks.md, "What was tried").
+Logical axis names only, as in transformer.py: a rule file decides where each operand lives.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import TYPE_CHECKING
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from gspmd_tp.sharding.axes import BATCH, LENGTH, MLP
+from gspmd_tp.sharding.axes import BATCH, HEADS, KV_HEADS, LENGTH, MLP
+from gspmd_tp.sharding.rules import UNCONSTRAINED, axes_of
+
+if TYPE_CHECKING:
+    from gspmd_tp.model.transformer import ModelConfig
+
+ATTENTION_IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "auto")
+MLP_GRADS = ("auto", "fused", "one_pass", "xla")
+
+
+# --- attention ---
+
+
+def attention_implementation(setting: str, dtype: str, platform: str | None = None) -> str:
+    """The attention path ModelConfig.attention `setting` means on `platform` (by default JAX's
+    default backend): "auto" is cuDNN's fused attention on GPU in bfloat16 or float16, the einsum
+    path elsewhere."""
+    if setting != "auto":
+        return setting
+    gpu = (platform or jax.default_backend()) == "gpu"
+    return "cudnn" if gpu and dtype in ("bfloat16", "float16") else "einsum"
+
+
+def attention(cfg: ModelConfig, q_blhd, k_bskd, v_bskd, mask=None):
+    """Softmax attention of scaled queries (batch, length, heads, head_dim) over keys and values
+    (batch, s, kv_heads, head_dim), query head h reading key/value head h // group (the grouping of
+    the fused qkv kernel). Causal, by model.attention's implementation; or, given `mask` (broadcasting
+    to (batch, kv_heads, group, length, s): decoding from the cache), the einsum path under it.
+    Returns (batch, length, heads, head_dim)."""
+    b, length, heads, hd = q_blhd.shape
+    implementation = attention_implementation(cfg.attention, cfg.dtype)
+    if mask is None and implementation != "einsum":
+        return jax.nn.dot_product_attention(
+            q_blhd, k_bskd, v_bskd, scale=1.0, is_causal=True, implementation=implementation
+        )
+    q_blkgd = q_blhd.reshape(b, length, k_bskd.shape[2], heads // k_bskd.shape[2], hd)
+    if mask is not None:
+        out = _attend(q_blkgd, k_bskd, v_bskd, mask)
+    else:
+        out = _causal_in_blocks(q_blkgd, k_bskd, v_bskd, cfg.attention_block)
+    return out.reshape(b, length, heads, hd)
+
+
+def _causal_in_blocks(q_blkgd, k_blkd, v_blkd, block: int):
+    """Causal attention, queries in blocks of `block` positions (0: one block, the whole square).
+
+    Query block [start, end) sees keys [0, end): the keys after a block's end are masked for every
+    one of its queries, so they are left out rather than masked, and the causal upper triangle beyond
+    the diagonal blocks is never computed. The same result, to rounding.
+    """
+    length = q_blkgd.shape[1]
+    block = block if 0 < block < length else length
+    positions = jnp.arange(length, dtype=jnp.int32)
+    return jnp.concatenate(
+        [
+            _attend(
+                q_blkgd[:, start : start + block],
+                k_blkd[:, : start + block],
+                v_blkd[:, : start + block],
+                positions[start : start + block, None] >= positions[None, : start + block],
+            )
+            for start in range(0, length, block)
+        ],
+        axis=1,
+    )
+
+
+def _score_heads() -> tuple:
+    """Logical names of the scores' (kv_heads, group) axes. Where the query heads are split over
+    mesh axes that the key/value heads are not (fewer key/value heads than the model-parallel
+    degree, kv_heads -> null), a device holds its own query heads, a split across both axes that
+    no single name describes, and every key/value head: the axes are left to GSPMD, which carries
+    the queries' split into the scores. Named (kv_heads, none), every score was gathered."""
+    mesh_axes = lambda name: set(axes_of(nn.logical_to_mesh_axes((name,))[0]))  # noqa: E731
+    if mesh_axes(HEADS) <= mesh_axes(KV_HEADS):
+        return KV_HEADS, None
+    return UNCONSTRAINED, UNCONSTRAINED
+
+
+def _attend(q_bqkgd, k_bskd, v_bskd, mask):
+    """Softmax attention of grouped queries (batch, q, kv_heads, group, head_dim) over keys and
+    values (batch, s, kv_heads, head_dim) where `mask` (broadcasting to (batch, kv_heads, group, q,
+    s)) allows; the scores and softmax in float32. Returns (batch, q, kv_heads, group, head_dim)."""
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q_bqkgd, k_bskd, preferred_element_type=jnp.float32)
+    scores = nn.with_logical_constraint(scores, (BATCH, *_score_heads(), LENGTH, None))
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v_bskd)
+
+
+def fused_attention_saveable(prim, *_, **__) -> bool:
+    """Remat policy: keep what cuDNN's fused attention forward returns (its output and softmax
+    statistics, the residuals of its backward), so that the backward pass does not run it again."""
+    return prim.name == "dot_product_attention_fwd_wrapper"
+
+
+# --- SwiGLU MLP ---
+
+
+def mlp_implementation(cfg: ModelConfig, platform: str | None = None) -> str:
+    """The MLP gradient config.model.mlp_grad means on `platform` (by default JAX's default backend)
+    under the current logical axis rules: "auto" is fused on GPU where no mesh axis splits `mlp`
+    (its input gradient is two products, which would take two all-reduces there) and mlp_hidden is
+    not kept by remat_save (the fused backward recomputes it), one_pass elsewhere on GPU, xla on
+    other platforms."""
+    if cfg.mlp_grad != "auto":
+        return cfg.mlp_grad
+    if (platform or jax.default_backend()) != "gpu":
+        return "xla"
+    split = axes_of(nn.logical_to_mesh_axes((MLP,))[0])
+    return "one_pass" if split or "mlp_hidden" in cfg.saved_names else "fused"
+
+
+def mlp(cfg: ModelConfig, x_ble, w_in, w_out):
+    """down(silu(gate) * up) of x (batch, length, embed) with w_in (embed, 2, mlp) and w_out (mlp,
+    embed), the weights in the compute dtype, its gradient the one mlp_implementation chooses."""
+    implementation = mlp_implementation(cfg)
+    if implementation == "fused":
+        return fused_mlp(x_ble, w_in, w_out)
+    gate_up = nn.with_logical_constraint(jnp.tensordot(x_ble, w_in, axes=1), (BATCH, LENGTH, None, MLP))
+    hidden = swiglu(gate_up, one_pass_gradient=implementation == "one_pass")
+    hidden = checkpoint_name(nn.with_logical_constraint(hidden, (BATCH, LENGTH, MLP)), "mlp_hidden")
+    return jnp.tensordot(hidden, w_out, axes=1)
 
 
 def swiglu(gate_up, one_pass_gradient: bool = False):
     """silu(gate) * up of gate_up (..., 2, mlp), gate first. With `one_pass_gradient` its gradient is
     one elementwise pass that writes the stacked array: autodiff of the two slices adds two
-    zero-padded halves instead, more memory traffic on the largest activations (on an H100 the
-    llama_1b step is 1.017x faster in one pass; on CPU it was slower, BENCHMARKS.md). Which one a
-    run takes is model.mlp_implementation's choice."""
+    zero-padded halves instead, more memory traffic on the largest activations."""
     return _swiglu_one_pass(gate_up) if one_pass_gradient else _swiglu(gate_up)
 
 
@@ -94,3 +223,41 @@ def _fused_mlp_bwd(res, dy):
 
 
 fused_mlp.defvjp(_fused_mlp_fwd, _fused_mlp_bwd)
+
+
+# --- embedding lookup ---
+
+
+def embed(cfg: ModelConfig, table_ve, tokens_bl):
+    """The rows of the float32 table (vocab, embed) for tokens (batch, length), in the compute dtype.
+
+    In float32 a plain lookup. Otherwise the table is cast before the lookup, so where a rule file
+    splits the vocabulary the all-reduce that assembles the rows moves compute-dtype bytes (each row
+    is non-zero on one device only, so the sum is exact in any dtype); the gradient still adds every
+    position's row gradient into the table in float32 (embed_lookup).
+    """
+    dtype = jnp.dtype(cfg.dtype)
+    if dtype == table_ve.dtype:
+        return jnp.take(table_ve, tokens_bl, axis=0)
+    return embed_lookup(table_ve, tokens_bl, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def embed_lookup(table, tokens, dtype):
+    """jnp.take(table.astype(dtype), tokens, axis=0), whose gradient adds the rows' gradients into
+    the table in table's dtype, as autodiff of take-then-cast does, rather than in `dtype`."""
+    return jnp.take(table.astype(dtype), tokens, axis=0)
+
+
+def _embed_lookup_fwd(table, tokens, dtype):
+    # The table's shape rides along in an empty (vocab, 0) array of its dtype.
+    return embed_lookup(table, tokens, dtype), (tokens, jnp.zeros((table.shape[0], 0), table.dtype))
+
+
+def _embed_lookup_bwd(dtype, residuals, g):
+    tokens, empty = residuals
+    table = jnp.zeros((empty.shape[0], g.shape[-1]), empty.dtype)
+    return table.at[tokens].add(g.astype(empty.dtype)), None
+
+
+embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)

@@ -9,12 +9,15 @@ Fused weights (as Megatron): q/k/v live in one kernel laid out per query group,
 (embed, kv_heads, group + 2, head_dim) — the `group` query heads of each key/value head, then its
 key, then its value — and the SwiGLU gate/up projections in one (embed, 2, mlp) kernel. With
 separate weights GSPMD all-reduces each input gradient separately in the backward pass.
+
+Read top to bottom: the config, the remat policies, then the model as it runs: embedding -> blocks
+(norm, attention, norm, MLP) -> norm -> logits. Attention, the MLP and the embedding lookup are
+each one call into kernels.py, where the config picks the implementation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax
 import flax.linen as nn
@@ -22,8 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from gspmd_tp.model.kernels import fused_mlp, swiglu
-from gspmd_tp.model.projection import PROJECTION, explicit_projection_grad, output_projection, project
+from gspmd_tp.model import kernels
 from gspmd_tp.sharding.axes import (
     BATCH,
     EMBED,
@@ -36,7 +38,6 @@ from gspmd_tp.sharding.axes import (
     NORM_LENGTH,
     VOCAB,
 )
-from gspmd_tp.sharding.rules import UNCONSTRAINED, axes_of
 
 # Activations that a rule file may make a collective produce: each sublayer's input once it is
 # whole-width (an all-gather under sequence parallelism and 2D) and its output once reduced to the
@@ -47,34 +48,20 @@ COLLECTIVE_OUTPUTS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 # embedding, SwiGLU's output, and the weights in the compute dtype.
 SAVEABLE_NAMES = (*COLLECTIVE_OUTPUTS, "query", "key", "mlp_hidden", "weights")
 
-_save_projections = jax.checkpoint_policies.save_only_these_names(PROJECTION)
-_save_dots_no_batch = jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _save_projections
-)
-
-
-def _fused_attention_saveable(prim, *_, **__) -> bool:
-    """Remat policy: keep what cuDNN's fused attention forward returns (its output and softmax
-    statistics, the residuals of its backward), so that the backward pass does not run it again."""
-    return prim.name == "dot_product_attention_fwd_wrapper"
-
-
+_dots_no_batch = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 REMAT_POLICIES = {
     "none": None,  # no rematerialization
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
-    "dots": jax.checkpoint_policies.save_from_both_policies(  # keep matmul outputs
-        jax.checkpoint_policies.checkpoint_dots, _save_projections
-    ),
-    "dots_no_batch": _save_dots_no_batch,
+    "dots": jax.checkpoint_policies.checkpoint_dots,  # keep matmul outputs
+    "dots_no_batch": _dots_no_batch,  # keep the weight products' outputs
     # dots_no_batch, plus the fused attention's residuals (model.attention cudnn): the backward
     # pass runs no attention forward again.
     "dots_no_batch_attention": jax.checkpoint_policies.save_from_both_policies(
-        _save_dots_no_batch, _fused_attention_saveable
+        _dots_no_batch, kernels.fused_attention_saveable
     ),
     # dots_no_batch, plus the collective outputs: the backward pass repeats no communication.
     "dots_no_batch_comm": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(PROJECTION, *COLLECTIVE_OUTPUTS),
+        _dots_no_batch, jax.checkpoint_policies.save_only_these_names(*COLLECTIVE_OUTPUTS)
     ),
 }
 
@@ -89,11 +76,8 @@ def remat_policy(cfg):
     )
 
 
-ATTENTION_IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "auto")
 # The ModelConfig fields that are sizes: each must be positive.
 SIZES = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
-PROJECTION_GRADS = ("auto", "explicit", "xla")
-MLP_GRADS = ("auto", "fused", "one_pass", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +101,8 @@ class ModelConfig:
     remat_save: str = ""
     # einsum: the attention written out, its scores annotated with logical axes; xla / cudnn:
     # jax.nn.dot_product_attention with that implementation (cudnn: fused flash attention, GPU
-    # only, bf16/fp16); auto: cudnn on GPU in bf16/fp16, einsum elsewhere (attention_implementation).
+    # only, bf16/fp16); auto: cudnn on GPU in bf16/fp16, einsum elsewhere
+    # (kernels.attention_implementation).
     # Sampling from the key/value cache always takes the einsum path.
     attention: str = "einsum"
     # einsum path, training and evaluation: queries in blocks of this many positions, each block
@@ -125,14 +110,11 @@ class ModelConfig:
     # blocks is never computed (0: one block, the whole square). The same result, to rounding.
     attention_block: int = 0
     scan_layers: bool = True
-    # The projections' weight gradients: explicit transposes the smaller operand itself (faster on
-    # XLA:CPU, BENCHMARKS.md); xla leaves it to autodiff; auto: explicit on CPU, xla elsewhere.
-    projection_grad: str = "auto"
     # The SwiGLU MLP's gradient. xla: autodiff's (its two halves zero-padded and added); one_pass:
     # SwiGLU's gradient as one elementwise pass; fused: the whole MLP's backward written out, SwiGLU's
     # output recomputed in the same pass as its gradient rather than in a pass of its own. auto: fused
     # on GPU where no mesh axis splits `mlp` (and mlp_hidden is not in remat_save), one_pass on GPU
-    # otherwise, xla elsewhere (mlp_implementation).
+    # otherwise, xla elsewhere (kernels.mlp_implementation).
     mlp_grad: str = "auto"
 
     @property
@@ -179,19 +161,17 @@ class ModelConfig:
             problems.append(f"model.dtype {self.dtype!r} is not float32, bfloat16 or float16")
         if self.attention_block < 0:
             problems.append(f"model.attention_block must be 0 (off) or positive, got {self.attention_block}")
-        if self.projection_grad not in PROJECTION_GRADS:
-            problems.append(
-                f"model.projection_grad {self.projection_grad!r} is not one of {PROJECTION_GRADS}"
-            )
-        if self.mlp_grad not in MLP_GRADS:
-            problems.append(f"model.mlp_grad {self.mlp_grad!r} is not one of {MLP_GRADS}")
+        if self.mlp_grad not in kernels.MLP_GRADS:
+            problems.append(f"model.mlp_grad {self.mlp_grad!r} is not one of {kernels.MLP_GRADS}")
         elif self.mlp_grad == "fused" and "mlp_hidden" in self.saved_names:
             problems.append(
                 "model.remat_save keeps mlp_hidden, which model.mlp_grad 'fused' never reads (its "
                 "backward recomputes SwiGLU's output beside its gradient): drop one of the two"
             )
-        if self.attention not in ATTENTION_IMPLEMENTATIONS:
-            problems.append(f"model.attention {self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
+        if self.attention not in kernels.ATTENTION_IMPLEMENTATIONS:
+            problems.append(
+                f"model.attention {self.attention!r} is not one of {kernels.ATTENTION_IMPLEMENTATIONS}"
+            )
         elif self.attention == "cudnn" and self.dtype == "float32":
             problems.append("model.attention 'cudnn' needs model.dtype bfloat16 or float16, got float32")
         if self.attention in ("xla", "cudnn") and self.attention_block > 0:
@@ -213,7 +193,7 @@ def _constrain_cotangent(x, names):
     When both need it gathered, GSPMD gathers it once per consumer; constraining it once here makes
     a single gathered copy that both read. Used on the MLP output only: on the attention output the
     TPU compiler already gathers the gradient once, in bf16 after its own cast, and this constraint
-    would pin the gather to float32 before that cast (2D: 1.02 -> 1.16 of the analysis on v5e).
+    would pin the gather to float32 before that cast.
     """
 
     @jax.custom_vjp
@@ -239,32 +219,6 @@ _WHOLE_WIDTH = (BATCH, LENGTH, None)
 
 def _param(module, name, init, shape, names):
     return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def embed_lookup(table, tokens, dtype):
-    """The rows of a float32 `table` for `tokens`, in the compute `dtype`.
-
-    The table is cast before the lookup, so where a rule file splits the vocabulary the all-reduce
-    that assembles the rows moves `dtype` bytes (each row is non-zero on one device only, so the sum
-    is exact in any dtype): half a float32 lookup's on bfloat16 models. The gradient still adds
-    every position's row gradient into the table in float32, as autodiff of take-then-cast does.
-    """
-    return jnp.take(table.astype(dtype), tokens, axis=0)
-
-
-def _embed_lookup_fwd(table, tokens, dtype):
-    # The table's shape rides along in an empty (vocab, 0) array of its dtype.
-    return embed_lookup(table, tokens, dtype), (tokens, jnp.zeros((table.shape[0], 0), table.dtype))
-
-
-def _embed_lookup_bwd(dtype, residuals, g):
-    tokens, empty = residuals
-    table = jnp.zeros((empty.shape[0], g.shape[-1]), empty.dtype)
-    return table.at[tokens].add(g.astype(empty.dtype)), None
-
-
-embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)
 
 
 def _weight(w, dtype):
@@ -341,39 +295,6 @@ def rotary(x, positions, theta: float):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _score_heads() -> tuple:
-    """Logical names of the scores' (kv_heads, group) axes. Where the query heads are split over
-    mesh axes that the key/value heads are not (fewer key/value heads than the model-parallel
-    degree, kv_heads -> null), a device holds its own query heads, a split across both axes that
-    no single name describes, and every key/value head: the axes are left to GSPMD, which carries
-    the queries' split into the scores. Named (kv_heads, none), every score was gathered."""
-    mesh_axes = lambda name: set(axes_of(nn.logical_to_mesh_axes((name,))[0]))  # noqa: E731
-    if mesh_axes(HEADS) <= mesh_axes(KV_HEADS):
-        return KV_HEADS, None
-    return UNCONSTRAINED, UNCONSTRAINED
-
-
-def _attend(q, k, v, mask, dtype):
-    """Softmax attention of grouped queries q (batch, q, kv_heads, group, head_dim) over keys and
-    values (batch, s, kv_heads, head_dim) where `mask` (broadcasting to (batch, kv_heads, group, q,
-    s)) allows; the scores and softmax in float32. Returns (batch, q, kv_heads, group, head_dim)."""
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    scores = _constrain(scores, (BATCH, *_score_heads(), LENGTH, None))
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-
-
-def attention_implementation(setting: str, dtype: str, platform: str | None = None) -> str:
-    """The attention path ModelConfig.attention `setting` means on `platform` (by default JAX's
-    default backend): "auto" is cuDNN's fused attention on GPU in bfloat16 or float16 (on an H100,
-    2.7x the step rate of xla's, BENCHMARKS.md), the einsum path elsewhere."""
-    if setting != "auto":
-        return setting
-    gpu = (platform or jax.default_backend()) == "gpu"
-    return "cudnn" if gpu and dtype in ("bfloat16", "float16") else "einsum"
-
-
 class Attention(nn.Module):
     """Causal self-attention with grouped key/value heads and a fused qkv kernel."""
 
@@ -384,8 +305,7 @@ class Attention(nn.Module):
         """positions: (length,); or a Decoding, to attend through (and extend) the "cache" collection."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
-        explicit = explicit_projection_grad(cfg.projection_grad)
-        k_heads, group, hd = cfg.num_kv_heads, cfg.group, cfg.head_dim
+        group, hd = cfg.group, cfg.head_dim
         decoding = positions if isinstance(positions, Decoding) else None
         if decoding is not None:
             positions = decoding.positions  # (batch, length)
@@ -393,69 +313,32 @@ class Attention(nn.Module):
         init = nn.initializers.normal(0.02)
         out_init = nn.initializers.normal(0.02 / (2 * cfg.num_layers) ** 0.5)
         w_qkv = _param(
-            self, "qkv", init, (cfg.d_model, k_heads, group + 2, hd), (EMBED, KV_HEADS, None, HEAD_DIM)
+            self,
+            "qkv",
+            init,
+            (cfg.d_model, cfg.num_kv_heads, group + 2, hd),
+            (EMBED, KV_HEADS, None, HEAD_DIM),
         )
         w_out = _param(self, "out", out_init, (cfg.num_heads, hd, cfg.d_model), (HEADS, HEAD_DIM, EMBED))
 
-        qkv = project(x_ble, _weight(w_qkv, dtype), (EMBED, KV_HEADS, None, HEAD_DIM), 1, explicit)
-        qkv = _constrain(qkv, (BATCH, LENGTH, KV_HEADS, None, HEAD_DIM))
-        q = qkv[:, :, :, :group].reshape(b, length, cfg.num_heads, hd)
-        q = _constrain(rotary(q, positions, cfg.rope_theta) * hd**-0.5, (BATCH, LENGTH, HEADS, HEAD_DIM))
-        q = checkpoint_name(q, "query")
-        k = _constrain(
-            rotary(qkv[:, :, :, group], positions, cfg.rope_theta), (BATCH, LENGTH, KV_HEADS, HEAD_DIM)
-        )
-        k = checkpoint_name(k, "key")
-        v = _constrain(qkv[:, :, :, group + 1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+        qkv_blkgd = jnp.einsum("ble,ekgd->blkgd", x_ble, _weight(w_qkv, dtype))
+        qkv_blkgd = _constrain(qkv_blkgd, (BATCH, LENGTH, KV_HEADS, None, HEAD_DIM))
+        q_blhd = qkv_blkgd[:, :, :, :group].reshape(b, length, cfg.num_heads, hd)
+        q_blhd = rotary(q_blhd, positions, cfg.rope_theta) * hd**-0.5  # scaled once, here
+        q_blhd = checkpoint_name(_constrain(q_blhd, (BATCH, LENGTH, HEADS, HEAD_DIM)), "query")
+        k_blkd = rotary(qkv_blkgd[:, :, :, group], positions, cfg.rope_theta)
+        k_blkd = checkpoint_name(_constrain(k_blkd, (BATCH, LENGTH, KV_HEADS, HEAD_DIM)), "key")
+        v_blkd = _constrain(qkv_blkgd[:, :, :, group + 1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
 
-        implementation = attention_implementation(cfg.attention, cfg.dtype)
-        if decoding is None and implementation != "einsum":
-            # Query head h reads key/value head h // group, the grouping of the fused kernel.
-            out = jax.nn.dot_product_attention(
-                q, k, v, scale=1.0, is_causal=True, implementation=implementation
-            )
-        else:
-            q = q.reshape(b, length, k_heads, group, hd)
-            if decoding is not None:  # keys and values: the cache so far plus these tokens
-                k, v, causal = _extend_cache(self, k, v, decoding)
-                out = _attend(q, k, v, causal, dtype)
-            else:
-                # Query block [start, end) sees keys [0, end): the keys after a block's end are
-                # masked for every one of its queries, so they are left out rather than masked.
-                block = cfg.attention_block if 0 < cfg.attention_block < length else length
-                out = jnp.concatenate(
-                    [
-                        _attend(
-                            q[:, start : start + block],
-                            k[:, : start + block],
-                            v[:, : start + block],
-                            positions[start : start + block, None] >= positions[None, : start + block],
-                            dtype,
-                        )
-                        for start in range(0, length, block)
-                    ],
-                    axis=1,
-                )
-            out = out.reshape(b, length, cfg.num_heads, hd)
-        out = _constrain(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
-        y = project(out, _weight(w_out, dtype), (HEADS, HEAD_DIM, EMBED), 2, explicit)
+        mask = None  # causal
+        if decoding is not None:  # keys and values: the cache so far plus these tokens
+            k_blkd, v_blkd, mask = _extend_cache(self, k_blkd, v_blkd, decoding)
+        out_blhd = kernels.attention(cfg, q_blhd, k_blkd, v_blkd, mask)
+        out_blhd = _constrain(out_blhd, (BATCH, LENGTH, HEADS, HEAD_DIM))
+        y_ble = jnp.einsum("blhd,hde->ble", out_blhd, _weight(w_out, dtype))
         # No _constrain_cotangent here (see there): XLA:CPU then gathers this gradient once per
         # consumer under 2D, one extra all-gather per layer that the TPU compiler does not make.
-        return _constrain(y, (BATCH, NORM_LENGTH, EMBED))
-
-
-def mlp_implementation(cfg: ModelConfig, platform: str | None = None) -> str:
-    """The MLP gradient config.model.mlp_grad means on `platform` (by default JAX's default backend)
-    under the current logical axis rules: "auto" is fused on GPU where no mesh axis splits `mlp`
-    (its input gradient is two products, which would take two all-reduces there) and mlp_hidden is
-    not kept by remat_save (the fused backward recomputes it), one_pass elsewhere on GPU, xla on
-    other platforms."""
-    if cfg.mlp_grad != "auto":
-        return cfg.mlp_grad
-    if (platform or jax.default_backend()) != "gpu":
-        return "xla"
-    split = axes_of(nn.logical_to_mesh_axes((MLP,))[0])
-    return "one_pass" if split or "mlp_hidden" in cfg.saved_names else "fused"
+        return _constrain(y_ble, (BATCH, NORM_LENGTH, EMBED))
 
 
 class FeedForward(nn.Module):
@@ -467,7 +350,6 @@ class FeedForward(nn.Module):
     def __call__(self, x_ble):
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
-        explicit = explicit_projection_grad(cfg.projection_grad)
         w_in = _param(
             self, "gate_up", nn.initializers.normal(0.02), (cfg.d_model, 2, cfg.mlp_dim), (EMBED, None, MLP)
         )
@@ -478,16 +360,8 @@ class FeedForward(nn.Module):
             (cfg.mlp_dim, cfg.d_model),
             (MLP, EMBED),
         )
-        implementation = mlp_implementation(cfg)
-        if implementation == "fused":
-            y = fused_mlp(x_ble, _weight(w_in, dtype), _weight(w_out, dtype))
-        else:
-            gate_up = project(x_ble, _weight(w_in, dtype), (EMBED, None, MLP), 1, explicit)
-            gate_up = _constrain(gate_up, (BATCH, LENGTH, None, MLP))
-            hidden = swiglu(gate_up, one_pass_gradient=implementation == "one_pass")
-            hidden = checkpoint_name(_constrain(hidden, (BATCH, LENGTH, MLP)), "mlp_hidden")
-            y = project(hidden, _weight(w_out, dtype), (MLP, EMBED), 1, explicit)
-        return _constrain(_constrain_cotangent(y, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))
+        y_ble = kernels.mlp(cfg, x_ble, _weight(w_in, dtype), _weight(w_out, dtype))
+        return _constrain(_constrain_cotangent(y_ble, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))
 
 
 class Block(nn.Module):
@@ -526,10 +400,7 @@ class Transformer(nn.Module):
         embedding = _param(
             self, "embedding", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED)
         )
-        if dtype == embedding.dtype:
-            x_ble = jnp.take(embedding, tokens_bl, axis=0)
-        else:
-            x_ble = embed_lookup(embedding, tokens_bl, dtype)
+        x_ble = kernels.embed(cfg, embedding, tokens_bl)
         # Look up whole sequences, then split them: a vocabulary-sharded lookup on split sequences
         # makes GSPMD all-reduce the gradient of the whole table under sequence parallelism.
         x_ble = _constrain(x_ble, (BATCH, LENGTH, EMBED))
@@ -565,5 +436,5 @@ class Transformer(nn.Module):
             )
         if return_hidden:
             return x_ble, head_ev
-        logits = output_projection(x_ble, head_ev.astype(dtype))
-        return _constrain(logits.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
+        logits_blv = jnp.einsum("ble,ev->blv", x_ble, head_ev.astype(dtype))
+        return _constrain(logits_blv.astype(jnp.float32), (BATCH, LENGTH, VOCAB))

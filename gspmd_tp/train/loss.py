@@ -2,7 +2,7 @@
 
 GSPMD partitions the softmax cross entropy of logits constrained (batch, length, vocab): the max
 and the sum of exponentials are reduced across the vocabulary shards and the target logit is
-picked where it lives, so the full [tokens, vocab] logits never move (tests/test_plan.py checks
+picked where it lives, so the full [tokens, vocab] logits never move (tests/plan/test_plan.py checks
 the compiled step). For large vocabularies even the per-device logits are big: the chunked form
 computes them a block of positions at a time, under jax.checkpoint, so the step never holds more
 than one block of logits, in the forward or the backward pass.
@@ -24,7 +24,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from gspmd_tp.model.projection import output_projection
 from gspmd_tp.sharding.axes import BATCH, LENGTH, VOCAB
 from gspmd_tp.sharding.rules import batch_mesh_axes
 
@@ -78,7 +77,7 @@ def chunked_cross_entropy_sums(hidden_ble, head_ev, targets_bl, chunk: int, vali
     @jax.checkpoint  # recompute each block's logits in the backward pass instead of saving them
     def block(hidden, targets, valid):
         hidden = nn.with_logical_constraint(hidden, (BATCH, None, LENGTH, None))
-        logits = jax.vmap(output_projection)(hidden, head_sev.astype(hidden.dtype))
+        logits = jnp.einsum("sble,sev->sblv", hidden, head_sev.astype(hidden.dtype))
         logits = nn.with_logical_constraint(logits.astype(jnp.float32), (BATCH, None, LENGTH, VOCAB))
         # Per shard, (shards,): the running total stays split over the batch too.
         return jax.vmap(lambda x, t, v: cross_entropy_sums(x, t, v)[0])(logits, targets, valid)

@@ -16,8 +16,8 @@ import optax
 from gspmd_tp.data import pipeline
 from gspmd_tp.job.config_keys import check_keys, ours
 from gspmd_tp.job.errors import UserError, warn
-from gspmd_tp.model.projection import explicit_projection_grad
-from gspmd_tp.model.transformer import ModelConfig, attention_implementation, mlp_implementation
+from gspmd_tp.model.kernels import attention_implementation, mlp_implementation
+from gspmd_tp.model.transformer import ModelConfig
 from gspmd_tp.sharding import axes
 from gspmd_tp.sharding.mesh import make_mesh, mesh_string
 from gspmd_tp.sharding.rules import Rules, load_rules, mesh_ways
@@ -129,12 +129,10 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     if model_cfg.attention == "cudnn" and platform != "gpu":
         raise UserError(f"config.model.attention='cudnn' needs GPU devices; this run's are {platform}")
     # "auto" follows the devices the step compiles for, not the host (a TPU plan made on a laptop).
-    explicit = explicit_projection_grad(model_cfg.projection_grad, platform)
     with nn.logical_axis_rules(rules.rules):
         mlp_grad = mlp_implementation(model_cfg, platform)
     model_cfg = dataclasses.replace(
         model_cfg,
-        projection_grad="explicit" if explicit else "xla",
         mlp_grad=mlp_grad,
         attention=attention_implementation(model_cfg.attention, model_cfg.dtype, platform),
     )

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import run_steps, save_checkpoint, small_config, token_batches
+from ml_collections import ConfigDict
 
 from gspmd_tp.checkpoint import store
 from gspmd_tp.job.errors import UserError
@@ -70,6 +71,20 @@ def test_a_checkpoint_saved_before_a_model_key_existed_still_matches():
     xla = run_setup.model_config(small_config(**{"model.attention": "xla"}))
     store.check_model_matches(saved, xla, "run")
     assert store.saved_model(saved)["attention"] == "einsum"
+
+
+def test_a_checkpoint_saved_with_a_model_key_since_removed_still_matches():
+    """model.projection_grad is gone: a saved model that carries it resumes and reads as before, and
+    the config a reader rebuilds from it has no key the model no longer knows."""
+    saved = {**run_setup.model_config(small_config()).__dict__, "projection_grad": "auto"}
+    store.check_model_matches(saved, run_setup.model_config(small_config()), "run")
+    assert "projection_grad" not in store.saved_model(saved)
+    config = small_config()
+    config.model = ConfigDict(store.saved_model(saved))  # as saved_run rebuilds a reader's config
+    assert run_setup.model_config(config) == run_setup.model_config(small_config())
+    wider = run_setup.model_config(small_config(**{"model.d_model": 128}))
+    with pytest.raises(UserError, match=r"different model \(d_model: saved 64, now 128"):
+        store.check_model_matches(saved, wider, "run")
 
 
 # --- restore memory: every device reads its shard, nothing is gathered ---

@@ -11,7 +11,7 @@ import pytest
 from jax._src.ad_checkpoint import saved_residuals  # jax.ad_checkpoint.print_saved_residuals' list
 
 from gspmd_tp.model import transformer
-from gspmd_tp.model.transformer import ModelConfig, Transformer, attention_implementation, rotary
+from gspmd_tp.model.transformer import ModelConfig, Transformer, rotary
 
 CFG = ModelConfig(
     vocab_size=256, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64
@@ -121,25 +121,13 @@ def test_remat_save_keeps_its_names_and_changes_no_gradient(policy, saved):
         np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-8)
 
 
-@pytest.mark.parametrize("remat", ["none", "dots_no_batch"])
-def test_projection_grad_settings_give_the_same_gradients(remat):
-    params = init(CFG)
-
-    def grads(setting):
-        cfg = ModelConfig(**{**CFG.__dict__, "remat": remat, "projection_grad": setting})
-        return jax.grad(lambda p: Transformer(cfg).apply({"params": p}, TOKENS).mean())(params)
-
-    for g0, g1 in zip(jax.tree.leaves(grads("xla")), jax.tree.leaves(grads("explicit")), strict=True):
-        np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-7)
-
-
-def test_dots_no_batch_keeps_the_explicit_projections():
-    """The hand-written gradient hides the product from the dot policy; its name must keep it, or
-    the backward pass would compute every projection a second time."""
+def test_dots_no_batch_keeps_the_weight_products():
+    """dots_no_batch keeps every weight product's output, so the backward pass computes none of
+    them a second time, as the full remat does."""
     params = init(CFG)
 
     def dots(remat):
-        cfg = ModelConfig(**{**CFG.__dict__, "remat": remat, "projection_grad": "explicit"})
+        cfg = ModelConfig(**{**CFG.__dict__, "remat": remat})
         jaxpr = jax.make_jaxpr(jax.grad(lambda p: Transformer(cfg).apply({"params": p}, TOKENS).mean()))(
             params
         )
@@ -168,15 +156,24 @@ def test_every_parameter_is_logically_annotated():
 
 
 def test_model_code_names_no_mesh_axis():
-    for module in (Path(__file__).parents[2] / "gspmd_tp" / "model").glob("*.py"):
+    modules = sorted((Path(__file__).parents[2] / "gspmd_tp" / "model").glob("*.py"))
+    assert {"transformer.py", "kernels.py", "params.py"} <= {m.name for m in modules}
+    for module in modules:
         source = module.read_text()
         assert not re.search(r"PartitionSpec|['\"](dp|mp)['\"]", source), module
 
 
+def test_the_forward_path_calls_each_kernel_by_one_name():
+    """transformer.py holds no platform kernel: attention, the MLP and the embedding lookup are each
+    one call into kernels.py, which picks the implementation the config asks for."""
+    source = Path(transformer.__file__).read_text()
+    assert set(re.findall(r"kernels\.([a-z_]+)\(", source)) == {"attention", "mlp", "embed"}
+    assert "dot_product_attention(" not in source and "default_backend" not in source
+
+
 def test_config_validation_names_the_problem():
-    bad = ModelConfig(num_heads=6, num_kv_heads=4, remat="sometimes", projection_grad="manual")
+    bad = ModelConfig(num_heads=6, num_kv_heads=4, remat="sometimes")
     problems = bad.validate()
-    assert any("model.projection_grad 'manual'" in p for p in problems)
     assert any("num_heads (6) must be a multiple of model.num_kv_heads (4)" in p for p in problems)
     assert any("model.remat 'sometimes'" in p for p in problems)
     problems = ModelConfig(rope_theta=0.0, norm_eps=-1e-5).validate()
@@ -194,73 +191,6 @@ def test_config_validation_names_the_problem():
     ]
 
 
-@pytest.mark.parametrize(
-    "setting, dtype, platform, chosen",
-    [
-        ("auto", "bfloat16", "gpu", "cudnn"),
-        ("auto", "float16", "gpu", "cudnn"),
-        ("auto", "float32", "gpu", "einsum"),  # cuDNN's fused attention takes 16-bit inputs only
-        ("auto", "bfloat16", "cpu", "einsum"),
-        ("auto", "bfloat16", "tpu", "einsum"),
-        ("xla", "float32", "gpu", "xla"),
-        ("einsum", "bfloat16", "gpu", "einsum"),
-    ],
-)
-def test_auto_attention_is_cudnn_on_gpu_in_16_bits_only(setting, dtype, platform, chosen):
-    assert attention_implementation(setting, dtype, platform) == chosen
-
-
-def test_auto_attention_on_cpu_is_the_einsum_path():
-    auto = ModelConfig(**{**CFG.__dict__, "attention": "auto", "attention_block": 4})
-    assert auto.validate() == []
-    params = init(CFG)
-    np.testing.assert_array_equal(
-        Transformer(auto).apply({"params": params}, TOKENS),
-        Transformer(ModelConfig(**{**CFG.__dict__, "attention_block": 4})).apply({"params": params}, TOKENS),
-    )
-
-
-def test_the_attention_remat_policy_names_the_fused_attention_of_this_jax():
-    """The policy goes by the primitive's name; a jax that renamed it would silently save nothing."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
-
-    assert transformer._fused_attention_saveable(cudnn_attention._dot_product_attention_fwd_p_wrapper)
-    assert not transformer._fused_attention_saveable(jax.lax.exp_p)
-
-
-def test_dot_product_attention_equals_the_einsum_path():
-    """jax.nn.dot_product_attention (xla) gives the einsum path's logits and gradients, GQA included."""
-    params = init(CFG)
-    xla_cfg = ModelConfig(**{**CFG.__dict__, "attention": "xla"})
-
-    def logits_and_grads(cfg):
-        f = lambda p: Transformer(cfg).apply({"params": p}, TOKENS)
-        return f(params), jax.grad(lambda p: (f(p) ** 2).mean())(params)
-
-    (l0, g0), (l1, g1) = logits_and_grads(CFG), logits_and_grads(xla_cfg)
-    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
-
-
-@pytest.mark.parametrize("block", [4, 5, 12])
-def test_blocked_causal_attention_equals_the_whole_square(block):
-    """Query blocks that score only the keys up to their end give the logits and gradients of the
-    whole masked square: blocks dividing the length (4), not dividing it (5: 5+5+2), one block (12)."""
-    params = init(CFG)
-    blocked = ModelConfig(**{**CFG.__dict__, "attention_block": block})
-
-    def logits_and_grads(cfg):
-        f = lambda p: Transformer(cfg).apply({"params": p}, TOKENS)
-        return f(params), jax.grad(lambda p: (f(p) ** 2).mean())(params)
-
-    (l0, g0), (l1, g1) = logits_and_grads(CFG), logits_and_grads(blocked)
-    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    assert any("attention_block must be" in p for p in ModelConfig(attention_block=-1).validate())
-
-
 def test_attention_choice_is_validated():
     assert any("model.attention 'flash'" in p for p in ModelConfig(attention="flash").validate())
     assert any("needs model.dtype bfloat16" in p for p in ModelConfig(attention="cudnn").validate())
@@ -273,41 +203,6 @@ def test_attention_choice_is_validated():
     assert ModelConfig(attention="einsum", attention_block=64).validate() == []
 
 
-@pytest.mark.parametrize("remat", ["none", "dots_no_batch"])
-def test_fused_mlp_gradient_equals_autodiffs(remat):
-    unrolled = ModelConfig(**{**CFG.__dict__, "scan_layers": False, "remat": remat, "projection_grad": "xla"})
-    params = init(unrolled)
-    apply = lambda c: lambda p: Transformer(c).apply({"params": p}, TOKENS).mean()
-    cfgs = {g: ModelConfig(**{**unrolled.__dict__, "mlp_grad": g}) for g in ("xla", "one_pass", "fused")}
-    grads = {g: jax.grad(apply(c))(params) for g, c in cfgs.items()}
-    for g in ("one_pass", "fused"):
-        for a, b in zip(jax.tree.leaves(grads["xla"]), jax.tree.leaves(grads[g]), strict=True):
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-8)
-    if remat != "none":  # the fused backward keeps what autodiff keeps (the gate_up product), no more
-        kept = lambda c: sorted(a.str_short() for a, _ in saved_residuals(apply(c), params))
-        assert kept(cfgs["fused"]) == kept(cfgs["xla"])
-
-
-@pytest.mark.parametrize(
-    "mlp_grad, platform, rules, saved, chosen",
-    [
-        ("auto", "cpu", "dp", "", "xla"),
-        ("auto", "gpu", "dp", "", "fused"),
-        ("auto", "gpu", "fsdp", "", "fused"),
-        ("auto", "gpu", "megatron_1d", "", "one_pass"),  # mlp split: dx would take two all-reduces
-        ("auto", "gpu", "dp", "mlp_hidden", "one_pass"),  # kept, so nothing to recompute
-        ("fused", "cpu", "megatron_1d", "", "fused"),
-        ("xla", "gpu", "dp", "", "xla"),
-    ],
-)
-def test_mlp_implementation(mlp_grad, platform, rules, saved, chosen):
-    from gspmd_tp.sharding.rules import load_rules
-
-    cfg = ModelConfig(mlp_grad=mlp_grad, remat="full" if saved else "none", remat_save=saved)
-    with nn.logical_axis_rules(load_rules(rules).rules):
-        assert transformer.mlp_implementation(cfg, platform) == chosen
-
-
 def test_mlp_grad_setting_is_checked():
     assert ModelConfig(mlp_grad="manual").validate() == [
         "model.mlp_grad 'manual' is not one of ('auto', 'fused', 'one_pass', 'xla')"
@@ -316,22 +211,3 @@ def test_mlp_grad_setting_is_checked():
         "model.remat_save keeps mlp_hidden, which model.mlp_grad 'fused' never reads (its backward "
         "recomputes SwiGLU's output beside its gradient): drop one of the two"
     ]
-
-
-def test_embed_lookup_in_bf16_gives_take_then_cast_exactly_and_its_float32_gradient():
-    """The table is cast before the lookup (so a vocabulary-parallel all-reduce moves bf16 rows);
-    rows and gradient are bit for bit those of looking up in float32 and casting after."""
-    table = jax.random.normal(jax.random.key(0), (256, 64), jnp.float32)
-    tokens = jax.random.randint(jax.random.key(1), (4, 32), 0, 256)
-    weights = jax.random.normal(jax.random.key(2), (4, 32, 64), jnp.float32)
-    old = jnp.take(table, tokens, axis=0).astype(jnp.bfloat16)
-    new = transformer.embed_lookup(table, tokens, jnp.bfloat16)
-    assert new.dtype == jnp.bfloat16 and np.array_equal(np.asarray(new), np.asarray(old))
-
-    def loss(lookup):
-        return lambda t: jnp.sum(lookup(t).astype(jnp.float32) * weights)
-
-    g_old = jax.grad(loss(lambda t: jnp.take(t, tokens, axis=0).astype(jnp.bfloat16)))(table)
-    g_new = jax.grad(loss(lambda t: transformer.embed_lookup(t, tokens, jnp.bfloat16)))(table)
-    assert g_new.dtype == jnp.float32 and np.array_equal(np.asarray(g_new), np.asarray(g_old))
-    assert np.count_nonzero(np.asarray(g_new).any(axis=1)) == len(np.unique(np.asarray(tokens)))

@@ -7,16 +7,8 @@ from gspmd_tp.job.errors import UserError
 from gspmd_tp.train import run_setup
 
 
-def test_auto_projection_grad_follows_the_run_devices():
-    """auto: the hand-written projection gradients for CPU devices, autodiff's for accelerators."""
-    assert run_setup.setup(small_config()).model_cfg.projection_grad == "explicit"
-    assert (
-        run_setup.setup(small_config(**{"model.projection_grad": "xla"})).model_cfg.projection_grad == "xla"
-    )
-
-
 def test_auto_mlp_grad_follows_the_run_devices():
-    """auto: autodiff's MLP gradient for CPU devices (the GPU choice: test_model.test_mlp_implementation);
+    """auto: autodiff's MLP gradient for CPU devices (the GPU choice: test_kernels.test_mlp_implementation);
     a setting given is kept, and the saved config names what ran."""
     assert run_setup.setup(small_config()).model_cfg.mlp_grad == "xla"
     assert run_setup.setup(small_config(**{"model.mlp_grad": "fused"})).model_cfg.mlp_grad == "fused"

@@ -1,0 +1,200 @@
+"""The kernels model.attention, model.mlp_grad and model.dtype select: each gives the plain
+computation's values and autodiff's gradients, makes the passes it promises, and is chosen where
+its setting says."""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.ad_checkpoint import saved_residuals  # jax.ad_checkpoint.print_saved_residuals' list
+
+from gspmd_tp.model import kernels
+from gspmd_tp.model.kernels import fused_mlp, swiglu
+from gspmd_tp.model.transformer import ModelConfig, Transformer
+
+CFG = ModelConfig(
+    vocab_size=256, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64
+)
+TOKENS = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
+
+
+def init(cfg):
+    return nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), TOKENS)["params"])
+
+
+# --- SwiGLU MLP (model.mlp_grad) ---
+
+
+def test_swiglu_one_pass_gradient_is_autodiffs_without_padded_halves():
+    gate_up = jax.random.normal(jax.random.key(2), (2, 5, 2, 16)) * 3
+    d_hidden = jax.random.normal(jax.random.key(3), (2, 5, 16))
+    plain = lambda g: nn.silu(g[..., 0, :]) * g[..., 1, :]
+    one_pass = lambda g: swiglu(g, one_pass_gradient=True)
+    np.testing.assert_array_equal(one_pass(gate_up), plain(gate_up))
+    np.testing.assert_array_equal(swiglu(gate_up), plain(gate_up))  # by default: autodiff's gradient
+    grad = lambda f: lambda g, d: jax.vjp(f, g)[1](d)[0]
+    np.testing.assert_allclose(grad(one_pass)(gate_up, d_hidden), grad(plain)(gate_up, d_hidden), atol=1e-6)
+    ops = lambda f: jax.jit(grad(f)).lower(gate_up, d_hidden).compile().as_text()
+    assert re.search(r"= \S+ (pad|concatenate)\(", ops(plain))  # autodiff: two padded halves
+    assert not re.search(r"= \S+ (pad|concatenate)\(", ops(one_pass))
+    bf16 = gate_up.astype(jnp.bfloat16), d_hidden.astype(jnp.bfloat16)
+    np.testing.assert_allclose(
+        grad(one_pass)(*bf16).astype(jnp.float32), grad(plain)(*bf16).astype(jnp.float32), rtol=0.02, atol=0.1
+    )
+
+
+def test_fused_mlp_recomputes_swiglu_beside_its_gradient():
+    """The fused backward's SwiGLU output and its two gradients come from one read of gate_up: the
+    three are one elementwise expression of (gate_up, d_hidden), where autodiff's recompute is a
+    separate function of gate_up alone that runs before d_hidden exists."""
+    x = jax.random.normal(jax.random.key(4), (2, 6, 8))
+    w_in = jax.random.normal(jax.random.key(5), (8, 2, 16)) * 0.3
+    w_out = jax.random.normal(jax.random.key(6), (16, 8)) * 0.3
+    dy = jax.random.normal(jax.random.key(7), (2, 6, 8))
+
+    def plain(x, w_in, w_out):
+        return jnp.tensordot(swiglu(jnp.tensordot(x, w_in, axes=1), one_pass_gradient=False), w_out, axes=1)
+
+    vjp = lambda f: jax.vjp(f, x, w_in, w_out)[1](dy)
+    for a, b in zip(vjp(plain), vjp(fused_mlp), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    text = str(jax.make_jaxpr(lambda *a: jax.vjp(fused_mlp, *a)[1](dy))(x, w_in, w_out))
+    assert "concatenate" not in text and "pad" not in text
+
+
+# --- attention, MLP choice and embedding lookup in the model ---
+
+
+@pytest.mark.parametrize(
+    "setting, dtype, platform, chosen",
+    [
+        ("auto", "bfloat16", "gpu", "cudnn"),
+        ("auto", "float16", "gpu", "cudnn"),
+        ("auto", "float32", "gpu", "einsum"),  # cuDNN's fused attention takes 16-bit inputs only
+        ("auto", "bfloat16", "cpu", "einsum"),
+        ("auto", "bfloat16", "tpu", "einsum"),
+        ("xla", "float32", "gpu", "xla"),
+        ("einsum", "bfloat16", "gpu", "einsum"),
+    ],
+)
+def test_auto_attention_is_cudnn_on_gpu_in_16_bits_only(setting, dtype, platform, chosen):
+    assert kernels.attention_implementation(setting, dtype, platform) == chosen
+
+
+def test_auto_attention_on_cpu_is_the_einsum_path():
+    auto = ModelConfig(**{**CFG.__dict__, "attention": "auto", "attention_block": 4})
+    assert auto.validate() == []
+    params = init(CFG)
+    np.testing.assert_array_equal(
+        Transformer(auto).apply({"params": params}, TOKENS),
+        Transformer(ModelConfig(**{**CFG.__dict__, "attention_block": 4})).apply({"params": params}, TOKENS),
+    )
+
+
+def test_the_attention_remat_policy_names_the_fused_attention_of_this_jax():
+    """The policy goes by the primitive's name; a jax that renamed it would silently save nothing."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    assert kernels.fused_attention_saveable(cudnn_attention._dot_product_attention_fwd_p_wrapper)
+    assert not kernels.fused_attention_saveable(jax.lax.exp_p)
+
+
+def test_dot_product_attention_equals_the_einsum_path():
+    """jax.nn.dot_product_attention (xla) gives the einsum path's logits and gradients, GQA included."""
+    params = init(CFG)
+    xla_cfg = ModelConfig(**{**CFG.__dict__, "attention": "xla"})
+
+    def logits_and_grads(cfg):
+        f = lambda p: Transformer(cfg).apply({"params": p}, TOKENS)
+        return f(params), jax.grad(lambda p: (f(p) ** 2).mean())(params)
+
+    (l0, g0), (l1, g1) = logits_and_grads(CFG), logits_and_grads(xla_cfg)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("block", [4, 5, 12])
+def test_blocked_causal_attention_equals_the_whole_square(block):
+    """Query blocks that score only the keys up to their end give the logits and gradients of the
+    whole masked square: blocks dividing the length (4), not dividing it (5: 5+5+2), one block (12)."""
+    params = init(CFG)
+    blocked = ModelConfig(**{**CFG.__dict__, "attention_block": block})
+
+    def logits_and_grads(cfg):
+        f = lambda p: Transformer(cfg).apply({"params": p}, TOKENS)
+        return f(params), jax.grad(lambda p: (f(p) ** 2).mean())(params)
+
+    (l0, g0), (l1, g1) = logits_and_grads(CFG), logits_and_grads(blocked)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert any("attention_block must be" in p for p in ModelConfig(attention_block=-1).validate())
+
+
+@pytest.mark.parametrize("remat", ["none", "dots_no_batch"])
+def test_fused_mlp_gradient_equals_autodiffs(remat):
+    unrolled = ModelConfig(**{**CFG.__dict__, "scan_layers": False, "remat": remat})
+    params = init(unrolled)
+    apply = lambda c: lambda p: Transformer(c).apply({"params": p}, TOKENS).mean()
+    cfgs = {g: ModelConfig(**{**unrolled.__dict__, "mlp_grad": g}) for g in ("xla", "one_pass", "fused")}
+    grads = {g: jax.grad(apply(c))(params) for g, c in cfgs.items()}
+    for g in ("one_pass", "fused"):
+        for a, b in zip(jax.tree.leaves(grads["xla"]), jax.tree.leaves(grads[g]), strict=True):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-8)
+    if remat != "none":  # the fused backward keeps what autodiff keeps (the gate_up product), no more
+        kept = lambda c: sorted(a.str_short() for a, _ in saved_residuals(apply(c), params))
+        assert kept(cfgs["fused"]) == kept(cfgs["xla"])
+
+
+@pytest.mark.parametrize(
+    "mlp_grad, platform, rules, saved, chosen",
+    [
+        ("auto", "cpu", "dp", "", "xla"),
+        ("auto", "gpu", "dp", "", "fused"),
+        ("auto", "gpu", "fsdp", "", "fused"),
+        ("auto", "gpu", "megatron_1d", "", "one_pass"),  # mlp split: dx would take two all-reduces
+        ("auto", "gpu", "dp", "mlp_hidden", "one_pass"),  # kept, so nothing to recompute
+        ("fused", "cpu", "megatron_1d", "", "fused"),
+        ("xla", "gpu", "dp", "", "xla"),
+    ],
+)
+def test_mlp_implementation(mlp_grad, platform, rules, saved, chosen):
+    from gspmd_tp.sharding.rules import load_rules
+
+    cfg = ModelConfig(mlp_grad=mlp_grad, remat="full" if saved else "none", remat_save=saved)
+    with nn.logical_axis_rules(load_rules(rules).rules):
+        assert kernels.mlp_implementation(cfg, platform) == chosen
+
+
+def test_embed_lookup_in_bf16_gives_take_then_cast_exactly_and_its_float32_gradient():
+    """The table is cast before the lookup (so a vocabulary-parallel all-reduce moves bf16 rows);
+    rows and gradient are bit for bit those of looking up in float32 and casting after."""
+    table = jax.random.normal(jax.random.key(0), (256, 64), jnp.float32)
+    tokens = jax.random.randint(jax.random.key(1), (4, 32), 0, 256)
+    weights = jax.random.normal(jax.random.key(2), (4, 32, 64), jnp.float32)
+    old = jnp.take(table, tokens, axis=0).astype(jnp.bfloat16)
+    new = kernels.embed_lookup(table, tokens, jnp.bfloat16)
+    assert new.dtype == jnp.bfloat16 and np.array_equal(np.asarray(new), np.asarray(old))
+
+    def loss(lookup):
+        return lambda t: jnp.sum(lookup(t).astype(jnp.float32) * weights)
+
+    g_old = jax.grad(loss(lambda t: jnp.take(t, tokens, axis=0).astype(jnp.bfloat16)))(table)
+    g_new = jax.grad(loss(lambda t: kernels.embed_lookup(t, tokens, jnp.bfloat16)))(table)
+    assert g_new.dtype == jnp.float32 and np.array_equal(np.asarray(g_new), np.asarray(g_old))
+    assert np.count_nonzero(np.asarray(g_new).any(axis=1)) == len(np.unique(np.asarray(tokens)))
+
+
+def test_embed_is_a_plain_lookup_in_float32_and_the_cast_first_one_otherwise():
+    table = jax.random.normal(jax.random.key(0), (256, 16), jnp.float32)
+    tokens = TOKENS
+    f32 = kernels.embed(CFG, table, tokens)
+    assert f32.dtype == jnp.float32 and np.array_equal(f32, jnp.take(table, tokens, axis=0))
+    bf16 = kernels.embed(ModelConfig(dtype="bfloat16"), table, tokens)
+    assert bf16.dtype == jnp.bfloat16 and np.array_equal(
+        bf16, kernels.embed_lookup(table, tokens, jnp.bfloat16)
+    )
