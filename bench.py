@@ -11,9 +11,9 @@ report and writes --json_out.
 """
 
 if __name__ == "__main__":
-    from gspmd_tp.job.errors import exit_on_ctrl_c_while_importing
+    from gspmd_tp.job import entry
 
-    exit_on_ctrl_c_while_importing()
+    entry.begin()  # main() asks for the config's devices; signals.run_job then takes Ctrl-C over
 
 from absl import app, flags, logging
 
@@ -46,6 +46,7 @@ _VARIANTS = flags.DEFINE_string(
 )
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "With --variants: alternating rounds.")
 _ROUND_STEPS = flags.DEFINE_integer("round_steps", 3, "With --variants: timed steps per round.")
+job_flags.define()
 flags.adopt_module_key_flags(job_flags)
 
 

@@ -4,9 +4,9 @@ python train.py --config=configs/tiny.py --workdir=runs/tiny [--config.KEY=VALUE
 """
 
 if __name__ == "__main__":
-    from gspmd_tp.job.errors import exit_on_ctrl_c_while_importing
+    from gspmd_tp.job import entry
 
-    exit_on_ctrl_c_while_importing()  # until stops.run_job takes the stop signals
+    entry.begin()  # main() asks for the config's devices; signals.run_job then takes Ctrl-C over
 
 from absl import app, flags, logging
 
@@ -16,6 +16,7 @@ from gspmd_tp.job.errors import define_config, no_positional_arguments, parse_fl
 _CONFIG = define_config("configs/tiny.py", "A configs/*.py file.")
 _WORKDIR = paths.define_flag("workdir", None, "Run directory: checkpoints, metrics, events.")
 flags.mark_flags_as_required(["workdir"])
+job_flags.define()
 flags.adopt_module_key_flags(job_flags)
 
 

@@ -13,7 +13,7 @@ import zipfile
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
+from absl import flags, logging
 
 from gspmd_tp.checkpoint import store
 from gspmd_tp.checkpoint.step_dirs import (
@@ -26,7 +26,7 @@ from gspmd_tp.checkpoint.step_dirs import (
     steps_on_disk,
 )
 from gspmd_tp.job import output_paths, paths
-from gspmd_tp.job.errors import ArgumentParser, UserError, interrupted, warn
+from gspmd_tp.job.errors import UserError, interrupted, parse_command_flags, warn
 from gspmd_tp.model.params import path_str
 
 # --- one unsharded file of parameters: export and import ---
@@ -197,36 +197,39 @@ def info(path: str, step: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    """python -m gspmd_tp.checkpoint {info DIR | export DIR OUT.npz} [--step N]."""
-    # The command is checkpoint.py's, and so is its description.
-    parser = ArgumentParser(prog="python -m gspmd_tp.checkpoint", description=store.__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_info = sub.add_parser("info", help="steps, model config, rules, mesh and sizes")
-    p_info.add_argument(
-        "dir", type=paths.expand, help="a workdir, its checkpoints/ directory or one step directory"
-    )
-    p_info.add_argument("--step", type=int, default=None, help="default: the newest")
-    p_export = sub.add_parser(
-        "export", help="the parameters as one unsharded .npz (config.init_from reads it)"
-    )
-    p_export.add_argument("dir", type=paths.expand)
-    p_export.add_argument("out", type=paths.expand, help="OUT.npz")
-    p_export.add_argument("--step", type=int, default=None, help="default: the newest")
-    args = parser.parse_args(argv)
+FLAGS = flags.FlagValues()  # the command's own: train.py imports this module (import_params)
+flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).", flag_values=FLAGS)
+_PROG = "python -m gspmd_tp.checkpoint"
+_USAGE = f"{_PROG} info DIR | export DIR OUT.npz [--step=N]"
+_COMMANDS = {"info": ("DIR",), "export": ("DIR", "OUT.npz")}  # their positional arguments
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m gspmd_tp.checkpoint {info DIR | export DIR OUT.npz} [--step=N]; `argv` is the
+    command's arguments (default: sys.argv[1:]). Returns the exit status."""
+    args = parse_command_flags(FLAGS, [_PROG, *(sys.argv[1:] if argv is None else argv)], __doc__)[1:]
+    command, given = (args[0], [paths.expand(a) for a in args[1:]]) if args else (None, [])
+    if command not in _COMMANDS or len(given) != len(_COMMANDS[command]):
+        if command not in _COMMANDS:
+            mistake = f"unknown command {command!r}; " if command else ""
+        else:
+            mistake = f"{command} takes {' '.join(_COMMANDS[command])} ({len(given)} given); "
+        print(f"error: {mistake}usage: {_USAGE}", file=sys.stderr)
+        sys.exit(1)
     # orbax warns, for every healthy step, that a lone item has no checkpoint-level metadata file.
     logging.set_verbosity(logging.ERROR)
     try:
-        if args.command == "info":
-            print(info(args.dir, args.step))
+        if command == "info":
+            print(info(given[0], FLAGS.step))
         else:
-            output_paths.check_file(args.out, "OUT", probe=True)
-            shapes = export_params(args.dir, args.out, args.step)
+            path, out = given
+            output_paths.check_file(out, "OUT", probe=True)
+            shapes = export_params(path, out, FLAGS.step)
             n = sum(int(np.prod(s)) for s in shapes.values())
-            print(f"wrote {len(shapes)} parameters ({n:,} values) to {args.out}")
+            print(f"wrote {len(shapes)} parameters ({n:,} values) to {out}")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return interrupted("nothing written" if args.command == "info" else f"OUT={args.out} is as it was")
+        return interrupted("nothing written" if command == "info" else f"OUT={given[1]} is as it was")
     return 0

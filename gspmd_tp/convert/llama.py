@@ -16,12 +16,9 @@ tabulated in docs/hf.md.
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: no TPU probe on a host without one
-    from gspmd_tp.job.errors import exit_on_ctrl_c_while_importing
+    from gspmd_tp.job import entry
 
-    exit_on_ctrl_c_while_importing()
-    from gspmd_tp.job import host_devices
-
-    host_devices.cpu_platform_where_alone()
+    entry.begin()  # main() asks for the devices once it has read the flags
 
 import functools
 import json
@@ -42,7 +39,6 @@ from gspmd_tp.inference import saved_run
 from gspmd_tp.job import output_paths, paths
 from gspmd_tp.job.errors import (
     UserError,
-    ctrl_c_raises,
     define_config,
     exit_from_main,
     interrupted,
@@ -324,8 +320,5 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    from absl import app
-
     _define_flags()
-    ctrl_c_raises()  # the imports are done: main() catches it
-    app.run(main, flags_parser=functools.partial(parse_flags, load=False))  # to-hf needs no config
+    entry.run(main, flags_parser=functools.partial(parse_flags, load=False))  # to-hf needs no config

@@ -14,28 +14,24 @@ As one process of a job of several (a pod, a cluster), with train.py's job flags
 
 from __future__ import annotations
 
-import sys
-
 if __name__ == "__main__":  # simulated devices must be requested before jax is imported
-    from gspmd_tp.job.errors import exit_on_ctrl_c_while_importing
-
-    exit_on_ctrl_c_while_importing()
-    from gspmd_tp.inference import saved_run
-    from gspmd_tp.job import host_devices
+    from gspmd_tp.job import entry
 
     # By default as many as the run's mesh spans, so that it restores under its own mesh.
-    host_devices.request(host_devices.count_from_argv(sys.argv, saved_run.device_count_from_argv(sys.argv)))
+    entry.begin(devices="gspmd_tp.inference.saved_run:device_count_from_argv")
 
 import json
 import math
 import os
+import sys
 
 import jax
+from absl import flags
 
 from gspmd_tp.data import pipeline
 from gspmd_tp.inference import saved_run
 from gspmd_tp.job import distributed, job_flags, output_paths, paths
-from gspmd_tp.job.errors import ArgumentParser, UserError, ctrl_c_raises, exit_from_main, warn
+from gspmd_tp.job.errors import UserError, no_positional_arguments, parse_command_flags, warn
 from gspmd_tp.sharding.mesh import mesh_string
 from gspmd_tp.train import inputs, loop, run_setup
 from gspmd_tp.train import state as state_lib
@@ -181,67 +177,67 @@ def _batch_count(text: str) -> int:
     return count
 
 
-def main(argv=None) -> int:
-    """python -m gspmd_tp.evaluate --workdir=DIR [--eval_batches=N|all] [--json] [--plot=PNG]."""
-    parser = ArgumentParser(prog="python -m gspmd_tp.evaluate", description=__doc__.splitlines()[0])
-    saved_run.add_run_arguments(parser)
-    parser.add_argument(
-        "--eval_batches",
-        default=None,
-        help="N, or all: one pass over the held-out split (default: the run's)",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--plot", default=None, type=paths.expand, help="write the loss curves of metrics.jsonl to this PNG"
-    )
-    parser.add_argument("--plot_only", action="store_true", help="with --plot: skip the evaluation")
-    job_flags.add_arguments(parser)
-    args, rest = parser.parse_known_args(argv)
+FLAGS = saved_run.reader_flags()  # the command's own: generate's share some names
+flags.DEFINE_string(
+    "eval_batches",
+    None,
+    "N, or all: one pass over the held-out split (default: the run's).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_bool("json", False, "Print one JSON object.", flag_values=FLAGS)
+paths.define_flag("plot", None, "Write the loss curves of metrics.jsonl to this PNG.", flag_values=FLAGS)
+flags.DEFINE_bool("plot_only", False, "With --plot: skip the evaluation.", flag_values=FLAGS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m gspmd_tp.evaluate --workdir=DIR [--eval_batches=N|all] [--json] [--plot=PNG]; `argv`
+    is the command's arguments (default: sys.argv[1:]). Returns the exit status."""
+    config_args, argv = saved_run.config_arguments(sys.argv[1:] if argv is None else argv)
+    no_positional_arguments(parse_command_flags(FLAGS, ["python -m gspmd_tp.evaluate", *argv], __doc__))
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
-    return job_flags.run_reader(lambda: _evaluate(args, rest), args, "nothing in the workdir was written")
+    return job_flags.run_reader(lambda: _evaluate(config_args), FLAGS, "nothing in the workdir was written")
 
 
-def _evaluate(args, rest: list[str]) -> str | None:
+def _evaluate(config_args: list[str]) -> str | None:
     """The evaluation main() asked for, as the text for stdout (process 0's); UserError for bad input."""
-    overrides = saved_run.split_overrides(rest)
-    if args.eval_batches is not None:
-        overrides["eval_batches"] = str(_batch_count(args.eval_batches))
-    if args.plot_only and not args.plot:
+    overrides = saved_run.split_overrides(config_args)
+    if FLAGS.eval_batches is not None:
+        overrides["eval_batches"] = str(_batch_count(FLAGS.eval_batches))
+    if FLAGS.plot_only and not FLAGS.plot:
         raise UserError("--plot_only needs --plot=PNG")
     # Every process of a job reads the same checkpoint the same way (--eval_batches is a config key).
-    distributed.check_same_everywhere(None, flags={"--step": args.step, "--plot_only": args.plot_only})
+    distributed.check_same_everywhere(None, flags={"--step": FLAGS.step, "--plot_only": FLAGS.plot_only})
     first = jax.process_index() == 0  # the plot, and the report, are process 0's
 
     def plotted_rows():
         if first:
-            output_paths.check_image(args.plot, "--plot")
-        return read_metrics(args.workdir)
+            output_paths.check_image(FLAGS.plot, "--plot")
+        return read_metrics(FLAGS.workdir)
 
-    rows = distributed.agreed(plotted_rows) if args.plot else None
+    rows = distributed.agreed(plotted_rows) if FLAGS.plot else None
     result = None
-    if not args.plot_only:
-        step, meta, s = saved_run.load_setup(args.workdir, overrides, args.step)
+    if not FLAGS.plot_only:
+        step, meta, s = saved_run.load_setup(FLAGS.workdir, overrides, FLAGS.step)
         # The data files first: one that is gone or too short is found before the compile and the read.
-        eval_ds, held_out = distributed.agreed(held_out_batches, s, args.workdir)
+        eval_ds, held_out = distributed.agreed(held_out_batches, s, FLAGS.workdir)
         inputs.check_same({"held_out": held_out})  # each process reads only its rows
         if first and not any(key.startswith("data.") for key in overrides):  # not other data asked for
             note_held_out_change(meta.get("corpus", {}), held_out, step)
         eval_step = distributed.agreed(compiled_eval_step, s)
-        step, params = saved_run.params_for(args.workdir, step, s, exact=args.step is not None)
+        step, params = saved_run.params_for(FLAGS.workdir, step, s, exact=FLAGS.step is not None)
         result = {"step": step, "mesh": mesh_string(s.mesh), "rules": s.rules.source}
         result.update(evaluate_params(s, params, eval_step, eval_ds))
     if not first:
         return None
-    if args.plot:
-        plot_losses(rows, args.plot, f"{os.path.abspath(args.workdir)}", result)
-    lines = [] if result is None else [json.dumps(result) if args.json else _report(result, args.workdir)]
-    if args.plot and not args.json:
-        lines.append(f"plot: {args.plot}")
+    if FLAGS.plot:
+        plot_losses(rows, FLAGS.plot, f"{os.path.abspath(FLAGS.workdir)}", result)
+    lines = [] if result is None else [json.dumps(result) if FLAGS.json else _report(result, FLAGS.workdir)]
+    if FLAGS.plot and not FLAGS.json:
+        lines.append(f"plot: {FLAGS.plot}")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    ctrl_c_raises()  # the imports are done: main() catches it
-    exit_from_main(main())
+    entry.run(main)

@@ -21,31 +21,27 @@ As one process of a job of several (a pod, a cluster), with train.py's job flags
 
 from __future__ import annotations
 
-import sys
-
 if __name__ == "__main__":  # simulated devices must be requested before jax is imported
-    from gspmd_tp.job.errors import exit_on_ctrl_c_while_importing
-
-    exit_on_ctrl_c_while_importing()
-    from gspmd_tp.inference import saved_run
-    from gspmd_tp.job import host_devices
+    from gspmd_tp.job import entry
 
     # By default as many as the run's mesh spans, so that it restores under its own mesh.
-    host_devices.request(host_devices.count_from_argv(sys.argv, saved_run.device_count_from_argv(sys.argv)))
+    entry.begin(devices="gspmd_tp.inference.saved_run:device_count_from_argv")
 
 import dataclasses
 import functools
 import math
+import sys
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from gspmd_tp.data import pipeline
 from gspmd_tp.inference import saved_run
 from gspmd_tp.job import distributed, job_flags, paths
-from gspmd_tp.job.errors import ArgumentParser, UserError, ctrl_c_raises, exit_from_main, warn
+from gspmd_tp.job.errors import UserError, no_positional_arguments, parse_command_flags, warn
 from gspmd_tp.model.params import path_str
 from gspmd_tp.model.transformer import Decoding, Transformer
 from gspmd_tp.sharding import axes
@@ -364,55 +360,55 @@ def sampler_for(s: run_setup.Setup, token_lists: list[list[int]], max_new_tokens
     return run
 
 
-def main(argv=None) -> int:
-    """python -m gspmd_tp.generate --workdir=DIR --prompt=TEXT [...]; prints each prompt continued."""
-    parser = ArgumentParser(prog="python -m gspmd_tp.generate", description=__doc__.splitlines()[0])
-    saved_run.add_run_arguments(parser)
-    parser.add_argument("--prompt", default=None, help="text to continue")
-    parser.add_argument(
-        "--prompts_file", default=None, type=paths.expand, help="one prompt per line, sampled as one batch"
-    )
-    parser.add_argument(
-        "--max_new_tokens",
-        type=int,
-        default=None,
-        help=f"default {DEFAULT_MAX_NEW_TOKENS}, or what fits in config.seq_len after the prompt",
-    )
-    parser.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help="0: greedy")
-    parser.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest (0: all)")
-    parser.add_argument("--seed", type=int, default=0)
-    job_flags.add_arguments(parser)
-    args, rest = parser.parse_known_args(argv)
+FLAGS = saved_run.reader_flags()  # the command's own: evaluate's share some names
+flags.DEFINE_string("prompt", None, "Text to continue.", flag_values=FLAGS)
+paths.define_flag("prompts_file", None, "One prompt per line, sampled as one batch.", flag_values=FLAGS)
+flags.DEFINE_integer(
+    "max_new_tokens",
+    None,
+    f"Default {DEFAULT_MAX_NEW_TOKENS}, or what fits in config.seq_len after the prompt.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_float("temperature", DEFAULT_TEMPERATURE, "0: greedy.", flag_values=FLAGS)
+flags.DEFINE_integer("top_k", 0, "Sample among the k likeliest (0: all).", flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "The sampling key's seed.", flag_values=FLAGS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m gspmd_tp.generate --workdir=DIR --prompt=TEXT [...]; prints each prompt continued.
+    `argv` is the command's arguments (default: sys.argv[1:]). Returns the exit status."""
+    config_args, argv = saved_run.config_arguments(sys.argv[1:] if argv is None else argv)
+    no_positional_arguments(parse_command_flags(FLAGS, ["python -m gspmd_tp.generate", *argv], __doc__))
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
-    return job_flags.run_reader(lambda: _generate(args, rest), args, "nothing in the workdir was written")
+    return job_flags.run_reader(lambda: _generate(config_args), FLAGS, "nothing in the workdir was written")
 
 
-def _generate(args, rest: list[str]) -> str:
+def _generate(config_args: list[str]) -> str:
     """The samples main() asked for, as the text for stdout (process 0's); UserError for bad input."""
-    overrides = saved_run.split_overrides(rest)
-    prompts = distributed.agreed(read_prompts, args.prompt, args.prompts_file)  # a file one host lacks
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    overrides = saved_run.split_overrides(config_args)
+    prompts = distributed.agreed(read_prompts, FLAGS.prompt, FLAGS.prompts_file)  # a file one host lacks
+    check_sampling(FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_k, FLAGS.seed)
     # Every process of a job samples the same batch: one program, and the same random draws.
-    asked = (args.step, prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    asked = (FLAGS.step, prompts, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_k, FLAGS.seed)
     names = ("--step", "the prompts", "--max_new_tokens", "--temperature", "--top_k", "--seed")
     distributed.check_same_everywhere(None, flags=dict(zip(names, asked, strict=True)))
-    step, _, s = saved_run.load_setup(args.workdir, overrides, args.step, sampling=True)
+    step, _, s = saved_run.load_setup(FLAGS.workdir, overrides, FLAGS.step, sampling=True)
     token_lists = [encode(p) for p in prompts]
-    max_new = fit_length(token_lists, args.max_new_tokens, s.config.seq_len)
+    max_new = fit_length(token_lists, FLAGS.max_new_tokens, s.config.seq_len)
     # Every check above runs before the parameters are read and before anything compiles.
-    run = distributed.agreed(sampler_for, s, token_lists, max_new, args.temperature, args.top_k)
-    step, params = saved_run.params_for(args.workdir, step, s, exact=args.step is not None)
+    run = distributed.agreed(sampler_for, s, token_lists, max_new, FLAGS.temperature, FLAGS.top_k)
+    step, params = saved_run.params_for(FLAGS.workdir, step, s, exact=FLAGS.step is not None)
     if jax.process_index() == 0:
         print(
-            f"step {step} of {args.workdir} | mesh {mesh_string(s.mesh)} | rules {s.rules.source} | "
-            f"{len(prompts)} prompt(s), {max_new} new tokens, temperature {args.temperature}, "
-            f"top_k {args.top_k or 'all'}, seed {args.seed}",
+            f"step {step} of {FLAGS.workdir} | mesh {mesh_string(s.mesh)} | rules {s.rules.source} | "
+            f"{len(prompts)} prompt(s), {max_new} new tokens, temperature {FLAGS.temperature}, "
+            f"top_k {FLAGS.top_k or 'all'}, seed {FLAGS.seed}",
             file=sys.stderr,
             flush=True,
         )
-    new = sample_tokens(s, params, token_lists, max_new, args.temperature, args.top_k, args.seed, run=run)
+    new = sample_tokens(s, params, token_lists, max_new, FLAGS.temperature, FLAGS.top_k, FLAGS.seed, run=run)
     lines = []
     for i, (prompt, tokens) in enumerate(zip(prompts, new, strict=True)):
         if len(prompts) > 1:
@@ -422,5 +418,4 @@ def _generate(args, rest: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    ctrl_c_raises()  # the imports are done: main() catches it
-    exit_from_main(main())
+    entry.run(main)

@@ -1,7 +1,6 @@
-"""The one exception type for mistakes a user can fix (bad rule file, mesh, config), and the
---config flag of the entry points, whose mistakes are reported the same way."""
+"""The one exception type for mistakes a user can fix (bad rule file, mesh, config), and the flags
+of the entry points (absl's, --config's), whose mistakes are reported the same way."""
 
-import argparse
 import contextlib
 import os
 import signal
@@ -31,11 +30,11 @@ def interrupted(left: str = "nothing in the workdir was written") -> int:
 
 
 def exit_on_ctrl_c_while_importing() -> None:
-    """Until ctrl_c_raises(): Ctrl-C exits at once, status 130, with interrupted()'s line. Call first
-    thing under __main__: a KeyboardInterrupt raised inside jax's imports (seconds, before main() and
-    its own handler run) prints a traceback through them, or breaks jaxlib's initialisation into an
-    ImportError or an abort; this handler runs only between Python statements, and nothing is written
-    yet."""
+    """Until ctrl_c_raises(): Ctrl-C exits at once, status 130, with interrupted()'s line. Called
+    first thing under __main__ (entry.begin): a KeyboardInterrupt raised inside jax's imports
+    (seconds, before main() and its own handler run) prints a traceback through them, or breaks
+    jaxlib's initialisation into an ImportError or an abort; this handler runs only between Python
+    statements, and nothing is written yet."""
     signal.signal(signal.SIGINT, lambda *_: os._exit(interrupted("nothing written")))
 
 
@@ -51,15 +50,6 @@ def exit_from_main(code: int) -> None:
         sys.stdout.flush()
         os._exit(code)
     sys.exit(code)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage mistakes (an unknown flag, --step=abc) are one line on stderr and exit
-    1, as every other user error, instead of the usage block and exit 2."""
-
-    def error(self, message: str):
-        print(f"error: {self.prog}: {message} (--help lists the flags)", file=sys.stderr)
-        sys.exit(1)
 
 
 def warn(message: str) -> None:
@@ -107,12 +97,37 @@ def parse_flags(argv: list[str], load: bool = True) -> list[str]:
                     file=sys.stderr,
                 )
                 sys.exit(1)
-            message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-            print(f"error: {message} (--helpshort lists the flags)", file=sys.stderr)
-            sys.exit(1)
+            _flag_mistake(e)
     if load:
         loaded_config()
     return args
+
+
+_HELP = ("-h", "-?", "--help", "--helpshort", "--helpfull")
+
+
+def parse_command_flags(flag_values, argv: list[str], usage: str) -> list[str]:
+    """absl's parsing of `argv` into a command's own FlagValues (evaluate, generate and the
+    checkpoint tool: commands with flags of the same names, which tests run in one process), each
+    parse starting from the defaults. --help prints `usage` and the flags; a mistake is one line on
+    stderr and exit 1, as parse_flags reports train's. Returns argv[0] and the positional arguments."""
+    from absl import flags
+
+    if any(arg in _HELP for arg in argv[1:]):
+        print(f"{usage.strip()}\n\nflags:\n{flag_values.get_help(include_special_flags=False)}")
+        sys.exit(0)
+    flag_values.unparse_flags()  # a flag not given takes its default, not what a previous parse gave it
+    try:
+        return flag_values(argv)
+    except flags.Error as e:
+        _flag_mistake(e)
+
+
+def _flag_mistake(e: Exception):
+    """absl's report of a flag mistake (two lines and a FATAL) as one line on stderr; exit 1."""
+    message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    print(f"error: {message} (--helpshort lists the flags)", file=sys.stderr)
+    sys.exit(1)
 
 
 def loaded_config():

@@ -1,12 +1,12 @@
 """The flags that make a command one process of a multi-process job, and joining the job with them:
-absl flags for train.py and bench.py, argparse arguments for the readers of a trained run
-(evaluate, generate).
+absl flags, defined here once for every command that takes them (train.py, bench.py, evaluate,
+generate).
 
-No jax import here, so entry points can define their flags before jax is imported. An absl entry
-point adopts them (flags.adopt_module_key_flags) so that its --helpshort lists them.
+No jax import here, so entry points can define their flags before jax is imported. An entry point
+that defines them in absl's global FLAGS adopts them (flags.adopt_module_key_flags) so that its
+--helpshort lists them.
 """
 
-import argparse
 import sys
 
 from absl import flags
@@ -27,31 +27,25 @@ _JOB = (
     ("distributed", False, "Let jax.distributed.initialize() find the job itself (TPU pods, SLURM)."),
 )
 _DEFINE = {str: flags.DEFINE_string, int: flags.DEFINE_integer, bool: flags.DEFINE_bool}
-_ABSL = {name: _DEFINE[type(default)](name, default, text) for name, default, text in _JOB}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The job flags as arguments of an argparse command (a reader of a trained run)."""
-    group = parser.add_argument_group("multi-process job (the same flags as train.py's)")
+def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Defines the job flags in `flag_values`: absl's global FLAGS (train.py, bench.py), or the
+    FlagValues of a command of its own (a reader of a trained run)."""
     for name, default, text in _JOB:
-        if isinstance(default, bool):
-            group.add_argument(f"--{name}", action="store_true", help=text)
-        else:
-            group.add_argument(f"--{name}", type=type(default), default=default, help=text)
+        _DEFINE[type(default)](name, default, text, flag_values=flag_values)
 
 
-def _values(args: argparse.Namespace | None) -> dict:
-    if args is None:
-        return {name: flag.value for name, flag in _ABSL.items()}
-    return {name: getattr(args, name) for name, _, _ in _JOB}
+def _values(flag_values: flags.FlagValues) -> dict:
+    return {name: flag_values[name].value for name, _, _ in _JOB}
 
 
-def join(args: argparse.Namespace | None = None) -> None:
-    """Joins the job the flags name (distributed.initialize), the absl flags or argparse's `args`;
-    a single process without them. For a job that stops.run_job runs: its stop signals stay stops'."""
+def join(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Joins the job the job flags of `flag_values` name (distributed.initialize); a single process
+    without them. For a job that signals.run_job runs: its stop signals stay signals'."""
     from gspmd_tp.job import distributed, signals
 
-    v = _values(args)
+    v = _values(flag_values)
     distributed.initialize(
         v["coordinator_address"],
         v["num_processes"],
@@ -65,19 +59,21 @@ def join(args: argparse.Namespace | None = None) -> None:
     signals.take_stop_signals()
 
 
-def _asks_for_a_job(args: argparse.Namespace) -> bool:
-    """Whether argparse's `args` name a job of several processes (or one to find: --distributed)."""
-    v = _values(args)
+def _asks_for_a_job(flag_values: flags.FlagValues) -> bool:
+    """Whether the job flags of `flag_values` name a job of several processes (or one to find:
+    --distributed)."""
+    v = _values(flag_values)
     return v["num_processes"] != 1 or v["distributed"] or bool(v["coordinator_address"])
 
 
-def run_reader(work, args: argparse.Namespace, left: str) -> int:
+def run_reader(work, flag_values: flags.FlagValues, left: str) -> int:
     """Runs work() -> the text for stdout (or None) as a command that reads a trained run, and
     returns its exit status. Alone: a UserError is one line on stderr (status 1), Ctrl-C one line
-    saying what it `left` (status 130). Where `args` name a job: joined first and run under
-    stops.run_job, so that a peer's death, error or stop ends every process at once with one line;
-    stdout holds process 0's text alone (gloo prints its own lines there while the processes join)."""
-    if not _asks_for_a_job(args):
+    saying what it `left` (status 130). Where the job flags of `flag_values` name a job: joined first
+    and run under signals.run_job, so that a peer's death, error or stop ends every process at once
+    with one line; stdout holds process 0's text alone (gloo prints its own lines there while the
+    processes join)."""
+    if not _asks_for_a_job(flag_values):
         try:
             text = work()
         except UserError as e:
@@ -94,7 +90,7 @@ def run_reader(work, args: argparse.Namespace, left: str) -> int:
         import jax
 
         with output_paths.stdout_to_stderr():
-            join(args)
+            join(flag_values)
             text = work()
         if text is not None and jax.process_index() == 0:
             print(text, flush=True)

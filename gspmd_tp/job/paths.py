@@ -13,8 +13,9 @@ def expand(path: str | None) -> str | None:
     return os.path.expanduser(path) if path else path
 
 
-def define_flag(name: str, default: str | None, help_text: str):
-    """An absl string flag holding a path, its leading `~` expanded as it is parsed."""
+def define_flag(name: str, default: str | None, help_text: str, flag_values=None):
+    """An absl string flag holding a path, its leading `~` expanded as it is parsed; in absl's
+    global FLAGS, or in a command's own `flag_values`."""
     from absl import flags
 
     class _PathParser(flags.ArgumentParser):
@@ -22,7 +23,14 @@ def define_flag(name: str, default: str | None, help_text: str):
             return expand(argument)
 
     flags.disclaim_key_flags()  # the flag is the calling module's: --helpshort lists it there
-    return flags.DEFINE(_PathParser(), name, default, help_text, serializer=flags.ArgumentSerializer())
+    return flags.DEFINE(
+        _PathParser(),
+        name,
+        default,
+        help_text,
+        flag_values=flags.FLAGS if flag_values is None else flag_values,
+        serializer=flags.ArgumentSerializer(),
+    )
 
 
 def expand_config_flag(name: str = "config") -> None:

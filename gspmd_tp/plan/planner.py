@@ -32,12 +32,9 @@ import sys
 if __name__ == "__main__":  # simulated devices must be requested before jax is imported
     import os as _os
 
-    from gspmd_tp.job.errors import exit_on_ctrl_c_while_importing
+    from gspmd_tp.job import entry
 
-    exit_on_ctrl_c_while_importing()
-    from gspmd_tp.job import host_devices
-
-    host_devices.request(host_devices.count_from_argv(sys.argv, 8))
+    entry.begin(devices=8)
     if any(a.startswith("--target") for a in sys.argv):
         # Compile for a TPU or GPUs that are not attached: JAX must not try to open one.
         _os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -51,7 +48,7 @@ import jax
 import numpy as np
 
 from gspmd_tp.job import output_paths
-from gspmd_tp.job.errors import UserError, ctrl_c_raises, exit_from_main, interrupted, no_positional_arguments
+from gspmd_tp.job.errors import UserError, exit_from_main, interrupted, no_positional_arguments
 from gspmd_tp.plan import analysis, hardware
 from gspmd_tp.sharding import hlo
 from gspmd_tp.sharding.mesh import mesh_file_name, mesh_string, parse_mesh
@@ -474,7 +471,7 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
 
     from gspmd_tp.job import paths
     from gspmd_tp.job.errors import define_config, parse_flags
@@ -502,5 +499,4 @@ if __name__ == "__main__":
         "With --target: the network between GPU hosts or TPU slices, in Gb/s per GPU or chip each way "
         "(default: a DGX's NIC per GPU; the DCN of TPU v5e and v5p).",
     )
-    ctrl_c_raises()  # the imports are done: main() catches it
-    app.run(main, flags_parser=parse_flags)
+    entry.run(main, flags_parser=parse_flags)

@@ -118,18 +118,23 @@ def test_no_checkpoint_or_metrics_is_one_line(tmp_path, capsys):
         (
             evaluate.main,
             ["--workdir=x", "--step=abc"],
-            "python -m gspmd_tp.evaluate: argument --step: invalid int",
+            "flag --step=abc: invalid literal for int() with base 10: 'abc' (--helpshort lists the flags)",
         ),
         (
             generate.main,
             ["--workdir=x", "--top_k=k"],
-            "python -m gspmd_tp.generate: argument --top_k: invalid int",
+            "flag --top_k=k: invalid literal for int() with base 10: 'k' (--helpshort lists the flags)",
         ),
+        (generate.main, ["--workdir=x", "--prompt=x", "--nonsense"], "Unknown command line flag 'nonsense'"),
+        (generate.main, ["--prompt=x"], "flag --workdir=None: Flag --workdir must have a value other"),
         (
-            tool.main,
-            ["infoo", "x"],
-            "python -m gspmd_tp.checkpoint: argument command: invalid choice",
+            evaluate.main,
+            ["--workdir=x", "config.mesh=dp=8"],
+            "unexpected argument 'config.mesh=dp=8' (flags are --NAME=VALUE, config keys --config.KEY=VALUE)",
         ),
+        (tool.main, ["infoo", "x"], "unknown command 'infoo'; usage: python -m gspmd_tp.checkpoint info DIR"),
+        (tool.main, ["export", "x"], "export takes DIR OUT.npz (1 given); usage: "),
+        (tool.main, ["info", "x", "--step=-"], "flag --step=-: invalid literal for int()"),
     ],
 )
 def test_flag_mistakes_are_one_line(capsys, main, args, message):
@@ -137,6 +142,27 @@ def test_flag_mistakes_are_one_line(capsys, main, args, message):
         main(args)
     err = capsys.readouterr().err
     assert e.value.code == 1 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_a_flag_left_out_takes_its_default_not_an_earlier_calls_value(trained_workdir, tmp_path, capsys):
+    """main() parses the command's own flags afresh at each call (tests and a job's processes call it
+    in one process): --plot_only given once must not hold for the next call."""
+    png = tmp_path / "loss.png"
+    assert evaluate.main(["--workdir", str(trained_workdir), f"--plot={png}", "--plot_only"]) == 0
+    assert capsys.readouterr().out.strip() == f"plot: {png}"
+    assert evaluate.main(["--workdir", str(trained_workdir), "--json", "--step=2"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 2  # evaluated, and not plotted
+    assert evaluate.main(["--workdir", str(trained_workdir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 4  # the newest again
+
+
+def test_help_lists_the_commands_own_flags_and_the_job_flags(capsys):
+    for main, own in ((evaluate.main, "--plot"), (generate.main, "--prompts_file"), (tool.main, "--step")):
+        with pytest.raises(SystemExit) as e:
+            main(["--helpshort"])
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and f"  {own}:" in out, out
+        assert ("  --num_processes:" in out) == (main is not tool.main), out
 
 
 @pytest.mark.parametrize(

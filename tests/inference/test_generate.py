@@ -256,7 +256,7 @@ def test_decode_stops_at_the_document_separator_and_replaces_bad_bytes():
         ),
         (["--prompt=x", "--config.mesh=dp=3,mp=4"], "mesh 'dp=3,mp=4' has 12 devices"),
         ([], "give exactly one of --prompt=TEXT and --prompts_file=FILE"),
-        (["--prompt=x", "--nonsense"], "unrecognized argument '--nonsense'"),
+        (["--prompt=x", "--config.mesh"], "unrecognized argument '--config.mesh' (config overrides are --c"),
     ],
 )
 def test_bad_input_is_one_line_before_anything_compiles(trained_workdir, monkeypatch, capsys, args, message):

@@ -160,6 +160,8 @@ def test_convert_expands_a_tilde(home, command, flags, message):
         ([str(ROOT / "bench.py")], ["--json_out", "--profile_dir"]),
         (["-m", "gspmd_tp.plan"], ["--chart", "--dump_hlo"]),
         (["-m", "gspmd_tp.convert"], ["--hf_base", "--hf_dir", "--workdir"]),
+        (["-m", "gspmd_tp.evaluate"], ["--plot", "--workdir"]),
+        (["-m", "gspmd_tp.generate"], ["--prompts_file", "--workdir"]),
     ],
 )
 def test_helpshort_lists_the_path_flags_as_the_commands_own(command, path_flags):

@@ -114,7 +114,9 @@ def test_config_file_and_key_mistakes_are_one_line(tmp_path, command, cwd, messa
     cwd = tmp_path if cwd == "TMP" else cwd
     if command[0].endswith(".py"):
         command[0] = str(ROOT / command[0])
-    result = subprocess.run([sys.executable, *command], cwd=cwd, env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, *command], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 1, result.stderr[-2000:]
     assert (
         result.stderr.strip().splitlines()[-1]
@@ -133,7 +135,9 @@ def test_config_file_and_key_mistakes_are_one_line(tmp_path, command, cwd, messa
     ],
 )
 def test_flag_mistakes_are_one_line(args, message):
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 1
     assert result.stderr == f"error: {message} (--helpshort lists the flags)\n"
 
