@@ -22,7 +22,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_
 
 from absl import app, flags
 
-from gspmd_tp.job.errors import define_config
+from gspmd_tp.job.errors import define_config, no_positional_arguments, parse_flags
 
 _CONFIG = define_config("configs/llama_1b.py", "A configs/*.py file.")
 _OUT = flags.DEFINE_string("out", "", "Output directory.")
@@ -68,7 +68,7 @@ def kernel_times(trace_dir: str, steps: int, device: str) -> tuple[list[dict], f
 
 
 def main(argv):
-    del argv
+    no_positional_arguments(argv)
     import jax
 
     from gspmd_tp.bench import benchmark
@@ -93,4 +93,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)  # flag mistakes in one line, as the commands report them
