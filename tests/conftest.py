@@ -36,6 +36,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# Tests mirror the packages in folders of their own and share a few helpers across them (train.py's
+# flags, a checkpoint's damage, a job's start): each folder is importable whichever files a run collects.
+sys.path[1:1] = sorted(
+    str(p) for p in Path(__file__).parent.iterdir() if p.is_dir() and p.name.isidentifier()
+)
 
 import pytest  # noqa: E402
 

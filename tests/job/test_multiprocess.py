@@ -255,7 +255,7 @@ def corpus_in(directory, skip=()):
     """directory/corpus/N.txt: the package's sources, less the `skip`th."""
     corpus = directory / "corpus"
     corpus.mkdir(parents=True)
-    for i, doc in enumerate(sorted((ROOT / "gspmd_tp").glob("*.py"))):
+    for i, doc in enumerate(sorted((ROOT / "gspmd_tp").rglob("*.py"))):
         if i not in skip:
             (corpus / f"{i}.txt").write_bytes(doc.read_bytes())
 
