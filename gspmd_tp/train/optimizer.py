@@ -65,11 +65,9 @@ def make_schedule(optim, total_steps: int) -> optax.Schedule:
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     """optax.clip_by_global_norm as one scalar factor, min(1, max_norm / norm), on every update.
 
-    optax selects between t and t / norm * max_norm per element; XLA:CPU writes that clipped
-    gradient out whole and reads it back in AdamW's moment updates (a divide is too dear for it to
-    repeat in each). A scalar multiply fuses into them, so the update makes one pass fewer over the
-    gradients (the 10.5M-parameter update of configs/bench_cpu.py: 38 -> 21 ms on one device,
-    BENCHMARKS.md). Same state (none) as optax's, so checkpoints of either restore with the other.
+    The same values as optax's per-element select; a scalar multiply fuses into AdamW's moment
+    updates, so the update makes one pass fewer over the gradients. Same state (none) as optax's,
+    so checkpoints of either restore with the other.
     """
 
     def update(updates, state, params=None):
