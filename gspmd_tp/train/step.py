@@ -113,7 +113,7 @@ def _shard_partial_sums(model, micro, count, batch_axes: tuple, params, param_sh
             (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
         return jax.lax.psum((loss, grads), batch_axes)
 
-    # check_vma=False: the model's custom VJPs (explicit projection gradients) return cotangents
+    # check_vma=False: the model's custom VJPs (kernels.py, the cotangent constraint) return cotangents
     # without shard_map's varying-axes types; nothing here is differentiated through the map.
     loss, grads = jax.shard_map(
         local,
