@@ -295,6 +295,15 @@ def rotary(x, positions, theta: float):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
+_INIT = nn.initializers.normal(0.02)
+
+
+def _out_init(cfg: ModelConfig):
+    """GPT-2's init of the projections that write into the residual stream: scaled down by the
+    square root of their count, two per layer."""
+    return nn.initializers.normal(0.02 / (2 * cfg.num_layers) ** 0.5)
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped key/value heads and a fused qkv kernel."""
 
@@ -303,23 +312,16 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x_ble, positions):
         """positions: (length,); or a Decoding, to attend through (and extend) the "cache" collection."""
-        cfg = self.cfg
-        dtype = jnp.dtype(cfg.dtype)
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         group, hd = cfg.group, cfg.head_dim
         decoding = positions if isinstance(positions, Decoding) else None
         if decoding is not None:
             positions = decoding.positions  # (batch, length)
         b, length, _ = x_ble.shape
-        init = nn.initializers.normal(0.02)
-        out_init = nn.initializers.normal(0.02 / (2 * cfg.num_layers) ** 0.5)
-        w_qkv = _param(
-            self,
-            "qkv",
-            init,
-            (cfg.d_model, cfg.num_kv_heads, group + 2, hd),
-            (EMBED, KV_HEADS, None, HEAD_DIM),
-        )
-        w_out = _param(self, "out", out_init, (cfg.num_heads, hd, cfg.d_model), (HEADS, HEAD_DIM, EMBED))
+        qkv_shape = (cfg.d_model, cfg.num_kv_heads, group + 2, hd)
+        w_qkv = _param(self, "qkv", _INIT, qkv_shape, (EMBED, KV_HEADS, None, HEAD_DIM))
+        out_shape = (cfg.num_heads, hd, cfg.d_model)
+        w_out = _param(self, "out", _out_init(cfg), out_shape, (HEADS, HEAD_DIM, EMBED))
 
         qkv_blkgd = jnp.einsum("ble,ekgd->blkgd", x_ble, _weight(w_qkv, dtype))
         qkv_blkgd = _constrain(qkv_blkgd, (BATCH, LENGTH, KV_HEADS, None, HEAD_DIM))
@@ -348,18 +350,9 @@ class FeedForward(nn.Module):
 
     @nn.compact
     def __call__(self, x_ble):
-        cfg = self.cfg
-        dtype = jnp.dtype(cfg.dtype)
-        w_in = _param(
-            self, "gate_up", nn.initializers.normal(0.02), (cfg.d_model, 2, cfg.mlp_dim), (EMBED, None, MLP)
-        )
-        w_out = _param(
-            self,
-            "down",
-            nn.initializers.normal(0.02 / (2 * cfg.num_layers) ** 0.5),
-            (cfg.mlp_dim, cfg.d_model),
-            (MLP, EMBED),
-        )
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        w_in = _param(self, "gate_up", _INIT, (cfg.d_model, 2, cfg.mlp_dim), (EMBED, None, MLP))
+        w_out = _param(self, "down", _out_init(cfg), (cfg.mlp_dim, cfg.d_model), (MLP, EMBED))
         y_ble = kernels.mlp(cfg, x_ble, _weight(w_in, dtype), _weight(w_out, dtype))
         return _constrain(_constrain_cotangent(y_ble, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))
 
@@ -371,8 +364,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x_ble, positions):
-        cfg = self.cfg
-        dtype = jnp.dtype(cfg.dtype)
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         x_ble = _constrain(x_ble, (BATCH, NORM_LENGTH, EMBED))
         # Norms run where the residual stream lives (norm_length); the projections need whole
         # sequences (length). Under sequence parallelism the second constraint is the all-gather.
@@ -395,11 +387,8 @@ class Transformer(nn.Module):
         """Logits; with return_hidden, (final-normed hidden states, output projection (embed,
         vocab)) instead, so that a loss can project a block of positions at a time. With `decoding`,
         attention reads and extends the key/value cache (apply with mutable=["cache"])."""
-        cfg = self.cfg
-        dtype = jnp.dtype(cfg.dtype)
-        embedding = _param(
-            self, "embedding", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED)
-        )
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        embedding = _param(self, "embedding", _INIT, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
         x_ble = kernels.embed(cfg, embedding, tokens_bl)
         # Look up whole sequences, then split them: a vocabulary-sharded lookup on split sequences
         # makes GSPMD all-reduce the gradient of the whole table under sequence parallelism.
@@ -431,9 +420,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             head_ev = embedding.T
         else:
-            head_ev = _param(
-                self, "lm_head", nn.initializers.normal(0.02), (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB)
-            )
+            head_ev = _param(self, "lm_head", _INIT, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
         if return_hidden:
             return x_ble, head_ev
         logits_blv = jnp.einsum("ble,ev->blv", x_ble, head_ev.astype(dtype))
