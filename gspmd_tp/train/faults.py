@@ -1,136 +1,18 @@
-"""What the loop does about faults: a stop signal (SIGTERM/SIGINT) and non-finite losses or gradients.
+"""What the loop does about non-finite losses, gradients and states (a stop signal: job/signals.py).
 
-Both are checked at step boundaries by the host. Neither adds a host sync per step: the stop flag is
-a Python bool set by the signal handler (shared with a job's other processes by a tiny all-reduce
-that is read one check later), and the finiteness flags the jitted step returns are read in one
-batch when the loop syncs anyway (logged steps, checkpoints, the end).
+The finiteness flags the jitted step returns are read in batches when the loop syncs anyway (logged
+steps, checkpoints, the end): no host sync per step.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import signal
-import sys
-import threading
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from gspmd_tp.job import distributed, output_paths, peer_socket
 from gspmd_tp.job.errors import UserError
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class StopSignal:
-    """While entered, the first SIGTERM/SIGINT asks for a stop at the next step boundary; a second exits."""
-
-    def __init__(self, log):
-        self._log = log
-        self._signum = 0  # the signal this process received, 0 for none
-        self.stopped_by: str | None = None  # what stopped the run: this process's signal, or a peer's
-        self._previous: dict = {}
-        self._wakeup: tuple[int, int] | None = None  # a pipe that counts deliveries
-        self._previous_wakeup = -1
-        self._shared = None  # multi-process: every process's signal as of the last check, on device
-        self._agreed = False
-        self._finishing = False  # the loop is over; the run waits for its last save
-
-    def __enter__(self) -> StopSignal:
-        # signal.signal only works on the main thread; elsewhere (a library caller's worker thread)
-        # the process keeps its own handlers and stops the way it always did.
-        peer_socket.training_began()  # a stop from here on is seen by every process at a step boundary
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            self._count_deliveries()
-        return self
-
-    def _count_deliveries(self) -> None:
-        # Python runs a handler between bytecodes: two Ctrl-C while the main thread waits in a
-        # step or a save would run it once, and the second would not exit at once. Python's own
-        # low-level handler writes one byte per delivery to the wakeup fd, which counts them.
-        read, write = os.pipe()
-        os.set_blocking(read, False)
-        os.set_blocking(write, False)
-        # Another's (train.py's, which tells a stop before the loop to the job's other processes)
-        # is given back on exit: this handler's count is the one that matters meanwhile.
-        self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        self._wakeup = (read, write)
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-        if self._wakeup:
-            signal.set_wakeup_fd(self._previous_wakeup, warn_on_full_buffer=False)
-            for fd in self._wakeup:
-                os.close(fd)
-            self._wakeup = None
-
-    def _deliveries(self) -> int:
-        """Stop signals delivered since the last call, at least the one being handled."""
-        if not self._wakeup:
-            return 1
-        try:
-            received = os.read(self._wakeup[0], 4096)
-        except BlockingIOError:
-            received = b""
-        return max(1, sum(received.count(int(sig)) for sig in STOP_SIGNALS))
-
-    def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self._signum or self._deliveries() > 1:
-            # The user (or the scheduler) insists: no checkpoint, no cleanup, the shell's exit code.
-            print(f"received {name} again: exiting at once without saving", file=sys.stderr, flush=True)
-            output_paths.remove_created_workdirs()
-            os._exit(128 + signum)
-        self._signum, self.stopped_by = signum, name
-        if self._finishing:
-            self._log(
-                f"received {name} while the run finishes: it exits once its last checkpoint is written "
-                "(send again to exit at once)"
-            )
-            return
-        self._log(
-            f"received {name}: saving a checkpoint at the next step boundary, then stopping "
-            "(send again to exit at once)"
-        )
-
-    def finishing(self, failed: bool = False) -> None:
-        """The loop is over: from now on a first signal only says that the run ends once its last
-        checkpoint is written, which it is waiting for anyway; a second still exits at once. And a
-        peer's exit from here on is its own (handshake.training_ended), unless the loop `failed`:
-        a failed step of a multi-process job most likely saw a peer die, and that peer's socket may
-        close only after it (its close is still a death, which the error's line waits for)."""
-        self._finishing = True
-        if not failed:
-            peer_socket.training_ended()
-
-    def requested(self) -> bool:
-        """True once a stop signal arrived (on any process, when there are several).
-
-        A job's processes call this at the same points (step boundaries, evaluation batches) and
-        must all stop at the same one, or the collective save deadlocks. Each call starts a tiny
-        all-reduce of every process's signal and reads the previous call's: the host waits for the
-        work dispatched before that call, never for the step it just dispatched, and a signal
-        stops every process one call after the one that shared it."""
-        if jax.process_count() == 1:
-            return bool(self._signum)
-        if self._agreed:
-            return True
-        previous, self._shared = self._shared, distributed.share([self._signum])
-        if previous is None:
-            return False
-        signums = distributed.read(previous)[:, 0]  # 0 where no signal arrived
-        senders = np.flatnonzero(signums)
-        if senders.size:
-            first = int(senders[0])
-            self.stopped_by = f"{signal.Signals(int(signums[first])).name} on process {first}"
-            self._agreed = True
-        return self._agreed
 
 
 @jax.jit

@@ -13,7 +13,7 @@ import jax
 
 from gspmd_tp.checkpoint import step_dirs, store
 from gspmd_tp.data import documents, pipeline
-from gspmd_tp.job import distributed, output_paths, paths
+from gspmd_tp.job import distributed, output_paths, paths, signals
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.model.params import param_count
 from gspmd_tp.sharding.mesh import mesh_string
@@ -175,7 +175,7 @@ def _loop(
     batches = None
     finish_saves, failed = True, False
     # Entered until the run returns: a signal while the last save finishes waits for it too.
-    with faults.StopSignal(log) as stop:
+    with signals.StopSignal(log) as stop:
         report = Reporter(
             s, run.start, writer, watch, lambda params: held_out_loss(params, stop.requested), log
         )
