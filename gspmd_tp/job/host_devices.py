@@ -5,9 +5,10 @@ in XLA_FLAGS always wins; accelerators ignore the flag.
 
 With simulated devices the train step's temporaries live in host memory, allocated and freed by
 glibc's malloc at every step. A buffer over 64 MiB requested from a worker thread's arena is
-always mmap'd and munmap'd, so each step faults its pages in afresh (docs/benchmarks.md). `tune_malloc` keeps freed memory for reuse instead, and `use_huge_pages`
-has glibc back that heap with transparent huge pages: the step's arrays are tens of MiB, and with
-4 KiB pages its memory-bound loops miss the TLB.
+always mmap'd and munmap'd, so each step faults its pages in afresh (docs/benchmarks.md).
+`tune_malloc` keeps freed memory for reuse instead, and `use_huge_pages` has glibc back that heap
+with transparent huge pages: the step's arrays are tens of MiB, and with 4 KiB pages its
+memory-bound loops miss the TLB.
 """
 
 import ctypes
