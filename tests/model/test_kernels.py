@@ -10,19 +10,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src.ad_checkpoint import saved_residuals  # jax.ad_checkpoint.print_saved_residuals' list
+from test_model import CFG, TOKENS, init
 
 from gspmd_tp.model import kernels
 from gspmd_tp.model.kernels import fused_mlp, swiglu
 from gspmd_tp.model.transformer import ModelConfig, Transformer
 
-CFG = ModelConfig(
-    vocab_size=256, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64
-)
-TOKENS = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
 
+def _assert_same_model(cfg, other, grad_rtol):
+    """`other` gives CFG's parameters the logits and gradients that `cfg` gives them."""
+    params = init(CFG)
 
-def init(cfg):
-    return nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), TOKENS)["params"])
+    def logits_and_grads(c):
+        f = lambda p: Transformer(c).apply({"params": p}, TOKENS)
+        return f(params), jax.grad(lambda p: (f(p) ** 2).mean())(params)
+
+    (l0, g0), (l1, g1) = logits_and_grads(cfg), logits_and_grads(other)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=grad_rtol, atol=1e-7)
 
 
 # --- SwiGLU MLP (model.mlp_grad) ---
@@ -104,34 +110,14 @@ def test_the_attention_remat_policy_names_the_fused_attention_of_this_jax():
 
 def test_dot_product_attention_equals_the_einsum_path():
     """jax.nn.dot_product_attention (xla) gives the einsum path's logits and gradients, GQA included."""
-    params = init(CFG)
-    xla_cfg = ModelConfig(**{**CFG.__dict__, "attention": "xla"})
-
-    def logits_and_grads(cfg):
-        f = lambda p: Transformer(cfg).apply({"params": p}, TOKENS)
-        return f(params), jax.grad(lambda p: (f(p) ** 2).mean())(params)
-
-    (l0, g0), (l1, g1) = logits_and_grads(CFG), logits_and_grads(xla_cfg)
-    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+    _assert_same_model(CFG, ModelConfig(**{**CFG.__dict__, "attention": "xla"}), grad_rtol=1e-4)
 
 
 @pytest.mark.parametrize("block", [4, 5, 12])
 def test_blocked_causal_attention_equals_the_whole_square(block):
     """Query blocks that score only the keys up to their end give the logits and gradients of the
     whole masked square: blocks dividing the length (4), not dividing it (5: 5+5+2), one block (12)."""
-    params = init(CFG)
-    blocked = ModelConfig(**{**CFG.__dict__, "attention_block": block})
-
-    def logits_and_grads(cfg):
-        f = lambda p: Transformer(cfg).apply({"params": p}, TOKENS)
-        return f(params), jax.grad(lambda p: (f(p) ** 2).mean())(params)
-
-    (l0, g0), (l1, g1) = logits_and_grads(CFG), logits_and_grads(blocked)
-    np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    _assert_same_model(CFG, ModelConfig(**{**CFG.__dict__, "attention_block": block}), grad_rtol=1e-5)
     assert any("attention_block must be" in p for p in ModelConfig(attention_block=-1).validate())
 
 
