@@ -27,8 +27,7 @@ def get_config() -> ConfigDict:
     # Simulated devices when running on the CPU; set before jax is imported. A device count the
     # caller already put in XLA_FLAGS wins. Ignored by accelerators.
     c.host_device_count = 8
-    # With simulated devices: glibc malloc keeps freed memory for reuse and backs its heap with
-    # transparent huge pages, restarting the process once to do so (gspmd_tp/host_devices.py).
+    # With simulated devices: glibc malloc keeps freed memory for reuse (gspmd_tp/job/host_devices.py).
     c.host_malloc_tuning = True
     c.peak_flops_per_device = 0.0  # > 0 overrides the per-device peak used for MFU
     # False: a NaN/Inf loss or gradient stops the run (the last good checkpoint stays the newest).

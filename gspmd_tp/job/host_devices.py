@@ -5,16 +5,13 @@ in XLA_FLAGS always wins; accelerators ignore the flag.
 
 With simulated devices the train step's temporaries live in host memory, allocated and freed by
 glibc's malloc at every step. A buffer over 64 MiB requested from a worker thread's arena is
-always mmap'd and munmap'd, so each step faults its pages in afresh (docs/benchmarks.md).
-`tune_malloc` keeps freed memory for reuse instead, and `use_huge_pages` has glibc back that heap
-with transparent huge pages: the step's arrays are tens of MiB, and with 4 KiB pages its
-memory-bound loops miss the TLB.
+always mmap'd and munmap'd, so each step faults its pages in afresh; `tune_malloc` keeps freed
+memory for reuse instead (docs/benchmarks.md).
 """
 
 import ctypes
 import glob
 import os
-import signal
 import sys
 
 _FLAG = "xla_force_host_platform_device_count"
@@ -22,21 +19,12 @@ _FLAG = "xla_force_host_platform_device_count"
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 # Device nodes of accelerators whose buffers are not host memory; there the tuning is left out.
 _ACCELERATOR_NODES = ("/dev/nvidia[0-9]*", "/dev/accel*", "/dev/vfio/[0-9]*", "/dev/kfd")
-# glibc >= 2.35 reads this tunable at process start only: malloc then madvises its heap MADV_HUGEPAGE.
-_HUGE_PAGES = "glibc.malloc.hugetlb=1"
-_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
-# Set across use_huge_pages' restart, while Ctrl-C is held blocked through it (release_ctrl_c).
-_CTRL_C_HELD = "GSPMD_TP_CTRL_C_HELD"
 
 
 def request(count: int, tune: bool = True) -> None:
-    """Asks XLA for `count` host (CPU) devices unless XLA_FLAGS already names a count; with
-    `tune` and count > 0, also `use_huge_pages()` (which may restart the process) and `tune_malloc()`.
-    Also `cpu_platform_where_alone()`, and `release_ctrl_c()` after a restart."""
-    release_ctrl_c()
+    """Asks XLA for `count` host (CPU) devices unless XLA_FLAGS already names a count; with `tune`
+    and count > 0, also `tune_malloc()`. Also `cpu_platform_where_alone()`."""
     cpu_platform_where_alone()
-    if count > 0 and tune:
-        use_huge_pages()
     flags = os.environ.get("XLA_FLAGS", "")
     if count > 0 and _FLAG not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --{_FLAG}={count}".strip()
@@ -69,53 +57,6 @@ def _cpu_only_glibc() -> ctypes.CDLL | None:
     except (OSError, AttributeError):
         return None
     return libc
-
-
-def huge_pages_missing() -> bool:
-    """True where glibc's malloc could back its heap with transparent huge pages but was not told to:
-    a CPU-only host, glibc >= 2.35, THP not switched off, and no glibc.malloc.hugetlb tunable yet."""
-    libc = _cpu_only_glibc()
-    if libc is None or "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", ""):
-        return False
-    libc.gnu_get_libc_version.restype = ctypes.c_char_p
-    version = tuple(int(x) for x in libc.gnu_get_libc_version().decode().split(".")[:2])
-    try:
-        with open(_THP_MODE) as f:
-            thp_off = "[never]" in f.read()
-    except OSError:
-        thp_off = True
-    return version >= (2, 35) and not thp_off
-
-
-def use_huge_pages() -> None:
-    """Where `huge_pages_missing()`, runs this same command again (same pid, arguments and
-    interpreter options) with the glibc tunable set, since glibc reads it only at process start.
-    Call it first thing: nothing before it survives but the environment. A process that is not a
-    script run from a file (a notebook, an interactive or `-c` session, stdin) is left as it is."""
-    main = getattr(sys.modules.get("__main__"), "__file__", None)
-    if not main or not os.path.isfile(main) or sys.flags.interactive or not huge_pages_missing():
-        return
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    os.environ["GLIBC_TUNABLES"] = f"{tunables}:{_HUGE_PAGES}" if tunables else _HUGE_PAGES
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Between exec and the new process's own Ctrl-C handler a SIGINT would kill it by the default
-    # action, without a word: it is held blocked instead (the mask and a pending signal survive
-    # exec) until request() releases it in the new process, where the handler is in place.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    os.environ[_CTRL_C_HELD] = "1"
-    try:
-        os.execv(sys.executable, sys.orig_argv)
-    except OSError:
-        release_ctrl_c()
-        raise
-
-
-def release_ctrl_c() -> None:
-    """Unblocks the Ctrl-C that use_huge_pages held blocked across its restart (a pending one is
-    then delivered to the handler now in place); nothing where this process was not restarted."""
-    if os.environ.pop(_CTRL_C_HELD, None):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def tune_malloc() -> bool:
