@@ -52,6 +52,16 @@ def test_every_shipped_rule_file_within_10_percent_of_the_analysis(rules, mesh):
     assert p["ratio"] == pytest.approx(1.0, abs=0.10), (p["bytes_per_device"], p["analytical"])
 
 
+def test_fsdp_tp_within_5_percent_of_the_analysis():
+    """FSDP x tensor parallel: Megatron's all-reduces over mp, each layer's weights gathered over dp
+    forward and backward and their gradients reduced over dp (a whole all-reduce on XLA:CPU), the
+    embedding's rows exchanged over dp."""
+    p = planned("fsdp_tp", "dp=2,mp=4")
+    a = p["analytical"]
+    assert a["tensor_parallel"] and a["fsdp_gather"] and a["fsdp_reduce"] and not a["data_parallel"]
+    assert p["ratio"] == pytest.approx(1.0, abs=0.05), (p["bytes_per_device"], a)
+
+
 def test_2d_gathers_each_activation_once_and_the_mlp_output_gradient_once():
     """Per layer: one all-gather in front of each sublayer forward; in the backward pass the MLP's
     output gradient is gathered once (its cotangent constraint) and no projection input is gathered

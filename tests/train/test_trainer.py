@@ -18,6 +18,11 @@ from gspmd_tp.train import step as step_lib
 
 SHIPPED = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
 MESHES = ["dp=8,mp=1", "dp=4,mp=2", "dp=2,mp=4", "dp=1,mp=8"]
+# Every shipped rule file on every mesh of its axes, where the mesh places the arrays differently from
+# a case already here: fsdp_tp on dp=8,mp=1 places every array as fsdp does there, and on dp=1,mp=8 as
+# megatron_1d does (its other axis has one device).
+SAME_AS_ANOTHER = {("fsdp_tp", "dp=8,mp=1"), ("fsdp_tp", "dp=1,mp=8")}
+CASES = [(r, m) for r in SHIPPED for m in MESHES if (r, m) not in SAME_AS_ANOTHER]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +39,7 @@ def batches(c):
     return [b0, b1, b0]
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("rules", SHIPPED)
+@pytest.mark.parametrize("rules, mesh", CASES)
 def test_sharded_run_equals_single_device(reference, rules, mesh):
     c = small_config(rules=rules, mesh=mesh)
     _, history = run_steps(c, batches(c))
