@@ -76,9 +76,16 @@ def make_mesh(
     cpu = devices[0].platform == "cpu"
     sizes = parse_mesh(spec, len(devices), DEVICE_COUNT_FLAG if cpu else "")
     if set(sizes) != set(mesh_axes):
+        # Name one axis: a three-axis rule file given a two-axis mesh (or the reverse) reads at a glance.
+        missing = [a for a in mesh_axes if a not in sizes]
+        why = (
+            f"no size for axis {missing[0]!r}"
+            if missing
+            else f"axis {next(a for a in sizes if a not in mesh_axes)!r} is not one of them"
+        )
         raise UserError(
-            f"mesh {spec!r} names axes {sorted(sizes)} but {rules_source}'s mesh_axes are {list(mesh_axes)}; "
-            f"give --config.mesh in those axes ({','.join(f'{a}=N' for a in mesh_axes)})"
+            f"mesh {spec!r} names axes {sorted(sizes)} but {rules_source}'s mesh_axes are {list(mesh_axes)} "
+            f"({why}); give --config.mesh in those axes ({','.join(f'{a}=N' for a in mesh_axes)})"
         )
     shape = tuple(sizes[a] for a in mesh_axes)
     slices = len({getattr(d, "slice_index", 0) for d in devices})

@@ -10,21 +10,21 @@ import warnings
 import jax
 import pytest
 from conftest import ROOT, small_config, step_flops
+from shipped_rules import SHIPPED, mesh_for
 
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.plan import hardware, planner
-from gspmd_tp.sharding.rules import RULES_DIR
 
 pytest.importorskip("libtpu")
-SHIPPED = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
 TARGET = "tpu:v5e:2x4"
 
 
 @functools.cache
 def _planned(rules, **overrides):
-    """plan.plan of small_config(rules) on dp=2,mp=4 for TARGET, compiled once per test process (the
-    TPU compiler's executables are not cached); tpu_plan gives each caller its own copy."""
-    return planner.plan(small_config(rules=rules, mesh="dp=2,mp=4", **overrides), target=TARGET)
+    """plan.plan of small_config(rules) on dp=2,mp=4 (2x2x2 for three mesh axes) for TARGET, compiled
+    once per test process (the TPU compiler's executables are not cached); tpu_plan gives each
+    caller its own copy."""
+    return planner.plan(small_config(rules=rules, mesh=mesh_for(rules), **overrides), target=TARGET)
 
 
 def tpu_plan(rules, **overrides):
@@ -117,6 +117,16 @@ def test_slices_of_a_chip_with_no_dcn_figure_get_a_time_only_with_network_gbps()
     assert timed["estimate"]["comm_network_s"] == pytest.approx(
         timed["network_bytes_per_device"] / per_device
     )
+
+
+def test_slices_that_do_not_divide_the_slice_axis_are_one_line():
+    """With --slices the first mesh axis (data in the three-axis rule file) spans the slices."""
+    config = small_config(rules="data_fsdp_tensor", mesh="data=1,fsdp=4,tensor=4")
+    with pytest.raises(
+        UserError, match=r"the first axis \(data=1\) must be divisible by the 2 slices it spans$"
+    ) as e:
+        planner.plan(config, target=TARGET, slices=2)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("target", ["tpu:v5e", "cpu:8", "v5e:2x4"])

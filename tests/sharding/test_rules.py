@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import pytest
 from conftest import small_config
+from shipped_rules import mesh_for
 
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.model.params import param_axes
@@ -41,7 +42,7 @@ def test_golden_parameter_specs(rules_name):
 
 @pytest.mark.parametrize("rules_name", SHIPPED)
 def test_optimizer_moments_follow_parameter_specs(rules_name):
-    c = small_config(rules=rules_name)
+    c = small_config(rules=rules_name, mesh=mesh_for(rules_name))
     s = run_setup.setup(c)
     param_specs = jax.tree.map(lambda x: x.spec, s.shardings.params)
     adam = s.shardings.opt_state[1][0]  # chain(clip, adamw): adamw's scale_by_adam state
@@ -262,10 +263,25 @@ def test_mesh_axes_must_match_the_rule_file():
         make_mesh("data=2,mp=4", load_rules("dp").mesh_axes)
     with pytest.raises(
         UserError,
-        match=r"but .*rules/dp.yaml's mesh_axes are \['dp', 'mp'\]; give --config.mesh in those axes "
-        r"\(dp=N,mp=N\)$",
+        match=r"but .*rules/dp.yaml's mesh_axes are \['dp', 'mp'\] \(no size for axis 'dp'\); give "
+        r"--config.mesh in those axes \(dp=N,mp=N\)$",
     ):
         run_setup.setup(small_config(rules="dp", mesh="data=2,mp=4"))
+
+
+@pytest.mark.parametrize(
+    "rules, mesh, why",
+    [
+        ("data_fsdp_tensor", "dp=2,mp=4", "no size for axis 'data'"),
+        ("megatron_1d", "data=2,fsdp=2,tensor=2", "no size for axis 'dp'"),
+        ("data_fsdp_tensor", "data=2,fsdp=2,tensor=1,mp=2", "axis 'mp' is not one of them"),
+    ],
+)
+def test_a_mesh_of_other_axes_than_the_rule_file_names_one_axis(rules, mesh, why):
+    """A three-axis rule file given a two-axis mesh, or the other way round: one line, before compiling."""
+    with pytest.raises(UserError, match=rf"mesh_axes are \[.*\] \({why}\); give --config.mesh") as e:
+        run_setup.setup(small_config(rules=rules, mesh=mesh))
+    assert "\n" not in str(e.value)
 
 
 def test_a_directory_given_as_a_rule_file_says_so(tmp_path):
