@@ -49,7 +49,9 @@ def get_config() -> ConfigDict:
     c.profile.python = False
 
     c.model = ConfigDict()
-    c.model.vocab_size = 256  # byte tokens; a multiple of 128 shards on any mp up to 128
+    # byte tokens; a multiple of 128 shards on any mp up to 128. 0: data.tokenizer's size rounded up
+    # to a multiple of 128, the padding masked out of the softmax
+    c.model.vocab_size = 256
     c.model.d_model = 128
     c.model.num_layers = 4
     c.model.num_heads = 8
@@ -94,6 +96,11 @@ def get_config() -> ConfigDict:
     c.data.eval_files = ""  # empty = a held-out split of the training documents
     c.data.eval_fraction = 0.05  # in (0, 1): documents held out by a hash of their name (not with eval_files)
     c.data.jsonl_field = "text"
+    # bytes | a Hugging Face tokenizer.json or model directory | a SentencePiece .model
+    # (docs/training.md#tokenizers)
+    c.data.tokenizer = "bytes"
+    # Processes that tokenize the files at the start (grain workers); 0: this process.
+    c.data.workers = 0
     c.data.seed = 0  # shuffle seed
     # Batches read and placed ahead on a background thread. -1: 2 on accelerators, 0 on CPU, where
     # reading is cheap and the thread only competes with the step (measured 4% slower on tiny). At most

@@ -44,6 +44,9 @@ sys.path[1:1] = sorted(
 
 import pytest  # noqa: E402
 
+# The tokenizers tests build offline (bpe_path, sp_path), session-scoped fixtures of every folder.
+pytest_plugins = ["tiny_tokenizers"]
+
 from configs import tiny  # noqa: E402
 
 

@@ -92,6 +92,10 @@ def _from_hf(hf_dir: str, workdir: str, config) -> run_setup.Setup:
     except UserError as e:
         raise UserError(f"--hf_dir={hf_dir}: {e}") from None
     config.model.update({k: getattr(cfg, k) for k in hf_layout.HF_MODEL_KEYS})
+    if any((hf_path / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        # The model's own tokenizer, recorded in the run's config: train.py, evaluate and generate
+        # use it unless told otherwise (tokenizer.load reads the directory's file).
+        config.data.tokenizer = str(hf_path.resolve())
     try:
         s = run_setup.setup(config)
     except UserError as e:

@@ -1,9 +1,10 @@
-"""Input pipeline: documents -> byte tokens -> packed fixed-length windows -> grain batches.
+"""Input pipeline: documents -> tokens -> packed fixed-length windows -> grain batches.
 
-Documents are a user's files (data_files.py reads them) or, by default, a corpus that needs no
-download: the source files of the installed Python standard library. Tokens are bytes (0..255);
-byte 0 separates documents (it never occurs in text). Documents go to the held-out split by a hash
-of their name, so the split does not depend on file order or seed.
+Documents are a user's files (documents.py reads them) or, by default, a corpus that needs no
+download: the source files of the installed Python standard library. config.data.tokenizer turns
+them into tokens (tokenizer.py: bytes by default, byte 0 ending each document), in grain's worker
+processes where config.data.workers > 0. Documents go to the held-out split by a hash of their
+name, so the split does not depend on file order or seed. shards.py holds corpora tokenized once.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import jax
 import numpy as np
 
 from gspmd_tp.data import documents
+from gspmd_tp.data import tokenizer as tokenizer_lib
 from gspmd_tp.job.errors import UserError
 
-SEPARATOR = 0
+SEPARATOR = tokenizer_lib.BYTE_SEPARATOR
 BYTE_VOCAB = 256
 # The token of an evaluation batch's padding rows: no vocabulary id, so no target counts it.
 PAD = -1
@@ -56,17 +58,38 @@ def _held_out(name: str, fraction: float) -> bool:
     return digest % 100_000 < fraction * 100_000
 
 
-def _pack(docs: Sequence[tuple[str, bytes]]) -> np.ndarray:
-    """Concatenates documents, each followed by the separator, into one uint8 token stream."""
-    parts = []
-    for _, text in docs:
-        parts.append(np.frombuffer(text.replace(b"\0", b""), np.uint8))
-        parts.append(np.array([SEPARATOR], np.uint8))
-    return np.concatenate(parts) if parts else np.zeros((0,), np.uint8)
+def tokenized(texts: Sequence[bytes], tok: tokenizer_lib.Tokenizer, workers: int = 0):
+    """The documents' ids, one array each, in order: a grain pipeline, tokenizing in `workers`
+    processes (0: this one)."""
+    # tok.document pickles by reference to tokenizer.py: a worker imports neither this module nor jax.
+    ds = grain.MapDataset.source(texts).map(tok.document).to_iter_dataset()
+    if workers > 0:
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():  # grain's workers read its absl flags (a library caller's)
+            flags.FLAGS.mark_as_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=16))
+    return ds
+
+
+def _pack(
+    docs: Sequence[tuple[str, bytes]], tok=tokenizer_lib.BYTE_TOKENIZER, workers: int = 0
+) -> np.ndarray:
+    """Concatenates the documents' ids, separators included, into one token stream (tok.dtype)."""
+    if tok.kind == tokenizer_lib.BYTES:  # numpy alone: no worker would be faster
+        parts = []
+        for _, text in docs:
+            parts.append(np.frombuffer(text.replace(b"\0", b""), np.uint8))
+            parts.append(np.array([SEPARATOR], np.uint8))
+    else:
+        parts = list(tokenized([text for _, text in docs], tok, workers))
+    return np.concatenate(parts) if parts else np.zeros((0,), tok.dtype)
 
 
 def check(data) -> None:
-    """Checks config.data's file lists and held-out split keys; raises UserError naming the key."""
+    """Checks config.data's file lists, workers and held-out split keys; raises UserError naming the key."""
+    if data.workers < 0:
+        raise UserError(f"config.data.workers must be 0 (this process) or more, got {data.workers}")
     for key in ("train_files", "eval_files"):
         # Only commas or spaces would otherwise read as empty: the default corpus, or a split of it.
         if data[key] and not any(p.strip() for p in data[key].split(",")):
@@ -83,11 +106,10 @@ def check(data) -> None:
         raise UserError(f"config.data.eval_fraction must be in (0, 1), got {data.eval_fraction}")
 
 
-def load_corpus(
-    data, workdir: str | None = None, matches: documents.Matches | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """(train tokens, held-out tokens) as uint8 streams, per config.data; files inside the run's
-    `workdir` are left out. `matches`: data_files.match(data, workdir) where the caller has it."""
+def split_documents(data, workdir: str | None = None, matches: documents.Matches | None = None):
+    """(train documents, held-out documents) per config.data, each a list of (name, bytes); files
+    inside the run's `workdir` are left out. `matches`: documents.match(data, workdir) where the
+    caller has it."""
     check(data)
     if matches is None:
         matches = documents.match(data, workdir)
@@ -98,7 +120,7 @@ def load_corpus(
         docs = _stdlib_documents()
         source = "the default corpus (config.data.train_files is empty)"
     if data.eval_files:
-        return _pack(docs), _pack(documents.documents(matches.eval, data.jsonl_field, "eval_files"))
+        return docs, documents.documents(matches.eval, data.jsonl_field, "eval_files")
     train = [d for d in docs if not _held_out(d[0], data.eval_fraction)]
     held = [d for d in docs if _held_out(d[0], data.eval_fraction)]
     if not train or not held:
@@ -112,7 +134,17 @@ def load_corpus(
             f"documents by a hash of their names; a .txt file is one document and a .jsonl line is one); "
             f"set config.data.eval_files or add files"
         )
-    return _pack(train), _pack(held)
+    return train, held
+
+
+def load_corpus(
+    data, workdir: str | None = None, matches: documents.Matches | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(train tokens, held-out tokens) as streams of config.data.tokenizer's ids (its dtype); files
+    inside the run's `workdir` are left out. `matches`: documents.match(data, workdir)."""
+    train, held = split_documents(data, workdir, matches)
+    tok = tokenizer_lib.load(data.tokenizer)
+    return _pack(train, tok, data.workers), _pack(held, tok, data.workers)
 
 
 def fingerprint(tokens: np.ndarray) -> dict:
@@ -121,14 +153,21 @@ def fingerprint(tokens: np.ndarray) -> dict:
     return {"tokens": len(tokens), "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()[:16]}
 
 
-def held_out_tokens(data, workdir: str | None = None) -> np.ndarray:
-    """The held-out token stream alone; with config.data.eval_files only those files are read (none
-    inside the run's `workdir`)."""
+def held_out(data, workdir: str | None = None) -> tuple[np.ndarray, int]:
+    """(the held-out token stream, the bytes of text it encodes): with config.data.eval_files only
+    those files are read (none inside the run's `workdir`). In byte tokens each separator counts
+    as a byte, as each is a token."""
+    tok = tokenizer_lib.load(data.tokenizer)
     if data.eval_files:
         check(data)
         matched = documents.matched_files(data.eval_files, "eval_files", workdir)  # train_files' unwalked
-        return _pack(documents.documents(matched, data.jsonl_field, "eval_files"))
-    return load_corpus(data, workdir)[1]
+        docs = documents.documents(matched, data.jsonl_field, "eval_files")
+    else:
+        docs = split_documents(data, workdir)[1]
+    tokens = _pack(docs, tok, data.workers)
+    if tok.kind == tokenizer_lib.BYTES:
+        return tokens, len(tokens)
+    return tokens, sum(len(text) for _, text in docs)
 
 
 class PackedWindows:
@@ -182,6 +221,8 @@ class BatchStream:
         self.first_row, self.rows = rows or (0, global_batch)
         # Batches before the stream repeats an example (None: not counted, as for training).
         self.batches_per_pass = batches_per_pass
+        # Bytes of text per token on average (evaluate's bits per byte); 1 for byte tokens.
+        self.bytes_per_token = 1.0
 
     def __iter__(self) -> BatchIterator:
         return BatchIterator(self)

@@ -37,12 +37,6 @@ from gspmd_tp.train import inputs, loop, run_setup
 from gspmd_tp.train import state as state_lib
 from gspmd_tp.train import step as step_lib
 
-# data.py's tokens are bytes: each target is one byte of the packed corpus (the separator is the
-# one byte that ends a document), so per-token and per-byte figures coincide. They are still
-# computed apart, from total nats over total bytes, so that a tokenizer of several bytes per token
-# would only change this constant.
-BYTES_PER_TOKEN = 1
-
 
 def compiled_eval_step(s: run_setup.Setup):
     """The eval step compiled for `s`; UserError where it cannot fit in memory (before any read)."""
@@ -56,11 +50,11 @@ def held_out_batches(s: run_setup.Setup, workdir: str | None = None) -> tuple[pi
     """(held-out batches, their tokens' fingerprint) of s.config.data, read from the files now (none
     inside the run's `workdir`, as in training): UserError where they are missing or too short."""
     c = s.config
-    eval_tokens = pipeline.held_out_tokens(c.data, workdir)
+    eval_tokens, text_bytes = pipeline.held_out(c.data, workdir)
     rows = pipeline.process_rows(s.batch_sharding, c.batch_size)
-    return pipeline.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows), pipeline.fingerprint(
-        eval_tokens
-    )
+    eval_ds = pipeline.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
+    eval_ds.bytes_per_token = text_bytes / max(len(eval_tokens), 1)
+    return eval_ds, pipeline.fingerprint(eval_tokens)
 
 
 def note_held_out_change(saved: dict, now: dict, step: int) -> None:
@@ -85,7 +79,9 @@ def evaluate_params(s: run_setup.Setup, params, eval_step=None, eval_ds=None) ->
         nats, tokens = loop.held_out_sums(s, eval_step or step_lib.make_eval_step(s), params, eval_ds)
     batches = loop.eval_batch_count(s, eval_ds)
     loss = nats / tokens
-    n_bytes = tokens * BYTES_PER_TOKEN
+    # Bytes of text per token, the held-out split's average (byte tokens: 1, the separators
+    # counted), so that runs with different tokenizers compare per byte.
+    n_bytes = round(tokens * eval_ds.bytes_per_token)
     return {
         "loss": loss,
         "perplexity": math.exp(loss),

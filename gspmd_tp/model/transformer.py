@@ -85,6 +85,9 @@ class ModelConfig:
     """Model hyperparameters (config.model); saved with every checkpoint."""
 
     vocab_size: int = 256
+    # > 0: ids from here to vocab_size are padding (a vocabulary rounded up so that the mesh divides
+    # it); their logits are masked out of the softmax. 0: every id is a token.
+    vocab_tokens: int = 0
     d_model: int = 128
     num_layers: int = 4
     num_heads: int = 4
@@ -133,6 +136,10 @@ class ModelConfig:
         for name in SIZES:
             if getattr(self, name) <= 0:
                 problems.append(f"model.{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.vocab_tokens <= self.vocab_size:
+            problems.append(
+                f"model.vocab_tokens must be in 0..vocab_size ({self.vocab_size}), got {self.vocab_tokens}"
+            )
         if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
             problems.append(
                 f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads "
@@ -424,4 +431,14 @@ class Transformer(nn.Module):
         if return_hidden:
             return x_ble, head_ev
         logits_blv = jnp.einsum("ble,ev->blv", x_ble, head_ev.astype(dtype))
-        return _constrain(logits_blv.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
+        logits_blv = mask_vocab_padding(logits_blv.astype(jnp.float32), cfg.vocab_tokens)
+        return _constrain(logits_blv, (BATCH, LENGTH, VOCAB))
+
+
+def mask_vocab_padding(logits_v, vocab_tokens: int):
+    """Logits (..., vocab) with the padding ids at and past `vocab_tokens` at -inf: no probability
+    (and no gradient) goes to them. vocab_tokens 0: all ids are tokens, the logits as they are."""
+    if not vocab_tokens:
+        return logits_v
+    ids = jnp.arange(logits_v.shape[-1])
+    return jnp.where(ids < vocab_tokens, logits_v, -jnp.inf)

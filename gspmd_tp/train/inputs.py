@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from gspmd_tp.checkpoint import tool
-from gspmd_tp.data import documents, pipeline
+from gspmd_tp.data import documents, pipeline, tokenizer
 from gspmd_tp.job import distributed
 from gspmd_tp.job.errors import JobError, UserError
 
@@ -50,6 +50,7 @@ def read(s: Setup, resuming: bool, workdir: str, log):
         )
     train_tokens, eval_tokens = pipeline.load_corpus(c.data, workdir, matches)
     corpus = {"train": pipeline.fingerprint(train_tokens), "held_out": pipeline.fingerprint(eval_tokens)}
+    corpus["tokenizer"] = tokenizer.load(c.data.tokenizer).digest  # a resume checks it (check_tokenizer)
     rows = pipeline.process_rows(s.batch_sharding, c.batch_size)
     train_ds = pipeline.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, rows)
     eval_ds = pipeline.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
@@ -61,6 +62,38 @@ def read(s: Setup, resuming: bool, workdir: str, log):
         digest = hashlib.sha256() if jax.process_count() > 1 else None
         imported = tool.import_params(c.init_from, s.abstract_state.params, digest)
     return corpus, train_ds, eval_ds, imported, digest.hexdigest() if digest else ""
+
+
+def check_tokenizer(saved_corpus: dict, data, where: str) -> None:
+    """UserError where the run in `where` was trained with another tokenizer (a file of other
+    content) than config.data.tokenizer: its token ids would mean other text."""
+    saved = saved_corpus.get("tokenizer", tokenizer.BYTES)  # a run saved before tokenizers: bytes
+    tok = tokenizer.load(data.tokenizer)
+    if saved != tok.digest:
+        what = "byte tokens" if saved == tokenizer.BYTES else f"a tokenizer of sha256 {saved}"
+        now = "bytes" if tok.kind == tokenizer.BYTES else f"{tok.spec} (sha256 {tok.digest})"
+        raise UserError(
+            f"{where} was trained with {what}; config.data.tokenizer is {now}: resume with the run's "
+            "tokenizer, or use a new --workdir"
+        )
+
+
+def recorded_tokenizer(config, workdir: str, log) -> None:
+    """Sets config.data.tokenizer, where left at bytes, to the tokenizer the workdir's newest
+    checkpoint recorded (an imported model's, from convert from-hf; a run's own on resume)."""
+    from gspmd_tp.checkpoint import step_dirs
+
+    if config.data.tokenizer != tokenizer.BYTES:
+        return
+    ckpt_dir = step_dirs.checkpoint_dir(workdir)
+    try:
+        newest = step_dirs.steps_on_disk(ckpt_dir)[0]
+        saved = step_dirs.read_step_meta(os.path.join(ckpt_dir, str(newest)))["config"]["data"]["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return  # no checkpoint, or one saved before tokenizers: bytes; a damaged one is named later
+    if saved != tokenizer.BYTES:
+        log(f"tokenizer: {saved} (recorded in {ckpt_dir})")
+        config.data.tokenizer = saved
 
 
 def _plural_files(paths: list[str]) -> str:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from gspmd_tp.checkpoint import step_dirs, store
-from gspmd_tp.data import documents, pipeline
+from gspmd_tp.data import documents, pipeline, tokenizer
 from gspmd_tp.job import distributed, output_paths, paths, signals
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.model.params import param_count
@@ -65,6 +65,7 @@ def train(config, workdir: str) -> dict:
     A SIGTERM/SIGINT saves at the next step boundary and returns with "stopped" set; a second
     exits at once. A NaN/Inf loss or gradient raises UserError (or is skipped, per config).
     """
+    inputs.recorded_tokenizer(config, workdir, log)  # an imported model's, left at the default bytes
     # First, on every process: what fails on one process alone fails every process, named on each.
     s = distributed.agreed_setup(config, _checked_setup, config, workdir)
     checkpoint_dir = step_dirs.checkpoint_dir(workdir)
@@ -73,6 +74,7 @@ def train(config, workdir: str) -> dict:
     # Saved absolute, so that evaluate, generate and a resume find the files from any directory.
     c.data.train_files = documents.absolute_patterns(c.data.train_files)
     c.data.eval_files = documents.absolute_patterns(c.data.eval_files)
+    c.data.tokenizer = tokenizer.resolve(c.data.tokenizer)
     if os.path.isfile(paths.expand(c.rules)):  # a rule file of the user's: found from anywhere
         c.rules = os.path.abspath(paths.expand(c.rules))
     c.init_from = paths.expand(c.init_from)  # bash leaves `--config.init_from=~/p.npz` as it is

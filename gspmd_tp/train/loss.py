@@ -24,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from gspmd_tp.model.transformer import mask_vocab_padding
 from gspmd_tp.sharding.axes import BATCH, LENGTH, VOCAB
 from gspmd_tp.sharding.rules import batch_mesh_axes
 
@@ -51,11 +52,12 @@ def batch_shards(batch: int) -> int:
     return shards if batch % shards == 0 else 1
 
 
-def chunked_cross_entropy_sums(hidden_ble, head_ev, targets_bl, chunk: int, valid_bl=None):
+def chunked_cross_entropy_sums(hidden_ble, head_ev, targets_bl, chunk: int, valid_bl=None, vocab_tokens=0):
     """cross_entropy_sums(hidden @ head, targets, valid), `chunk` positions at a time.
 
     hidden_ble: final-normed hidden states (batch, length, embed); head_ev: the output projection
-    (embed, vocab). The length must divide by `chunk`.
+    (embed, vocab). The length must divide by `chunk`. vocab_tokens > 0: the ids from there on are
+    vocabulary padding, masked out as the model masks them (mask_vocab_padding).
     """
     b, length, e = hidden_ble.shape
     if length % chunk:
@@ -78,7 +80,8 @@ def chunked_cross_entropy_sums(hidden_ble, head_ev, targets_bl, chunk: int, vali
     def block(hidden, targets, valid):
         hidden = nn.with_logical_constraint(hidden, (BATCH, None, LENGTH, None))
         logits = jnp.einsum("sble,sev->sblv", hidden, head_sev.astype(hidden.dtype))
-        logits = nn.with_logical_constraint(logits.astype(jnp.float32), (BATCH, None, LENGTH, VOCAB))
+        logits = mask_vocab_padding(logits.astype(jnp.float32), vocab_tokens)
+        logits = nn.with_logical_constraint(logits, (BATCH, None, LENGTH, VOCAB))
         # Per shard, (shards,): the running total stays split over the batch too.
         return jax.vmap(lambda x, t, v: cross_entropy_sums(x, t, v)[0])(logits, targets, valid)
 

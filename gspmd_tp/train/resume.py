@@ -42,6 +42,8 @@ def read_checkpoints(s: Setup, workdir: str, log) -> list[tuple[int, dict]]:
     UserError where one holds a different model or another run. Reads only: before any write."""
     found = store.agreed_checkpoints(workdir, warn=log)
     for step, meta in found:
+        if step > 0:  # first: another tokenizer also changes the model's vocabulary size
+            inputs.check_tokenizer(meta.get("corpus", {}), s.config.data, workdir)
         store.check_model_matches(meta["model"], s.model_cfg, workdir)
         if step > 0:  # step 0 (convert from-hf) has read no data: any data and seeds may follow it
             store.check_same_run(meta["config"], s.config, workdir)

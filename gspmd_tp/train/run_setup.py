@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import optax
 
-from gspmd_tp.data import pipeline
+from gspmd_tp.data import pipeline, tokenizer
 from gspmd_tp.job.config_keys import check_keys, ours
 from gspmd_tp.job.errors import UserError, warn
 from gspmd_tp.model.kernels import attention_implementation, mlp_implementation
@@ -26,7 +26,8 @@ from gspmd_tp.train import state as state_lib
 
 
 def model_config(config) -> ModelConfig:
-    """config.model as a validated ModelConfig."""
+    """config.model as a validated ModelConfig, its vocabulary checked against (or, with
+    model.vocab_size=0, taken from) config.data.tokenizer."""
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(config.model) - fields)
     if unknown:
@@ -34,6 +35,20 @@ def model_config(config) -> ModelConfig:
         hint = f"gspmd_tp calls it {named}" if named else f"known: {', '.join(sorted(fields))}"
         raise UserError(f"config.model has unknown key {unknown[0]!r} ({hint})")
     cfg = ModelConfig(**config.model.to_dict())
+    tok = tokenizer.load(config.data.tokenizer)
+    if cfg.vocab_size == 0:
+        # A model trained from scratch: the tokenizer's ids, padded to a multiple any power-of-two
+        # mesh axis up to 128 divides (so that the vocab axis shards), the padding masked out.
+        padded = pipeline.padded_vocab(tok.vocab_size)
+        cfg = dataclasses.replace(
+            cfg, vocab_size=padded, vocab_tokens=tok.vocab_size if padded > tok.vocab_size else 0
+        )
+    elif cfg.vocab_size < tok.vocab_size:
+        raise UserError(
+            f"config.model.vocab_size={cfg.vocab_size} cannot hold the {tok.vocab_size:,} ids of "
+            f"config.data.tokenizer={config.data.tokenizer}; set it to at least {tok.vocab_size}, or to 0 "
+            "(the tokenizer's size rounded up to a multiple of 128)"
+        )
     problems = cfg.validate()
     if problems:
         raise UserError(problems[0])
@@ -82,9 +97,6 @@ def check_config(config) -> None:
     for key in ("steps", "skip_steps"):
         if config.profile[key] < 0:
             raise UserError(f"config.profile.{key} must be 0 or more, got {config.profile[key]}")
-    # Every data source yields byte tokens, whatever the files hold.
-    if config.model.vocab_size < pipeline.BYTE_VOCAB:
-        raise UserError(f"config.model.vocab_size={config.model.vocab_size} is below the 256 byte tokens")
 
 
 @dataclasses.dataclass

@@ -36,7 +36,9 @@ def _loss_sums(model: Transformer, params, tokens, loss_chunk: int = 0, padded: 
         inputs, targets = (jnp.where(t == pipeline.PAD, 0, t) for t in (inputs, targets))
     if loss_chunk:
         hidden, head = model.apply({"params": params}, inputs, return_hidden=True)
-        return loss_lib.chunked_cross_entropy_sums(hidden, head, targets, loss_chunk, valid)
+        return loss_lib.chunked_cross_entropy_sums(
+            hidden, head, targets, loss_chunk, valid, vocab_tokens=model.cfg.vocab_tokens
+        )
     return loss_lib.cross_entropy_sums(model.apply({"params": params}, inputs), targets, valid)
 
 

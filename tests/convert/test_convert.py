@@ -7,6 +7,7 @@ so a mistake in any mapping changes the logits.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -364,3 +365,22 @@ def test_ctrl_c_is_one_line_and_status_130(tmp_path, command, at, left):
         .startswith(f"stopped by Ctrl-C ({left.format(run=run, out=out)}")
     )
     assert "Traceback" not in result.stderr and not run.exists() and not out.exists()
+
+
+def test_an_imported_model_brings_its_tokenizer_and_generate_prints_text(tmp_path, bpe_path, capsys):
+    """from-hf records the model directory's tokenizer.json in the run's config: generate encodes a
+    text prompt and prints text through it, with no tokenizer flag."""
+    from gspmd_tp.inference import generate
+
+    hf_dir = tmp_path / "hf"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(LLAMA, vocab_size=300))).save_pretrained(
+        hf_dir
+    )
+    shutil.copy(bpe_path, hf_dir / "tokenizer.json")
+    s = llama.from_hf(str(hf_dir), str(tmp_path / "run"), small_config())
+    assert s.config.data.tokenizer == str(hf_dir.resolve()) and s.model_cfg.vocab_size == 300
+    args = ["--workdir", str(tmp_path / "run"), "--prompt=def f(x):", "--max_new_tokens=6", "--temperature=0"]
+    assert generate.main(args) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("def f(x):") and len(printed.strip()) > len("def f(x):"), printed

@@ -69,7 +69,7 @@ def test_user_files_split_is_disjoint_and_complete(tmp_path):
 def test_evaluation_reads_only_the_eval_files(tmp_path):
     write(tmp_path / "e.txt", "held out")
     cfg = data_config(train_files=str(tmp_path / "moved_away" / "*.txt"), eval_files=str(tmp_path / "e.txt"))
-    assert bytes(pipeline.held_out_tokens(cfg)) == b"held out\0"
+    assert bytes(pipeline.held_out(cfg)[0]) == b"held out\0"
 
 
 # --- user files ----------------------------------------------------------------------------------

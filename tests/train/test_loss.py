@@ -1,6 +1,9 @@
 """Vocabulary-parallel cross entropy: sharded equals float64 on one host, chunked equals whole, and
 chunking saves memory for large vocabularies."""
 
+import dataclasses
+
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -112,3 +115,36 @@ def test_vocabulary_parallel_cross_entropy_equals_float64_numpy_on_eight_shards(
     for got, ref in zip(grads, wants, strict=True):
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-5)
     assert "all-reduce" in text and "all-gather" not in text
+
+
+def test_a_padded_vocabulary_gives_the_unpadded_loss_and_no_gradient_to_its_padding(bpe_path):
+    """vocab_size=0 pads the tokenizer's 300 ids to 384 (mp=4 divides it, not 300), masking the rest
+    out of the softmax: the loss, whole or chunked, and the real rows' gradients are the unpadded
+    model's; the padding rows get none."""
+    c = small_config(rules="megatron_1d", mesh="dp=2,mp=4", **{"data.tokenizer": bpe_path})
+    c.model.vocab_size, c.model.num_layers = 0, 1
+    padded_cfg = run_setup.model_config(c)
+    assert (padded_cfg.vocab_size, padded_cfg.vocab_tokens) == (384, 300)
+    unpadded_cfg = dataclasses.replace(padded_cfg, vocab_size=300, vocab_tokens=0)
+    tokens = np.random.default_rng(0).integers(0, 300, (2, c.seq_len + 1), dtype=np.int32)
+    padded, unpadded = step_lib.Transformer(padded_cfg), step_lib.Transformer(unpadded_cfg)
+    shapes = jax.eval_shape(padded.init, jax.random.key(0), tokens[:, :-1])["params"]  # nothing compiled
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda x: rng.normal(0, 0.5, x.shape).astype(np.float32), nn.meta.unbox(shapes))
+    cut = {**params, "embedding": params["embedding"][:300], "lm_head": params["lm_head"][:, :300]}
+
+    def mean_loss(model, params, chunk):
+        total, count = step_lib._loss_sums(model, params, tokens, chunk)
+        return total / count
+
+    @jax.jit  # one program, one compile
+    def losses(params, cut):
+        grad = jax.value_and_grad(mean_loss, argnums=1)
+        return grad(unpadded, cut, 0), [grad(padded, params, chunk) for chunk in (0, 8)]
+
+    (loss_u, grads_u), padded_runs = losses(params, cut)
+    for loss_p, grads_p in padded_runs:
+        np.testing.assert_allclose(float(loss_p), float(loss_u), rtol=1e-6)
+        head = np.asarray(grads_p["lm_head"])
+        np.testing.assert_allclose(head[:, :300], np.asarray(grads_u["lm_head"]), rtol=1e-5, atol=1e-7)
+        assert not head[:, 300:].any()

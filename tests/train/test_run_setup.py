@@ -121,9 +121,17 @@ def test_a_gpu_step_that_cannot_fit_names_jaxs_share_of_the_memory(monkeypatch, 
     assert "\n" not in message
 
 
-def test_a_vocabulary_below_the_byte_tokens_is_named_for_any_data():
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_a_vocabulary_smaller_than_the_tokenizer_is_one_line(tokenizer, request):
     c = small_config()
-    c.model.vocab_size = 128
-    c.data.train_files = __file__  # own files hold bytes >= 128 as well
-    with pytest.raises(UserError, match="config.model.vocab_size=128 is below the 256 byte tokens"):
+    if tokenizer == "bytes":
+        c.model.vocab_size, ids = 128, 256
+        c.data.train_files = __file__  # own files hold bytes >= 128 as well
+    else:
+        c.data.tokenizer, ids = request.getfixturevalue("bpe_path"), 300  # model.vocab_size 256
+    message = (
+        f"^config.model.vocab_size={c.model.vocab_size} cannot hold the {ids} ids of config.data.tokenizer="
+    )
+    with pytest.raises(UserError, match=message) as e:
         run_setup.setup(c)
+    assert "\n" not in str(e.value)
