@@ -90,12 +90,20 @@ def get_config() -> ConfigDict:
     # float32 | bfloat16: AdamW's first moment (mu). bfloat16 halves its memory and the bytes the
     # update moves for it; the second moment (nu) stays float32, whose range and precision it needs.
     c.optim.mu_dtype = "float32"
+    # float32 | bfloat16: the data-parallel gradient reduction (parameters and optimizer state stay
+    # float32). bfloat16 halves the bytes it sends, at the cost of rounding each gradient once: for
+    # large dp groups on a slow network (docs/training.md#communication-dtype).
+    c.optim.grad_reduce_dtype = "float32"
 
     c.data = ConfigDict()
     c.data.train_files = ""  # comma-separated globs of .txt/.jsonl; empty = the Python stdlib sources
     c.data.eval_files = ""  # empty = a held-out split of the training documents
     c.data.eval_fraction = 0.05  # in (0, 1): documents held out by a hash of their name (not with eval_files)
     c.data.jsonl_field = "text"
+    c.data.parquet_column = "text"  # the text of a parquet file's rows (python -m gspmd_tp.data.prepare)
+    # A directory of shards made by python -m gspmd_tp.data.prepare: both splits, read from disk as
+    # the batches need them (train_files and eval_files stay empty). docs/training.md#shards
+    c.data.shards = ""
     # bytes | a Hugging Face tokenizer.json or model directory | a SentencePiece .model
     # (docs/training.md#tokenizers)
     c.data.tokenizer = "bytes"

@@ -52,6 +52,7 @@ RUN_IDENTITY = (
     "data.jsonl_field",
     "data.eval_files",
     "data.eval_fraction",
+    "data.shards",
 )
 # Model keys that change how the model computes, not what its parameters are: they may differ.
 FREE_MODEL_KEYS = (

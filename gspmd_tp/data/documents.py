@@ -1,6 +1,7 @@
 """A user's data files: config.data's globs matched (~ expanded, the run's workdir left out) and
 the matches checked (directories, pipes, broken links, extensions), then read as documents: a .txt
-file is one, a .jsonl file one per non-blank line's text field.
+file is one, a .jsonl file one per non-blank line's text field, a parquet file (shards only:
+python -m gspmd_tp.data.prepare) one per row's text column.
 
 Documents are (name, bytes); data.py splits, packs and batches them.
 """
@@ -47,10 +48,16 @@ def _inside(path: str, directory: str | None) -> bool:
     return os.path.commonpath([os.path.realpath(path), directory]) == directory
 
 
-def matched_files(patterns: str, what: str, workdir: str | None = None) -> list[tuple[str, str]]:
+TEXT_FILES = (".txt", ".jsonl")
+SHARD_INPUTS = (".txt", ".jsonl", ".parquet")  # what the shards command reads
+
+
+def matched_files(
+    patterns: str, what: str, workdir: str | None = None, extensions: tuple[str, ...] = TEXT_FILES
+) -> list[tuple[str, str]]:
     """(pattern, path) of every file the comma-separated globs match, in order, but for those inside
     the run's `workdir`; UserError for a glob that matches no file and for a match that is no
-    readable document."""
+    readable document (of `extensions`)."""
     found = []
     # ~ as the shell would have expanded it: `--config.data.train_files=~/data/*.txt` is left as it is
     # by bash (the word is no assignment), and glob does not expand it.
@@ -72,8 +79,9 @@ def matched_files(patterns: str, what: str, workdir: str | None = None) -> list[
                     f"config.data.{what}: {path} is a directory; give a glob of its files, "
                     f"e.g. {os.path.join(path, '**', '*.txt')}"
                 )
-            if not path.endswith((".jsonl", ".txt")):
-                raise UserError(f"config.data.{what}: {path} is neither .txt nor .jsonl")
+            if not path.endswith(extensions):
+                kinds = " nor ".join(", ".join(extensions).rsplit(", ", 1))
+                raise UserError(f"config.data.{what}: {path} is neither {kinds}")
             if os.path.islink(path) and not os.path.exists(path):
                 raise UserError(
                     f"config.data.{what}: {path} is a symbolic link to {os.readlink(path)}, which is missing"
@@ -108,24 +116,33 @@ def match(data, workdir: str | None = None) -> Matches:
     )
 
 
-def documents(matched: list[tuple[str, str]], field: str, what: str) -> list[tuple[str, bytes]]:
-    """(name, bytes) of the documents in matched_files' (pattern, path) pairs for config.data.`what`:
-    a .txt file is one, a .jsonl file one per non-blank line's `field`."""
-    docs, paths = [], []
+def iter_documents(matched: list[tuple[str, str]], field: str, what: str, column: str = ""):
+    """Yields (name, bytes) of the documents in matched_files' (pattern, path) pairs for
+    config.data.`what`, one file read at a time: a .txt file is one, a .jsonl file one per non-blank
+    line's `field` (name path:line), a .parquet file one per row's `column` (name path:row, from 0)."""
     for pattern, path in matched:
         name = _name_under_pattern(pattern, path)
         try:
             if path.endswith(".jsonl"):
-                docs += [(f"{name}:{line}", text) for line, text in _jsonl_documents(path, field)]
+                for line, text in _jsonl_documents(path, field):
+                    yield f"{name}:{line}", text
+            elif path.endswith(".parquet"):
+                for row, text in _parquet_documents(path, column):
+                    yield f"{name}:{row}", text
             else:
-                docs.append((name, Path(path).read_bytes()))  # tokens are bytes: any encoding trains
+                yield name, Path(path).read_bytes()  # tokens are bytes: any encoding trains
         except OSError as e:
             raise UserError(f"config.data.{what}: cannot read {path}: {e.strerror or e}") from None
-        paths.append(path)
+
+
+def documents(matched: list[tuple[str, str]], field: str, what: str) -> list[tuple[str, bytes]]:
+    """(name, bytes) of the documents in matched_files' (pattern, path) pairs for config.data.`what`:
+    a .txt file is one, a .jsonl file one per non-blank line's `field`."""
+    docs = list(iter_documents(matched, field, what))
     if not docs:
         # Only .jsonl files of blank lines get here: a .txt file is a document even when empty.
         raise UserError(
-            f"config.data.{what}: {_plural(len(paths), 'file')} but no document "
+            f"config.data.{what}: {_plural(len(matched), 'file')} but no document "
             f"(a .jsonl file holds one per non-blank line)"
         )
     return docs
@@ -137,9 +154,8 @@ def _not_utf8(path: str, line: int, raw: bytes, e: UnicodeDecodeError) -> UserEr
     )
 
 
-def _jsonl_documents(path: str, field: str) -> list[tuple[int, bytes]]:
-    """(line number, text) of each non-blank line's `field`."""
-    docs = []
+def _jsonl_documents(path: str, field: str):
+    """Yields (line number, text) of each non-blank line's `field`."""
     # Binary lines split on "\n" only, as editors number them (text mode also splits on a lone "\r").
     with open(path, "rb") as f:
         for i, line in enumerate(f):
@@ -166,19 +182,60 @@ def _jsonl_documents(path: str, field: str) -> list[tuple[int, bytes]]:
                     problem = f"got {json.dumps(value[field])[:40]}"
                 else:
                     try:
-                        docs.append((i + 1, value[field].encode("utf-8")))
-                        continue
+                        text = value[field].encode("utf-8")
                     except UnicodeEncodeError as e:  # JSON may escape half a UTF-16 pair: "\ud83d"
                         raise UserError(
                             f"{path}:{i + 1}: field {field!r} holds a lone surrogate "
                             f"{json.dumps(value[field][e.start])} (half of a UTF-16 pair, no character); "
                             "remove it or give its pair"
                         ) from None
+                    yield i + 1, text
+                    continue
             raise UserError(
                 f"{path}:{i + 1}: expected a JSON object with a string field {field!r} "
                 f"(config.data.jsonl_field); {problem}"
             )
-    return docs
+
+
+def parquet_columns(path: str) -> dict[str, str]:
+    """{column name: its Arrow type} of a parquet file, read from its footer alone; UserError
+    where it does not read as parquet."""
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+    except Exception as e:  # pyarrow's ArrowInvalid and OSError both mean: not a parquet file we can read
+        raise UserError(f"{path}: does not read as parquet: {str(e).splitlines()[0]}") from None
+    return {field.name: str(field.type) for field in schema}
+
+
+def check_parquet_column(path: str, column: str) -> None:
+    """UserError, one line, where parquet file `path` has no string column `column`
+    (config.data.parquet_column)."""
+    columns = parquet_columns(path)
+    if column not in columns:
+        raise UserError(
+            f"{path}: no column {column!r} (config.data.parquet_column); its columns: "
+            f"{', '.join(columns) or 'none'}"
+        )
+    if columns[column] not in ("string", "large_string"):
+        raise UserError(
+            f"{path}: column {column!r} (config.data.parquet_column) holds {columns[column]}, not strings"
+        )
+
+
+def _parquet_documents(path: str, column: str):
+    """Yields (row, text) of each row's `column`, a batch of rows read at a time."""
+    import pyarrow.parquet as pq
+
+    check_parquet_column(path, column)
+    row = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[column]):
+        for value in batch.column(0).to_pylist():
+            if value is None:
+                raise UserError(f"{path}: row {row}: column {column!r} is null; drop the row or fill it")
+            yield row, value.encode("utf-8")  # Arrow strings are UTF-8
+            row += 1
 
 
 def _plural(n: int, noun: str) -> str:

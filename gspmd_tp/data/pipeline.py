@@ -4,7 +4,8 @@ Documents are a user's files (documents.py reads them) or, by default, a corpus 
 download: the source files of the installed Python standard library. config.data.tokenizer turns
 them into tokens (tokenizer.py: bytes by default, byte 0 ending each document), in grain's worker
 processes where config.data.workers > 0. Documents go to the held-out split by a hash of their
-name, so the split does not depend on file order or seed. shards.py holds corpora tokenized once.
+name, so the split does not depend on file order or seed. config.data.shards reads both splits
+instead from a corpus tokenized once (shards.py).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import grain
 import jax
 import numpy as np
 
-from gspmd_tp.data import documents
+from gspmd_tp.data import documents, shards
 from gspmd_tp.data import tokenizer as tokenizer_lib
+from gspmd_tp.job import paths
 from gspmd_tp.job.errors import UserError
 
 SEPARATOR = tokenizer_lib.BYTE_SEPARATOR
@@ -90,6 +92,15 @@ def check(data) -> None:
     """Checks config.data's file lists, workers and held-out split keys; raises UserError naming the key."""
     if data.workers < 0:
         raise UserError(f"config.data.workers must be 0 (this process) or more, got {data.workers}")
+    if data.shards:
+        # The shards hold both splits, chosen when they were made.
+        given = [key for key in ("train_files", "eval_files") if data[key].strip()]
+        if given:
+            raise UserError(
+                f"config.data.shards={data.shards} holds the corpus and its held-out split; leave "
+                f"config.data.{given[0]} empty (python -m gspmd_tp.data.prepare reads the files)"
+            )
+        return
     for key in ("train_files", "eval_files"):
         # Only commas or spaces would otherwise read as empty: the default corpus, or a split of it.
         if data[key] and not any(p.strip() for p in data[key].split(",")):
@@ -141,15 +152,21 @@ def load_corpus(
     data, workdir: str | None = None, matches: documents.Matches | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(train tokens, held-out tokens) as streams of config.data.tokenizer's ids (its dtype); files
-    inside the run's `workdir` are left out. `matches`: documents.match(data, workdir)."""
-    train, held = split_documents(data, workdir, matches)
+    inside the run's `workdir` are left out. `matches`: documents.match(data, workdir). With
+    config.data.shards, both are shards.ShardedTokens: read from disk as they are sliced."""
     tok = tokenizer_lib.load(data.tokenizer)
+    if data.shards:
+        check(data)
+        return shards.open_splits(paths.expand(data.shards), tok)
+    train, held = split_documents(data, workdir, matches)
     return _pack(train, tok, data.workers), _pack(held, tok, data.workers)
 
 
-def fingerprint(tokens: np.ndarray) -> dict:
+def fingerprint(tokens: np.ndarray | shards.ShardedTokens) -> dict:
     """{"tokens": count, "sha256": 16 hex digits of their bytes}: a token stream's identity, saved
-    with checkpoints so that a resume sees files changed in place."""
+    with checkpoints so that a resume sees files changed in place (shards: the one they recorded)."""
+    if isinstance(tokens, shards.ShardedTokens):
+        return tokens.fingerprint()
     return {"tokens": len(tokens), "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()[:16]}
 
 
@@ -158,6 +175,9 @@ def held_out(data, workdir: str | None = None) -> tuple[np.ndarray, int]:
     those files are read (none inside the run's `workdir`). In byte tokens each separator counts
     as a byte, as each is a token."""
     tok = tokenizer_lib.load(data.tokenizer)
+    if data.shards:
+        held = load_corpus(data)[1]
+        return held, len(held) if tok.kind == tokenizer_lib.BYTES else held.text_bytes
     if data.eval_files:
         check(data)
         matched = documents.matched_files(data.eval_files, "eval_files", workdir)  # train_files' unwalked
@@ -171,7 +191,8 @@ def held_out(data, workdir: str | None = None) -> tuple[np.ndarray, int]:
 
 
 class PackedWindows:
-    """Random access to fixed windows of seq_len + 1 tokens (inputs and shifted targets)."""
+    """Random access to fixed windows of seq_len + 1 tokens (inputs and shifted targets) of a token
+    stream: an array, or shards.ShardedTokens (a window reads from disk)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
         self.tokens, self.seq_len = tokens, seq_len

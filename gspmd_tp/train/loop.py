@@ -75,6 +75,7 @@ def train(config, workdir: str) -> dict:
     c.data.train_files = documents.absolute_patterns(c.data.train_files)
     c.data.eval_files = documents.absolute_patterns(c.data.eval_files)
     c.data.tokenizer = tokenizer.resolve(c.data.tokenizer)
+    c.data.shards = os.path.abspath(paths.expand(c.data.shards)) if c.data.shards else ""
     if os.path.isfile(paths.expand(c.rules)):  # a rule file of the user's: found from anywhere
         c.rules = os.path.abspath(paths.expand(c.rules))
     c.init_from = paths.expand(c.init_from)  # bash leaves `--config.init_from=~/p.npz` as it is

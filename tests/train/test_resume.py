@@ -11,7 +11,7 @@ import pytest
 from conftest import run_steps, small_config, token_batches
 
 from gspmd_tp.checkpoint import store
-from gspmd_tp.data import pipeline
+from gspmd_tp.data import pipeline, prepare
 from gspmd_tp.train import loop, run_setup
 
 K = 2  # steps before the save; two more after it
@@ -133,11 +133,15 @@ def test_data_position_is_global_across_process_counts_and_batch_sizes():
 
 
 def test_interrupted_run_sees_the_same_examples_also_on_another_mesh(tmp_path, monkeypatch):
+    # The run reads shards of the default corpus (data/shards.py): the examples are the in-memory
+    # pipeline's, and each process reads its rows from disk.
+    shards = str(tmp_path / "shards")
+    prepare.prepare(small_config().data, shards)
     placed = []  # per run, the batches in the order the input thread placed them (it reads ahead)
     original = pipeline.global_batch
 
     def recording(local, sharding, batch_size=None):
-        placed[-1].append(local["id"].tolist())
+        placed[-1].append((local["id"].tolist(), local["tokens"].tolist()))
         if stop_after and len(placed[-1]) == stop_after:
             os.kill(os.getpid(), signal.SIGTERM)  # as a preemption would: the run saves and returns
         return original(local, sharding, batch_size)
@@ -146,13 +150,14 @@ def test_interrupted_run_sees_the_same_examples_also_on_another_mesh(tmp_path, m
     monkeypatch.setattr(loop, "evaluate", lambda *args: None)  # held-out batches are not training data
     # Read ahead on a thread, as on accelerators (CPU runs read on the loop's thread by default).
     common = {"steps": 4, "log_every": 1, "eval_every": 100, "checkpoint_every": 100, "data.prefetch": 2}
+    common["data.shards"] = shards
     stop_after = 2
     placed.append([])
-    first = loop.train(small_config(**common), str(tmp_path))
+    first = loop.train(small_config(**common), str(tmp_path / "run"))
     assert first["stopped"] and 1 <= first["step"] < 4
     stop_after = 0
     placed.append([])
-    loop.train(small_config(rules="megatron_1d", mesh="dp=4,mp=2", **common), str(tmp_path))
+    loop.train(small_config(rules="megatron_1d", mesh="dp=4,mp=2", **common), str(tmp_path / "run"))
 
     # The batches trained on: the first run's up to its checkpoint, then the resumed run's. Those read
     # ahead and not trained on must not count, nor be skipped by the resumed run.
@@ -162,10 +167,10 @@ def test_interrupted_run_sees_the_same_examples_also_on_another_mesh(tmp_path, m
     c = small_config()
     tokens, _ = pipeline.load_corpus(c.data)
     it = iter(pipeline.train_dataset(tokens, c.seq_len, c.batch_size, c.data.seed))
-    assert trained == [next(it)["id"].tolist() for _ in range(4)]
-    assert len({tuple(ids) for ids in trained}) == 4  # four different batches
+    assert trained == [(b["id"].tolist(), b["tokens"].tolist()) for b in (next(it) for _ in range(4))]
+    assert len({tuple(ids) for ids, _ in trained}) == 4  # four different batches
     # Losses after a resume are compared with an uninterrupted run by the reshard matrix above.
-    assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3, 4]
+    assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2, 3, 4]
 
 
 def _rows(workdir):
