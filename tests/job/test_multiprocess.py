@@ -149,6 +149,12 @@ def test_two_processes_match_one_and_checkpoints_move_both_ways(tmp_path, capsys
     # one uninterrupted run of 6 steps is what the mixed run must match, stopped and resumed at 2
     # and 4, and each one-process start compiles the same step (the compilation cache serves it).
     constant = ("--config.optim.warmup_steps=0", "--config.optim.min_lr_ratio=1.0")
+    # Every start reads the corpus from shards (data/shards.py): their resume by example index holds
+    # from 1 process to 2 and from 2 back to 1.
+    from gspmd_tp.data import prepare
+
+    prepare.prepare(small().data, str(tmp_path / "shards"))
+    constant += (f"--config.data.shards={tmp_path / 'shards'}",)
     one = tmp_path / "one"
     # 1 process x 8 devices (this one, as train.py runs it), checkpoints at 2, 4 and 6
     loop.train(small(*constant, "--config.steps=6"), str(one))
