@@ -73,7 +73,8 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     lookup and output projection one each (axes of `vocab`); under sequence parallelism and 2D
     sharding these become all-gathers plus reduce-scatters of the same bytes. Data parallelism:
     each gradient all-reduced over the batch axes that do not shard it, once per step or, where
-    parameters are sharded over those axes, once per microbatch. FSDP (a parameter sharded
+    parameters are sharded over those axes, once per microbatch; in bfloat16 with
+    config.optim.grad_reduce_dtype (but float32 on XLA:CPU, which promotes it). FSDP (a parameter sharded
     over a batch axis): gathered forward and backward per microbatch, its gradient
     reduce-scattered. XLA:CPU lowers reduce-scatter as all-reduce plus slice, so on the CPU
     backend a reduce-scatter costs an all-reduce. On the TPU backend a float32 model's products
@@ -177,6 +178,9 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     # sums them per batch shard, else once per microbatch (onto parameters sharded over those axes).
     once = k == 1 or step_lib.sums_per_batch_shard(tuple(batch_axes), s.shardings.params, c.batch_size // k)
     dp_reductions = 1 if once else k
+    # config.optim.grad_reduce_dtype=bfloat16 (where the step sums per batch shard): every gradient
+    # crosses the batch axes in bfloat16, which XLA:CPU promotes to float32 like every bf16 all-reduce.
+    bf16_reduce = step_lib.grad_reduce_dtype(s) == "bfloat16"
     data_parallel = fsdp_gather = fsdp_reduce = 0.0
     for row in rows:
         if row["kind"] != "params":
@@ -187,7 +191,10 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
         local = row["bytes_per_device"]
         matrix = len(row["shape"]) > 1
         if g > 1:
-            per_reduction = 2 * (g - 1) / g * local * (gradient if matrix else 1)
+            dtype_factor = gradient if matrix else 1
+            if bf16_reduce:
+                dtype_factor = 1.0 if backend == "cpu" else 0.5
+            per_reduction = 2 * (g - 1) / g * local * dtype_factor
             data_parallel += dp_reductions * per_reduction
         if f > 1 and row["path"] == "params/embedding" and not cfg.tie_embeddings:
             # A lookup table split on embed is read where it lies: each device looks up its own

@@ -108,6 +108,7 @@ def plan(
     }
     analytical = analysis.analytical_bytes(s, rows, backend)
     measured = sum(v["ring_bytes_per_device"] for v in collectives.values())
+    asked = hlo.summarize(hlo.as_asked(found))
     estimate = hardware.estimate(s, stats, found, target, network_gbps) if target else None
     return {
         "target": target,
@@ -129,9 +130,15 @@ def plan(
             "outputs": stats.output_size_in_bytes,
             "temporaries": stats.temp_size_in_bytes,
         },
-        "collectives": {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in collectives.items()},
+        "collectives": {
+            k: {"count": v["count"], "bytes": v["bytes"], "dtypes": v["dtypes"]}
+            for k, v in collectives.items()
+        },
         "bytes_per_device": measured,
         "bytes_per_device_by_type": {k: v["ring_bytes_per_device"] for k, v in collectives.items()},
+        # In the dtypes the program asked for: less than bytes_per_device where XLA:CPU promoted
+        # bf16 all-reduces (config.optim.grad_reduce_dtype=bfloat16) to f32.
+        "program_bytes_per_device": sum(v["ring_bytes_per_device"] for v in asked.values()),
         # Of which between GPU hosts or TPU slices.
         "network_bytes_per_device": hlo.network_bytes(found),
         "analytical_bytes_per_device": analytical["total"],
@@ -144,6 +151,7 @@ def plan(
         "largest_collectives": [
             {
                 "kind": c.kind,
+                "dtype": c.dtype + ("->f32" if c.promoted else ""),
                 "group_size": c.group_size,
                 "islands": c.islands,
                 "executions": c.executions,
@@ -237,12 +245,17 @@ def format_plan(p: dict) -> str:
     ]
     for kind, v in p["collectives"].items():
         if v["count"]:
+            label = f"{kind} ({', '.join(v['dtypes'])})"
             lines.append(
-                f"  {kind:<40} {v['count']:>8} {_mb(v['bytes']):>14} "
+                f"  {label:<40} {v['count']:>8} {_mb(v['bytes']):>14} "
                 f"{_mb(p['bytes_per_device_by_type'][kind]):>14}"
             )
     a = p["analytical"]
     lines.append(f"  {'total':<40} {'':>8} {'':>14} {_mb(p['bytes_per_device']):>14}")
+    if p["program_bytes_per_device"] < p["bytes_per_device"]:
+        asked = _mb(p["program_bytes_per_device"])
+        note = "(XLA:CPU runs bf16 all-reduces in f32)"
+        lines.append(f"  {'in the dtypes the program asked for':<40} {'':>8} {'':>14} {asked:>14}  {note}")
     if p["network_bytes_per_device"]:
         between = "GPU hosts" if p["backend"] == "gpu" else "slices (DCN)"
         lines.append(f"  {'of which between ' + between:<40} {'':>8} {'':>14} "
@@ -260,7 +273,7 @@ def format_plan(p: dict) -> str:
         islands = f"[across {c['islands']} {'hosts' if p['backend'] == 'gpu' else 'slices'}]"
         where = " ".join(filter(None, [_short_op(c["op_name"]), islands if c["islands"] > 1 else ""]))
         lines.append(
-            f"  {c['kind']:<18} group {c['group_size']:<3} x{c['executions']:<4} "
+            f"  {c['kind']:<18} {c['dtype']:<9} group {c['group_size']:<3} x{c['executions']:<4} "
             f"{_mb(c['ring_bytes_per_device']):>12}  {where}"
         )
     return "\n".join(lines)

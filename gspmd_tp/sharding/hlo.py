@@ -44,6 +44,8 @@ class Collective:
     op_name: str = ""  # the jax operation it came from (HLO metadata), to trace it to the model
     islands: int = 1  # the most islands (GPU hosts, TPU slices) one of its groups spans
     per_island: int = 0  # where islands > 1: the fewest devices of one group in one island
+    dtype: str = ""  # the element type(s) the program asked for, "bf16" or "bf16,f32" (a tuple)
+    promoted: bool = False  # a bf16 all-reduce XLA:CPU runs in f32 (result_bytes: the f32 it moves)
 
     @property
     def ring_bytes(self) -> float:
@@ -72,6 +74,15 @@ def shape_bytes(text: str) -> int:
         size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
         total += size * DTYPE_BYTES.get(dtype, 4)
     return total
+
+
+def dtypes(text: str) -> str:
+    """The distinct element types of the shapes written in `text`, in order: "f32", "bf16,f32"."""
+    return ",".join(dict.fromkeys(dtype for dtype, _ in _SHAPE.findall(text)))
+
+
+# XLA:CPU runs a bf16 all-reduce in f32 (all-reduce-promotion), renaming its reduction computation.
+_PROMOTED = re.compile(r"to_apply=%?[\w.\-]*_promoted\b")
 
 
 def _iota(dims: str, perm: str | None) -> np.ndarray:
@@ -252,6 +263,7 @@ def _megascale(comp: str, lines: list[str], runs: dict[str, int]) -> list[Collec
                 name=m.group(1),
                 computation=comp,
                 result_bytes=shape_bytes("{}[{}]".format(*result[0])) if result else 0,
+                dtype=result[0][0] if result else "",
                 group_size=slices,
                 executions=runs.get(comp, 0),
                 op_name=_op_name(line),
@@ -309,7 +321,9 @@ def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]
                 shapes = _SHAPE.findall(result_type)
                 result = "{}[{}]".format(*shapes[1]) if len(shapes) > 1 else result_type
             groups = replica_groups(rest, num_devices)
-            size = shape_bytes(result)
+            size, dtype = shape_bytes(result), dtypes(result)
+            promoted = kind == "all-reduce" and dtype == "f32" and bool(_PROMOTED.search(rest))
+            dtype = "bf16" if promoted else dtype
             spans, per_island = _spread(groups, island_of) if island_of is not None else (1, 0)
             if kind == "all-reduce" and comp.startswith("all-reduce-scatter"):
                 # The TPU compiler writes a reduce-scatter as a fused all-reduce + dynamic-slice
@@ -325,6 +339,8 @@ def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]
                 op_name=_op_name(rest),
                 islands=spans,
                 per_island=per_island,
+                dtype=dtype,
+                promoted=promoted,
             )
             channel = re.search(r"\bchannel_id=(\d+)", rest)
             found.append((c, channel.group(1) if channel else None))
@@ -336,6 +352,16 @@ def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]
     return [c for c, channel in found if channel is None or kept[channel] is c] + dcn
 
 
+def as_asked(found: list[Collective]) -> list[Collective]:
+    """The collectives counted in the dtypes the program asked for: a bf16 all-reduce XLA:CPU
+    promoted at half the f32 bytes it moves (a float32 scalar the compiler combined into it counts
+    2 bytes short)."""
+    return [
+        dataclasses.replace(c, result_bytes=c.result_bytes // 2, promoted=False) if c.promoted else c
+        for c in found
+    ]
+
+
 def network_bytes(found: list[Collective]) -> float:
     """Bytes per device per program call of the collectives whose groups span islands (GPU hosts,
     TPU slices): what crosses the network."""
@@ -343,9 +369,13 @@ def network_bytes(found: list[Collective]) -> float:
 
 
 def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:
-    """{kind: {count, bytes, ring_bytes_per_device}} per program call, every kind present."""
-    out = {k: {"count": 0, "bytes": 0, "ring_bytes_per_device": 0.0} for k in KINDS}
+    """{kind: {count, bytes, ring_bytes_per_device, dtypes}} per program call, every kind present;
+    dtypes lists the element types its collectives carry."""
+    out = {k: {"count": 0, "bytes": 0, "ring_bytes_per_device": 0.0, "dtypes": []} for k in KINDS}
     for c in found:
+        for dtype in c.dtype.split(","):
+            if dtype and dtype not in out[c.kind]["dtypes"]:
+                out[c.kind]["dtypes"].append(dtype)
         out[c.kind]["count"] += c.executions
         out[c.kind]["bytes"] += c.result_bytes * c.executions
         out[c.kind]["ring_bytes_per_device"] += c.ring_bytes_per_call

@@ -15,6 +15,7 @@ from gspmd_tp.job.errors import UserError
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # the optimizer's rates and factors are float32 on the devices
 MU_DTYPES = ("float32", "bfloat16")  # config.optim.mu_dtype: the first moment's dtype
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")  # config.optim.grad_reduce_dtype
 
 
 def _decays(path) -> bool:
@@ -44,10 +45,9 @@ def check(optim) -> None:
     for key in ("b1", "b2"):
         if not 0 <= optim[key] < 1:
             raise UserError(f"config.optim.{key} must be in [0, 1), got {optim[key]}")
-    if optim.mu_dtype not in MU_DTYPES:
-        raise UserError(
-            f"config.optim.mu_dtype must be one of {', '.join(MU_DTYPES)}, got {optim.mu_dtype!r}"
-        )
+    for key, choices in (("mu_dtype", MU_DTYPES), ("grad_reduce_dtype", GRAD_REDUCE_DTYPES)):
+        if optim[key] not in choices:
+            raise UserError(f"config.optim.{key} must be one of {', '.join(choices)}, got {optim[key]!r}")
 
 
 def make_schedule(optim, total_steps: int) -> optax.Schedule:

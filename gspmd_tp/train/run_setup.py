@@ -23,6 +23,7 @@ from gspmd_tp.sharding.mesh import make_mesh, mesh_string
 from gspmd_tp.sharding.rules import Rules, load_rules, mesh_ways
 from gspmd_tp.train import optimizer
 from gspmd_tp.train import state as state_lib
+from gspmd_tp.train import step as step_lib
 
 
 def model_config(config) -> ModelConfig:
@@ -184,6 +185,17 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
         )
     tx, schedule = optimizer.make_optimizer(config.optim, config.steps)
     abstract, shardings = state_lib.state_shardings(model_cfg, tx, mesh, rules, config.seq_len)
+    asked = config.optim.grad_reduce_dtype
+    if asked != "float32" and not step_lib.sums_per_batch_shard(
+        rules.batch_axes(), shardings.params, micro_batch
+    ):
+        why = (
+            f"{rules.source} on mesh {mesh_string(mesh)} has no data-parallel axis of more than one device"
+            if ways == 1
+            else f"{rules.source} shards parameters over the batch's mesh axes {sizes}, whose gradients "
+            "GSPMD reduce-scatters in float32"
+        )
+        warn(f"warning: config.optim.grad_reduce_dtype={asked} changes nothing: {why}")
     return Setup(
         config=config,
         model_cfg=model_cfg,

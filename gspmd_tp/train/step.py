@@ -42,7 +42,15 @@ def _loss_sums(model: Transformer, params, tokens, loss_chunk: int = 0, padded: 
     return loss_lib.cross_entropy_sums(model.apply({"params": params}, inputs), targets, valid)
 
 
-def accumulated_grads(model: Transformer, accum: int, param_shardings, params, tokens, loss_chunk: int = 0):
+def accumulated_grads(
+    model: Transformer,
+    accum: int,
+    param_shardings,
+    params,
+    tokens,
+    loss_chunk: int = 0,
+    reduce_dtype: str = "float32",
+):
     """(mean token loss, gradient of it) for (batch, seq_len + 1) tokens, over `accum` microbatches.
 
     Each microbatch differentiates its loss sum already divided by the tokens of the whole batch
@@ -53,6 +61,9 @@ def accumulated_grads(model: Transformer, accum: int, param_shardings, params, t
     keeps its own partial sum over the microbatches, and the data-parallel reduction runs once per
     step instead of once per microbatch. Where parameters are (FSDP, 2D), each microbatch's
     gradient is reduce-scattered onto them, as a sharded parameter needs.
+
+    reduce_dtype "bfloat16": the per-shard sums cross the batch axes in bfloat16 and come back as
+    the parameters' dtype (where the step sums per batch shard; elsewhere it changes nothing).
     """
     b, t = tokens.shape
     count = b * (t - 1)
@@ -60,14 +71,17 @@ def accumulated_grads(model: Transformer, accum: int, param_shardings, params, t
     def loss_and_grad(tokens_i):
         return jax.value_and_grad(lambda p: _loss_sums(model, p, tokens_i, loss_chunk)[0] / count)(params)
 
-    if accum == 1:
-        return loss_and_grad(tokens)
+    batch_axes = batch_mesh_axes()
+    per_shard = sums_per_batch_shard(batch_axes, param_shardings, b // accum)
+    if accum == 1 and not (per_shard and reduce_dtype != "float32"):
+        return loss_and_grad(tokens)  # GSPMD reduces each gradient where the backward pass makes it
     # Microbatch i takes rows i, i + accum, ...: each stays spread over the batch axes.
     micro = tokens.reshape(b // accum, accum, t).swapaxes(0, 1)
     micro = nn.with_logical_constraint(micro, (None, axes.BATCH, None))
-    batch_axes = batch_mesh_axes()
-    if sums_per_batch_shard(batch_axes, param_shardings, b // accum):
-        return _shard_partial_sums(model, micro, count, batch_axes, params, param_shardings, loss_chunk)
+    if per_shard:
+        return _shard_partial_sums(
+            model, micro, count, batch_axes, params, param_shardings, loss_chunk, reduce_dtype
+        )
 
     def body(carry, tokens_i):
         grads_acc, loss_acc = carry
@@ -91,10 +105,20 @@ def sums_per_batch_shard(batch_axes: tuple, param_shardings, micro_batch: int) -
     return shards > 1 and micro_batch % shards == 0 and not sharded & set(batch_axes)
 
 
-def _shard_partial_sums(model, micro, count, batch_axes: tuple, params, param_shardings, loss_chunk):
+def grad_reduce_dtype(s: Setup) -> str:
+    """The dtype the step reduces gradients over data parallelism in: config.optim.grad_reduce_dtype
+    where it sums them per batch shard (sums_per_batch_shard), else float32 (nothing to reduce, or
+    reduce-scatters onto parameters sharded over the batch axes, which GSPMD places)."""
+    per_shard = sums_per_batch_shard(s.rules.batch_axes(), s.shardings.params, s.micro_batch)
+    return s.config.optim.grad_reduce_dtype if per_shard else "float32"
+
+
+def _shard_partial_sums(
+    model, micro, count, batch_axes: tuple, params, param_shardings, loss_chunk, reduce_dtype
+):
     """accumulated_grads for parameters not sharded over `batch_axes`: manual over those axes
     (shard_map; GSPMD still shards the rest), each batch shard sums its microbatches' gradients
-    locally, and one psum over the batch axes reduces the sums."""
+    locally, and one psum over the batch axes, in `reduce_dtype`, reduces the sums."""
     mesh = jax.tree.leaves(param_shardings)[0].mesh
     # Inside, a shard's rows are local: no activation may name the manual axes.
     inner = tuple(
@@ -113,18 +137,29 @@ def _shard_partial_sums(model, micro, count, batch_axes: tuple, params, param_sh
         with nn.logical_axis_rules(inner):
             zeros = jax.tree.map(jnp.zeros_like, params)
             (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
-        return jax.lax.psum((loss, grads), batch_axes)
+        if reduce_dtype == "float32":
+            return jax.lax.psum((loss, grads), batch_axes)
+        # Rounded once, after the local sum; each shard's sum leaves the map as one row of a stack
+        # that GSPMD sums below. (A psum of bfloat16 here, with axes left to GSPMD, crashes
+        # XLA:CPU's all-reduce promotion.)
+        return jax.lax.psum(loss, batch_axes), jax.tree.map(lambda g: g.astype(reduce_dtype)[None], grads)
 
     # check_vma=False: the model's custom VJPs (kernels.py, the cotangent constraint) return cotangents
     # without shard_map's varying-axes types; nothing here is differentiated through the map.
+    stacked = reduce_dtype != "float32"
     loss, grads = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(P(), P(None, batch_axes, None)),
-        out_specs=(P(), P()),
+        out_specs=(P(), P(batch_axes) if stacked else P()),
         axis_names=set(batch_axes),
         check_vma=False,
     )(params, micro)
+    if stacked:  # (batch shards, ...) -> the all-reduce over the batch axes, in reduce_dtype
+        zero = jnp.zeros((), reduce_dtype)
+        grads = jax.tree.map(lambda g: jax.lax.reduce(g, zero, jax.lax.add, (0,)), grads)
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return loss, jax.lax.with_sharding_constraint(grads, param_shardings)
 
 
@@ -139,7 +174,13 @@ def make_train_step(s: Setup):
 
     def step(state: state_lib.TrainState, tokens):
         loss, grads = accumulated_grads(
-            model, s.config.grad_accum, s.shardings.params, state.params, tokens, s.config.loss_chunk
+            model,
+            s.config.grad_accum,
+            s.shardings.params,
+            state.params,
+            tokens,
+            s.config.loss_chunk,
+            s.config.optim.grad_reduce_dtype,
         )
         grad_norm = optax.global_norm(grads)
         updates, opt_state = s.tx.update(grads, state.opt_state, state.params)

@@ -168,6 +168,19 @@ def test_the_chunked_loss_moves_what_the_whole_loss_moves(rules):
 def test_data_parallel_matches_analysis():
     p = planned("dp", "dp=8,mp=1")
     assert p["ratio"] == pytest.approx(1.0, abs=0.05)
+    assert p["collectives"]["all-reduce"]["dtypes"] == ["f32"]
+
+
+def test_a_bfloat16_gradient_reduction_halves_the_data_parallel_bytes():
+    """optim.grad_reduce_dtype=bfloat16 at dp=8: the one all-reduce asks for bf16 and carries half
+    the bytes in the program's dtype (XLA:CPU runs it in f32: what it moves, as the analysis has it)."""
+    f32 = planned("dp", "dp=8,mp=1")
+    p = planned("dp", "dp=8,mp=1", **{"optim.grad_reduce_dtype": "bfloat16"})
+    assert p["collectives"]["all-reduce"]["dtypes"] == ["bf16"]
+    assert p["program_bytes_per_device"] <= 0.55 * f32["program_bytes_per_device"]
+    assert p["bytes_per_device"] == pytest.approx(f32["bytes_per_device"], rel=0.01)
+    assert p["ratio"] == pytest.approx(1.0, abs=0.05)
+    assert "bf16->f32" in planner.format_plan(p)
 
 
 def test_unrolled_fsdp_layers_within_10_percent_of_the_analysis():

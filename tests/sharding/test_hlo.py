@@ -52,6 +52,22 @@ def test_collectives_bytes_groups_and_counts():
     assert found["rs"].result_bytes == 3 * 4 and found["rs"].group_size == 4
     assert found["ar"].group_size == 4 and found["ar"].executions == 8
     assert found["ar"].op_name == "jit(f)/layer/dot"
+    assert [found[n].dtype for n in ("ag", "rs", "ar")] == ["bf16", "f32", "f32"]
+
+
+def test_a_bf16_all_reduce_xla_cpu_promoted_keeps_its_dtype():
+    """XLA:CPU runs a bf16 all-reduce in f32 and names its reduction *_promoted: it moves f32, and
+    counts as bf16 in as_asked."""
+    line = (
+        "  %arp = f32[16]{0} all-reduce(%a), channel_id=4, replica_groups=[1,8]<=[8], "
+        "to_apply=%add.1.clone_promoted"
+    )
+    program = PROGRAM.replace("  %w = (s32[]", line + "\n  %w = (s32[]", 1)
+    found = {c.name: c for c in hlo.collectives(program, num_devices=8)}
+    assert found["arp"].dtype == "bf16" and found["arp"].promoted and found["arp"].result_bytes == 16 * 4
+    asked = {c.name: c for c in hlo.as_asked(list(found.values()))}
+    assert asked["arp"].result_bytes == 16 * 2 and asked["ar"].result_bytes == 8 * 4
+    assert hlo.summarize(list(found.values()))["all-reduce"]["dtypes"] == ["f32", "bf16"]
 
 
 def test_ring_bytes():

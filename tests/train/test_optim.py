@@ -211,10 +211,11 @@ def test_a_warmup_as_long_as_the_run_still_reaches_the_peak():
     assert [float(schedule(i)) for i in range(5)] == pytest.approx([0, 2.5e-3, 5e-3, 7.5e-3, 1e-2])
 
 
+@pytest.mark.parametrize("key", ["mu_dtype", "grad_reduce_dtype"])
 @pytest.mark.parametrize("value", ["bf16", "float16", ""])
-def test_a_first_moment_dtype_it_does_not_keep_is_one_line(value):
-    c = small_config(**{"optim.mu_dtype": value}).optim
+def test_a_first_moment_or_reduction_dtype_it_does_not_take_is_one_line(key, value):
+    c = small_config(**{f"optim.{key}": value}).optim
     with pytest.raises(
-        UserError, match=rf"^config.optim.mu_dtype must be one of float32, bfloat16, got '{value}'$"
+        UserError, match=rf"^config.optim.{key} must be one of float32, bfloat16, got '{value}'$"
     ):
         optimizer.check(c)
