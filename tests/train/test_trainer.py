@@ -54,6 +54,16 @@ def test_fused_mlp_gradient_sharded_equals_single_device(reference):
     np.testing.assert_allclose(np.array(history), np.array(reference), rtol=1e-5)
 
 
+def test_a_bfloat16_gradient_reduction_trains_close_to_one_device_with_float32_state(reference):
+    """optim.grad_reduce_dtype=bfloat16 rounds only what crosses dp: the losses and gradient norms
+    within bfloat16's rounding of one device's, and the parameters and both moments stay float32."""
+    c = small_config(rules="dp", mesh="dp=8,mp=1", **{"optim.grad_reduce_dtype": "bfloat16"})
+    state, history = run_steps(c, batches(c))
+    np.testing.assert_allclose(np.array(history), np.array(reference), rtol=2e-3)
+    leaves = jax.tree.leaves((state.params, state.opt_state))
+    assert {x.dtype for x in leaves if x.ndim} == {jnp.dtype("float32")}
+
+
 def test_schedule_warms_up_then_decays():
     s = run_setup.setup(small_config(steps=100))
     lrs = [float(s.schedule(i)) for i in (0, 1, 2, 50, 99)]
