@@ -430,6 +430,39 @@ def chart(results: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def check_flags(
+    compare_flag: str,
+    meshes: str,
+    chart_path: str,
+    dump_hlo: str | None,
+    target: str | None,
+    slices: int,
+    network: float | None,
+) -> list[str]:
+    """The CLI's flags checked together before anything compiles (a UserError names the mistake);
+    returns the --compare rule files, [] for a single plan."""
+    if meshes and not compare_flag:
+        raise UserError(f"--meshes={meshes} is for --compare; a single plan takes --config.mesh")
+    if chart_path and not compare_flag:
+        raise UserError(f"--chart={chart_path} is for --compare")
+    if slices != 1 and not target:
+        raise UserError(f"--slices={slices} needs --target (slices of a TPU target)")
+    if slices < 1:
+        raise UserError(f"--slices={slices}: a target has at least 1 slice")
+    if network is not None and not target:
+        raise UserError(f"--network_gbps={network:g} needs --target (the network of a target's hosts)")
+    if network is not None and not 0 < network < float("inf"):
+        raise UserError(f"--network_gbps={network:g}: expected a finite bandwidth above 0 (Gb/s)")
+    if chart_path:
+        output_paths.check_image(chart_path, "--chart")
+    if dump_hlo:
+        output_paths.check_dir(dump_hlo, "--dump_hlo", probe=True)
+    rules_list = [r.strip() for r in compare_flag.split(",")] if compare_flag else []
+    if not all(rules_list):
+        raise UserError(f"--compare={compare_flag}: an empty rule file name (comma-separated names)")
+    return rules_list
+
+
 def main(argv) -> None:
     """CLI: python -m gspmd_tp.plan --config=... [--json] [--compare=... --meshes=...]."""
     no_positional_arguments(argv)
@@ -437,30 +470,18 @@ def main(argv) -> None:
 
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
+    network = _NETWORK_GBPS.value
     try:
-        if _MESHES.value and not _COMPARE.value:
-            raise UserError(f"--meshes={_MESHES.value} is for --compare; a single plan takes --config.mesh")
-        if _CHART.value and not _COMPARE.value:
-            raise UserError(f"--chart={_CHART.value} is for --compare")
-        if _SLICES.value != 1 and not _TARGET.value:
-            raise UserError(f"--slices={_SLICES.value} needs --target (slices of a TPU target)")
-        if _SLICES.value < 1:
-            raise UserError(f"--slices={_SLICES.value}: a target has at least 1 slice")
-        network = _NETWORK_GBPS.value
-        if network is not None and not _TARGET.value:
-            raise UserError(f"--network_gbps={network:g} needs --target (the network of a target's hosts)")
-        if network is not None and not 0 < network < float("inf"):
-            raise UserError(f"--network_gbps={network:g}: expected a finite bandwidth above 0 (Gb/s)")
-        if _CHART.value:
-            output_paths.check_image(_CHART.value, "--chart")
-        if _DUMP_HLO.value:
-            output_paths.check_dir(_DUMP_HLO.value, "--dump_hlo", probe=True)
-        if _COMPARE.value:
-            rules_list = [r.strip() for r in _COMPARE.value.split(",")]
-            if not all(rules_list):
-                raise UserError(
-                    f"--compare={_COMPARE.value}: an empty rule file name (comma-separated names)"
-                )
+        rules_list = check_flags(
+            _COMPARE.value,
+            _MESHES.value,
+            _CHART.value,
+            _DUMP_HLO.value,
+            _TARGET.value,
+            _SLICES.value,
+            network,
+        )
+        if rules_list:
             meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
             results = compare(
                 config, rules_list, meshes, _TARGET.value, _SLICES.value, _DUMP_HLO.value, network

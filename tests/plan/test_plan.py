@@ -3,6 +3,7 @@
 import copy
 import functools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -238,27 +239,39 @@ def _plan_cli_error(flags: list[str]) -> str:
     return errors[0]
 
 
-def test_cli_compare_input_mistakes_are_one_line_errors_before_compiling(tmp_path):
+def test_cli_mistakes_are_one_line_errors_before_compiling(tmp_path):
+    """Through the command: a flag mistake and a rule file not found (found inside compare)."""
     chart = tmp_path / "plan.png"
-    for flags, message in [
-        (["--compare=megatron_1d,megatron_1x", f"--chart={chart}"], "rule file 'megatron_1x' not found"),
-        (["--compare=megatron_1d,"], "--compare=megatron_1d,: an empty rule file name"),
+    assert "--slices=2 needs --target" in _plan_cli_error(["--slices=2"])
+    flags = ["--compare=megatron_1d,megatron_1x", f"--chart={chart}"]
+    assert "rule file 'megatron_1x' not found" in _plan_cli_error(flags)
+    assert not chart.exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(compare_flag="megatron_1d,"), "--compare=megatron_1d,: an empty rule file name"),
+        (dict(meshes="dp=2,mp=4"), "--meshes=dp=2,mp=4 is for --compare"),
+        (dict(chart_path="plan.png"), "--chart=plan.png is for --compare"),
+        (dict(slices=2), "--slices=2 needs --target"),
+        (dict(target="tpu:v5e:2x4", slices=0), "--slices=0: a target has at least 1 slice"),
+        (dict(network=100.0), "--network_gbps=100 needs --target"),
+        (dict(target="tpu:v5e:2x4", network=0.0), "--network_gbps=0: expected a finite bandwidth"),
+        (dict(target="tpu:v5e:2x4", network=float("nan")), "--network_gbps=nan: expected a finite bandwidth"),
+        (dict(target="tpu:v5e:2x4", network=float("inf")), "--network_gbps=inf: expected a finite bandwidth"),
         (
-            ["--compare=megatron_1d,rules/megatron_1d.yaml"],
-            "--compare: rule file 'rules/megatron_1d.yaml' is 'megatron_1d' again",
+            dict(compare_flag="megatron_1d", chart_path="plan.pngx"),
+            "the extension .pngx is not an image format",
         ),
-        (["--compare=megatron_1d", "--meshes=dp=2, mp=4"], "mesh 'dp=2,': expected NAME=SIZE items"),
-        (["--meshes=dp=2,mp=4"], "--meshes=dp=2,mp=4 is for --compare"),
-        (["--slices=2"], "--slices=2 needs --target"),
-        (["--target=tpu:v5e:2x4", "--slices=0"], "--slices=0: a target has at least 1 slice"),
-        (["--network_gbps=100"], "--network_gbps=100 needs --target"),
-        (["--target=tpu:v5e:2x4", "--network_gbps=0"], "--network_gbps=0: expected a finite bandwidth"),
-        (["--target=tpu:v5e:2x4", "--network_gbps=nan"], "--network_gbps=nan: expected a finite bandwidth"),
-        (["--target=tpu:v5e:2x4", "--network_gbps=inf"], "--network_gbps=inf: expected a finite bandwidth"),
-        (["--compare=megatron_1d", f"--chart={chart}x"], "the extension .pngx is not an image format"),
-    ]:
-        assert message in _plan_cli_error(flags), flags
-        assert not chart.exists()
+    ],
+)
+def test_flag_mistakes_are_named_before_compiling(flags, message):
+    given = dict(
+        compare_flag="", meshes="", chart_path="", dump_hlo=None, target=None, slices=1, network=None
+    )
+    with pytest.raises(UserError, match=re.escape(message)):
+        planner.check_flags(**{**given, "network": None, **flags})
 
 
 def test_cli_unwritable_outputs_are_one_line_errors_before_compiling():
