@@ -288,7 +288,7 @@ def test_a_rule_file_or_mesh_given_twice_is_an_error_before_anything_is_measured
 @pytest.mark.parametrize(
     "given, message",
     [
-        ("megatron_1d, nosuch", "rule file 'nosuch' not found (shipped rule files: dp, "),
+        ("megatron_1d, nosuch", "rule file 'nosuch' not found (shipped rule files: data_fsdp_tensor, dp, "),
         ("megatron_1d,,dp", "--rules=megatron_1d,,dp: an empty rule file name (comma-separated names)"),
     ],
 )
