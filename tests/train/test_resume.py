@@ -19,9 +19,7 @@ K = 2  # steps before the save; two more after it
 # (rules, mesh, devices) saved -> (rules, mesh, devices) resumed.
 MATRIX = [
     (("megatron_1d", "dp=2,mp=4", 8), ("megatron_2d", "dp=4,mp=2", 8)),
-    (("fsdp", "dp=8,mp=1", 8), ("megatron_1d", "dp=1,mp=8", 8)),
     (("megatron_2d", "dp=2,mp=4", 8), ("dp", "dp=1,mp=1", 1)),
-    (("megatron_1d", "dp=2,mp=4", 8), ("fsdp", "dp=4,mp=1", 4)),
     (("dp", "dp=8,mp=1", 8), ("megatron_2d", "dp=1,mp=2", 2)),
     # Three mesh axes and back: megatron_1d's (dp, mp) onto (data, fsdp, tensor), and the reverse.
     (("megatron_1d", "dp=2,mp=4", 8), ("data_fsdp_tensor", "data=2,fsdp=2,tensor=2", 8)),
