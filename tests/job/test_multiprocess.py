@@ -572,38 +572,6 @@ def test_processes_given_other_job_flags_are_refused_on_joining(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_two_processes_with_one_id_are_refused_on_joining(tmp_path):
-    """Processes 0, 1 and 1 of 3: before, JAX's coordination service took the second process 1 for
-    the first restarted, and every process waited out the join timeout for a line that named no
-    cause. (Of 2, a second process 1 that came once the job had joined aborted the running job.)"""
-    address = f"127.0.0.1:{free_port()}"
-    args = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        *SMALL,
-        f"--workdir={tmp_path / 'run'}",
-        "--config.steps=4",
-    ]
-    job = [f"--coordinator_address={address}", "--num_processes=3", "--join_timeout_s=60"]
-    procs = [
-        subprocess.Popen([*args, *job, f"--process_id={i}"], cwd=ROOT, env=env(4), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-        for i in (0, 1, 1)
-    ]  # fmt: skip
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    want = (
-        f"error: two processes of the job at {address} were started with --process_id=1: give each its own "
-        "id, from 0 to 2"
-    )
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert (p.returncode, err.strip().splitlines()[-1:]) == (1, [want]), err[-2000:]
-    assert not (tmp_path / "run").exists()
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
