@@ -4,6 +4,11 @@ Counts go through loops: a collective inside a while body counts once per iterat
 count read from the loop's backend_config (`known_trip_count`) or, failing that, from the constant
 its condition compares the induction variable against.
 
+Each collective also carries its window in the compiled schedule: the compute instructions the
+compiler placed between its start and its done (asynchronous pairs such as all-gather-start /
+all-gather-done, async-start / async-done, and the TPU's start, continuation and done fusions). A
+synchronous collective (every one XLA:CPU emits) has none: its bytes are exposed.
+
 Where the devices sit in islands joined by a slower network (GPU hosts, TPU slices), each collective
 also says how many islands its groups span: the TPU compiler writes a multi-slice program's
 data-center-network (DCN) collectives as host-transfer sends to the "megascale" runtime, which are
@@ -26,7 +31,8 @@ DTYPE_BYTES = {
 }  # fmt: skip
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+# One instruction: (name, result type, opcode, the rest after the opcode's "(").
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
 _SHAPE = re.compile(r"\b(pred|bf16|[subfc]\d+)\[([\d,]*)\]")
 _CALLEES = re.compile(r"\b(body|condition|to_apply|calls)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
 
@@ -46,6 +52,15 @@ class Collective:
     per_island: int = 0  # where islands > 1: the fewest devices of one group in one island
     dtype: str = ""  # the element type(s) the program asked for, "bf16" or "bf16,f32" (a tuple)
     promoted: bool = False  # a bf16 all-reduce XLA:CPU runs in f32 (result_bytes: the f32 it moves)
+    # The compute instructions the schedule places between its start and its done, in `scheduled_in`
+    # (the computation that runs them); () for a synchronous collective.
+    window: tuple[str, ...] = ()
+    scheduled_in: str = ""
+
+    @property
+    def hidden(self) -> bool:
+        """Whether the schedule gives it compute to run beside (an asynchronous pair with work between)."""
+        return bool(self.window)
 
     @property
     def ring_bytes(self) -> float:
@@ -141,7 +156,8 @@ def _spread(groups: list[tuple[int, ...]], island_of) -> tuple[int, int]:
     return spans, fewest
 
 
-def _computations(text: str) -> tuple[dict[str, list[str]], str]:
+def computations(text: str) -> tuple[dict[str, list[str]], str]:
+    """({computation name: its instruction lines, in schedule order}, the entry's name)."""
     comps: dict[str, list[str]] = {}
     entry, current = "", None
     for line in text.splitlines():
@@ -158,7 +174,8 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
+def trip_count(line: str, comps: dict[str, list[str]]) -> int:
+    """The trip count of the while loop on `line`: its known_trip_count, else its condition's bound."""
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
     if m:
         return int(m.group(1))
@@ -172,13 +189,13 @@ def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
 
 def executions(text: str) -> dict[str, int]:
     """How many times each computation runs per call of the entry computation."""
-    comps, entry = _computations(text)
+    comps, entry = computations(text)
     counts: dict[str, int] = defaultdict(int)
 
     def visit(name: str, times: int) -> None:
         counts[name] += times
         for line in comps.get(name, []):
-            trips = _trip_count(line, comps) if re.search(r"\swhile\(", line) else 1
+            trips = trip_count(line, comps) if re.search(r"\swhile\(", line) else 1
             for m in _CALLEES.finditer(line):
                 keyword, callee, branches = m.groups()
                 for name_ in [callee] if callee else re.findall(r"%?([\w.\-]+)", branches):
@@ -203,14 +220,14 @@ def classify(text: str) -> dict[str, str]:
     when its computation holds a dot or a convolution (elementwise work fused into it included);
     otherwise it goes by the ops XLA named it after. Loops and calls are left out: their bodies'
     instructions are classified themselves."""
-    comps, _ = _computations(text)
+    comps, _ = computations(text)
     opcodes = {
-        c: {m.group(3) for line in lines if (m := _INSTRUCTION.match(line))} for c, lines in comps.items()
+        c: {m.group(3) for line in lines if (m := INSTRUCTION.match(line))} for c, lines in comps.items()
     }
     out = {}
     for lines in comps.values():
         for line in lines:
-            m = _INSTRUCTION.match(line)
+            m = INSTRUCTION.match(line)
             if not m or m.group(3) in ("while", "conditional", "call"):
                 continue
             name, _, opcode, rest = m.groups()
@@ -240,13 +257,13 @@ def _megascale(comp: str, lines: list[str], runs: dict[str, int]) -> list[Collec
     its target ("{1,2,3,4}x{0:3}": slices 1-4, each device 0-3 of its slice with its peers)."""
     received = {}
     for line in lines:
-        m = _INSTRUCTION.match(line)
+        m = INSTRUCTION.match(line)
         rendezvous = _RENDEZVOUS.search(line)
         if m and m.group(3) == "recv" and rendezvous:
             received[rendezvous.group(1)] = _SHAPE.findall(m.group(2))[:1]
     found = []
     for line in lines:
-        m, target = _INSTRUCTION.match(line), _MEGASCALE_TARGET.search(line)
+        m, target = INSTRUCTION.match(line), _MEGASCALE_TARGET.search(line)
         transfer = _MEGASCALE_TYPE.search(line)
         if not (m and target and transfer and m.group(3) == "send"):
             continue
@@ -274,6 +291,95 @@ def _megascale(comp: str, lines: list[str], runs: dict[str, int]) -> list[Collec
     return found
 
 
+# Instructions that compute nothing: plumbing, and the pieces of other transfers.
+NO_WORK = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
+    "add-dependency", "partition-id", "replica-id", "send", "recv", "send-done", "recv-done",
+}  # fmt: skip
+
+
+# What a computation that only moves a collective's data may hold besides the collective.
+_MOVES = NO_WORK | {"copy", "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "reshape"}
+
+
+def transfer_only(lines: list[str]) -> bool:
+    """Whether a called computation holds a collective and nothing that computes: a TPU start or
+    done fusion, or a fused all-reduce + slice; not a continuation fusion that carries a
+    collective's progress beside the products it computes."""
+    ops = [m.group(3) for line in lines if (m := INSTRUCTION.match(line))]
+    held = [op for op in ops if op.removesuffix("-start").removesuffix("-done") in KINDS]
+    return bool(held) and all(op in _MOVES or op in held for op in ops)
+
+
+def operands(rest: str) -> list[str]:
+    """The operand names of an instruction, from the text after its opcode's "(" (INSTRUCTION's
+    last group)."""
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%([\w.\-]+)", rest[:end])
+
+
+def _windows(comps: dict[str, list[str]], found: list[tuple[Collective, str | None]]) -> dict:
+    """{(computation, name) of a collective: (computation it is scheduled in, compute instructions
+    between its start and its done)}. A collective's anchors are its own instruction where it
+    stands in a scheduled computation, else the instructions there that call a computation holding
+    it or a copy of it (one channel_id: the TPU's start, continuation and done fusions, an
+    async-start's wrapped computation); a -done instruction taking an anchor joins them. What lies
+    between the first and last anchor and does work is the window."""
+    parsed = {
+        c: [(m.group(1), m.group(3), m.group(4)) for line in lines if (m := INSTRUCTION.match(line))]
+        for c, lines in comps.items()
+    }
+    called = {}  # computation -> [(caller computation, instruction index)]
+    for c, instrs in parsed.items():
+        for i, (_, _, rest) in enumerate(instrs):
+            m = re.search(r"\bcalls=%?([\w.\-]+)", rest)
+            if m:
+                called.setdefault(m.group(1), []).append((c, i))
+    by_channel: dict[str, set[str]] = defaultdict(set)
+    for c, channel in found:
+        if channel is not None:
+            by_channel[channel].add(c.computation)
+    # Every instruction that starts, continues or ends some collective: not compute.
+    transfer = {(c.computation, c.name) for c, _ in found}
+    transfer |= {
+        (comp, parsed[comp][i][0])
+        for c, _ in found
+        if transfer_only(comps[c.computation])
+        for comp, i in called.get(c.computation, [])
+    }
+    out = {}
+    for c, channel in found:
+        holders = by_channel[channel] if channel is not None else {c.computation}
+        if c.computation not in called:  # it stands in a scheduled computation itself
+            sched = c.computation
+            anchors = {i for i, (name, _, _) in enumerate(parsed[sched]) if name == c.name}
+        else:
+            places = [where for h in holders for where in called.get(h, [])]
+            sched = places[0][0]
+            anchors = {i for comp, i in places if comp == sched}
+        names = {parsed[sched][i][0] for i in anchors}
+        for i, (name, op, rest) in enumerate(parsed[sched]):
+            if op.endswith("-done") and set(operands(rest)) & names:
+                anchors.add(i)
+                names.add(name)
+        first, last = min(anchors), max(anchors)
+        between = [
+            name
+            for i, (name, op, _) in enumerate(parsed[sched][first : last + 1], first)
+            if i not in (first, last)
+            and (sched, name) not in transfer
+            and op not in NO_WORK
+            and not op.endswith(("-start", "-update", "-done"))
+        ]
+        out[c.computation, c.name] = (sched, tuple(between))
+    return out
+
+
 def device_islands(devices, host_of_process=None) -> list[int] | None:
     """For `collectives`: the island (host) of each partition id of a program over `devices` (the
     mesh's, in order), each device on the host `host_of_process[d.process_index]` (without it, each
@@ -295,7 +401,7 @@ def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]
     maps a partition id to its island (a GPU's host) where the devices sit in several; a
     multi-slice TPU program's DCN transfers are counted across its slices whatever it is.
     """
-    comps, _ = _computations(text)
+    comps, _ = computations(text)
     runs = executions(text)
     found: list[tuple[Collective, str | None]] = []
     for comp, lines in comps.items():
@@ -303,12 +409,12 @@ def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]
         # instruction returns the results alone, so its type is what the collective produces.
         done = {}
         for line in lines:
-            m = _INSTRUCTION.match(line)
+            m = INSTRUCTION.match(line)
             if m and m.group(3).endswith("-done"):
                 operand = re.match(r"\s*%?([\w.\-]+)", m.group(4))
                 done[operand.group(1) if operand else ""] = m.group(2)
         for line in lines:
-            m = _INSTRUCTION.match(line)
+            m = INSTRUCTION.match(line)
             if not m:
                 continue
             name, result_type, op, rest = m.groups()
@@ -344,6 +450,12 @@ def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]
             )
             channel = re.search(r"\bchannel_id=(\d+)", rest)
             found.append((c, channel.group(1) if channel else None))
+    windows = _windows(comps, found)
+    found = [
+        (dataclasses.replace(c, scheduled_in=windows[c.computation, c.name][0],
+                             window=windows[c.computation, c.name][1]), channel)
+        for c, channel in found
+    ]  # fmt: skip
     kept = {}  # channel -> the copy counted
     for c, channel in found:
         if channel is not None and (channel not in kept or c.executions > kept[channel].executions):
@@ -366,6 +478,14 @@ def network_bytes(found: list[Collective]) -> float:
     """Bytes per device per program call of the collectives whose groups span islands (GPU hosts,
     TPU slices): what crosses the network."""
     return sum(c.ring_bytes_per_call for c in found if c.islands > 1)
+
+
+def exposure(found: list[Collective]) -> dict[str, float]:
+    """Ring bytes per device per program call that the schedule leaves exposed (no compute between
+    the collective's start and its done) and that it hides (some compute there: hidden only as far
+    as that compute lasts, which the estimate weighs)."""
+    hidden = sum(c.ring_bytes_per_call for c in found if c.hidden)
+    return {"exposed": sum(c.ring_bytes_per_call for c in found) - hidden, "hidden": hidden}
 
 
 def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:

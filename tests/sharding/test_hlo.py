@@ -250,3 +250,117 @@ ENTRY %main (a: f32[1,64]) -> f32[2,64] {{
     assert (reduce.kind, reduce.group_size, reduce.executions, reduce.islands) == ("all-reduce", 2, 3, 2)
     assert reduce.result_bytes == 16 * 8 * 128 * 4 and reduce.ring_bytes == reduce.result_bytes
     assert (gather.kind, gather.result_bytes, gather.ring_bytes) == ("all-gather", 2 * 64 * 4, 64 * 4)
+
+
+# fmt: off
+SCHEDULED = """\
+HloModule m, is_scheduled=true
+
+%fused_dot (p0: f32[64,32], p1: f32[32,16]) -> f32[64,16] {
+  %p0 = f32[64,32]{1,0} parameter(0)
+  %p1 = f32[32,16]{1,0} parameter(1)
+  ROOT %d = f32[64,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[64,32], w: f32[32,16]) -> f32[64,64] {
+  %a = f32[64,32]{1,0} parameter(0)
+  %w = f32[32,16]{1,0} parameter(1)
+  %hid-start = (f32[64,32]{1,0}, f32[64,128]{1,0}) all-gather-start(%a), channel_id=1, replica_groups=[2,4]<=[8], dimensions={1}
+  %mm = f32[64,16]{1,0} fusion(%a, %w), kind=kOutput, calls=%fused_dot
+  %hid-done = f32[64,128]{1,0} all-gather-done(%hid-start)
+  %bare-start = (f32[64,16]{1,0}, f32[64,64]{1,0}) all-gather-start(%mm), channel_id=2, replica_groups=[2,4]<=[8], dimensions={1}
+  %gte = f32[64,16]{1,0} get-tuple-element(%bare-start), index=0
+  %bare-done = f32[64,64]{1,0} all-gather-done(%bare-start)
+  %sync = f32[64,64]{1,0} all-reduce(%bare-done), channel_id=3, replica_groups=[2,4]<=[8], to_apply=%add
+  ROOT %r = f32[64,64]{1,0} add(%sync, %sync)
+}
+"""  # noqa: E501
+# fmt: on
+
+
+def test_schedule_window_an_async_gather_with_a_product_between_start_and_done_is_hidden():
+    found = {c.name: c for c in hlo.collectives(SCHEDULED, num_devices=8)}
+    assert found["hid-start"].window == ("mm",) and found["hid-start"].hidden
+    assert found["hid-start"].scheduled_in == "main"
+    # Back to back (a get-tuple-element between computes nothing), and synchronous: exposed.
+    assert found["bare-start"].window == () and not found["bare-start"].hidden
+    assert found["sync"].window == () and not found["sync"].hidden
+    split = hlo.exposure(list(found.values()))
+    assert split["hidden"] == pytest.approx(found["hid-start"].ring_bytes)
+    assert split["exposed"] == pytest.approx(found["bare-start"].ring_bytes + found["sync"].ring_bytes)
+
+
+def test_schedule_window_of_the_tpus_start_continuation_and_done_fusions():
+    """A copy of the collective in each of three fusions (one channel): the window runs from the
+    start fusion to the done fusion, a continuation is not compute, a product between them is."""
+    gather = (
+        "  %{name} = bf16[4,32]{{1,0}} all-gather(%p), channel_id=9, replica_groups=[2,4]<=[8], "
+        "dimensions={{1}}"
+    )
+    parts = ["start", "cont", "done"]
+    text = "".join(
+        f"%{part} (p: bf16[4,8]) -> bf16[4,32] {{\n  %p = bf16[4,8]{{1,0}} parameter(0)\n"
+        f"{gather.format(name='all-gather.' + part)}\n}}\n\n"
+        for part in parts
+    )
+    text += SCHEDULED.split("ENTRY")[0].split("\n", 2)[2]  # %fused_dot
+    text += """ENTRY %main (a: bf16[4,8], x: f32[64,32], w: f32[32,16]) -> bf16[4,32] {
+  %a = bf16[4,8]{1,0} parameter(0)
+  %x = f32[64,32]{1,0} parameter(1)
+  %w = f32[32,16]{1,0} parameter(2)
+  %f0 = bf16[4,32]{1,0} fusion(%a), kind=kCustom, calls=%start
+  %f1 = bf16[4,32]{1,0} fusion(%f0), kind=kCustom, calls=%cont
+  %mm = f32[64,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot
+  ROOT %f2 = bf16[4,32]{1,0} fusion(%f1), kind=kCustom, calls=%done
+}
+"""
+    (found,) = hlo.collectives(text, num_devices=8)
+    assert found.window == ("mm",) and found.scheduled_in == "main"
+    back_to_back = text.replace(
+        "  %mm = f32[64,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot\n", ""
+    )
+    (found,) = hlo.collectives(back_to_back, num_devices=8)
+    assert found.window == ()
+    # A continuation fusion that carries the gather's progress beside a product of its own computes.
+    computing = back_to_back.replace(
+        "  %all-gather.cont = ",
+        "  %q = bf16[8,8]{1,0} dot(%p, %p), lhs_contracting_dims={0}, rhs_contracting_dims={0}\n"
+        "  %all-gather.cont = ",
+    )
+    (found,) = hlo.collectives(computing, num_devices=8)
+    assert found.window == ("f1",)
+
+
+def test_instruction_costs_count_products_in_fusions_and_loops():
+    from gspmd_tp.sharding import hlo_cost
+
+    costs = hlo_cost.Costs(SCHEDULED)
+    index = [name for name, *_ in costs.parsed["main"]].index("mm")
+    flops, moved = costs.flops_and_bytes("main", index)
+    assert flops == 2 * 64 * 16 * 32 and moved == (64 * 32 + 32 * 16 + 64 * 16) * 4
+    # The collectives cost nothing here; the add reads two operands and writes one.
+    total, per = costs.seconds(lambda f, b: f + b)
+    assert per["main", "hid-start"] == per["main", "sync"] == 0
+    assert per["main", "r"] == 3 * 64 * 64 * 4
+    assert total == pytest.approx(flops + moved + 3 * 64 * 64 * 4)
+    # A loop costs its body times its trip count (3 and 5 for PROGRAM's two loops).
+    program = PROGRAM.replace(
+        "  ROOT %t = (s32[], f32[8]{0}) tuple(%i2, %ar)",
+        "  %y = f32[8]{0} negate(%ar)\n  ROOT %t = (s32[], f32[8]{0}) tuple(%i2, %y)",
+    )
+    looped, _ = hlo_cost.Costs(program).seconds(lambda f, b: f + b)
+    assert looped == (3 + 5) * 2 * 8 * 4
+
+
+def test_a_cublas_gemm_custom_call_counts_its_flops():
+    from gspmd_tp.sharding import hlo_cost
+
+    text = """\
+ENTRY %main (a: bf16[32,64], b: bf16[64,16]) -> bf16[32,16] {
+  %a = bf16[32,64]{1,0} parameter(0)
+  %b = bf16[64,16]{1,0} parameter(1)
+  ROOT %g = (bf16[32,16]{1,0}, s8[1024]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+}
+"""  # noqa: E501
+    flops, moved = hlo_cost.Costs(text).flops_and_bytes("main", 2)
+    assert flops == 2 * 32 * 16 * 64 and moved == (32 * 64 + 64 * 16 + 32 * 16) * 2 + 1024

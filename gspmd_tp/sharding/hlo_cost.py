@@ -1,0 +1,135 @@
+"""What each instruction of a compiled (scheduled) HLO module computes and moves: matrix-product
+FLOPs and the bytes of its operands and results, and the seconds a step's compute takes at rates
+the caller gives. Collectives cost nothing here; hlo.py reads them and their windows.
+
+Bytes count whole operands and results (an upper bound where a fusion reads a slice); FLOPs count
+dots and convolutions (in fusions too), not elementwise work, which memory bounds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+
+from gspmd_tp.sharding import hlo
+
+_SIMPLE_SHAPE = re.compile(r"^(pred|bf16|[subfc]\d+)\[([\d,]*)\]")
+_NO_COST = hlo.NO_WORK | {"copy-start", "copy-done"}
+_GEMM = re.compile(r'custom_call_target="[^"]*(gemm|matmul)', re.IGNORECASE)  # cuBLAS, cuBLASLt
+
+
+def _dims(type_text: str) -> list[int]:
+    m = _SIMPLE_SHAPE.match(type_text.strip())
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _product_flops(op: str, result: str, rest: str, types: dict[str, str]) -> float:
+    """FLOPs of one dot or convolution: 2 x result elements x contracted elements."""
+    names = hlo.operands(rest)
+    out = math.prod(_dims(result.lstrip("(")))  # a GEMM custom call's (result, workspace): the first
+    if op in ("dot", "custom-call"):
+        lhs = _dims(types.get(names[0], "")) if names else []
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+        if m:
+            contracted = [int(i) for i in m.group(1).split(",") if i]
+        else:  # a GEMM custom call's backend_config: "lhs_contracting_dimensions":["1"]
+            m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
+            contracted = [int(i) for i in re.findall(r"\d+", m.group(1))] if m else []
+        return 2.0 * out * math.prod(lhs[i] for i in contracted if i < len(lhs))
+    kernel = _dims(types.get(names[1], "")) if len(names) > 1 else []
+    m = re.search(r"dim_labels=\w+_(\w+)->", rest)
+    out_features = kernel[m.group(1).index("o")] if m and "o" in m.group(1) and kernel else 1
+    return 2.0 * out * math.prod(kernel) / max(out_features, 1)
+
+
+class Costs:
+    """The instructions of one HLO module, parsed once: flops_and_bytes per instruction, and
+    seconds() of a computation (loops and calls inside it included) at given rates."""
+
+    def __init__(self, text: str):
+        self.comps, self.entry = hlo.computations(text)
+        self.parsed = {
+            c: [m.groups() for line in lines if (m := hlo.INSTRUCTION.match(line))]
+            for c, lines in self.comps.items()
+        }
+        self.types = {c: {name: t for name, t, _, _ in instrs} for c, instrs in self.parsed.items()}
+        # Computations that hold a collective and compute nothing: the instructions calling them
+        # transfer (a TPU continuation fusion that also computes costs what it computes).
+        self.transfers = {c for c, lines in self.comps.items() if hlo.transfer_only(lines)}
+        self._flops: dict[str, float] = {}
+
+    def _called_flops(self, comp: str) -> float:
+        """Matrix-product FLOPs inside a fused computation (nested fusions included)."""
+        if comp not in self._flops:
+            total = 0.0
+            for _, result, op, rest in self.parsed.get(comp, []):
+                if op in ("dot", "convolution"):
+                    total += _product_flops(op, result, rest, self.types[comp])
+                elif op == "fusion":
+                    m = re.search(r"\bcalls=%?([\w.\-]+)", rest)
+                    total += self._called_flops(m.group(1)) if m else 0.0
+            self._flops[comp] = total
+        return self._flops[comp]
+
+    def flops_and_bytes(self, comp: str, index: int) -> tuple[float, float]:
+        """(matrix-product FLOPs, bytes read and written) of one run of instruction `index` of
+        `comp`, not counting what a loop or call it makes does (seconds() adds that)."""
+        name, result, op, rest = self.parsed[comp][index]
+        called = re.search(r"\bcalls=%?([\w.\-]+)", rest)
+        if (
+            op in _NO_COST
+            or op in ("while", "call", "conditional")
+            or op.removesuffix("-start").removesuffix("-done") in hlo.KINDS
+            or op.startswith("async-")
+            or (called and called.group(1) in self.transfers)
+        ):
+            return 0.0, 0.0
+        types = self.types[comp]
+        moved = hlo.shape_bytes(result) + sum(hlo.shape_bytes(types.get(o, "")) for o in hlo.operands(rest))
+        if op in ("dot", "convolution") or (op == "custom-call" and _GEMM.search(rest)):
+            return _product_flops(op, result, rest, types), moved
+        if op == "fusion" and called:
+            return self._called_flops(called.group(1)), moved
+        return 0.0, moved
+
+    def seconds(
+        self, seconds_of: Callable[[float, float], float], comp: str | None = None
+    ) -> tuple[float, dict[tuple[str, str], float]]:
+        """(seconds of one run of `comp`, the entry unless given, and {(computation, instruction):
+        seconds of one run of it}), each instruction costing seconds_of(flops, bytes); a while loop
+        costs its body times its trip count, a call its computation, a conditional its dearest
+        branch."""
+        per: dict[tuple[str, str], float] = {}
+
+        def run(c: str) -> float:
+            total = 0.0
+            for i, (name, _, op, rest) in enumerate(self.parsed.get(c, [])):
+                if op == "while":
+                    body = re.search(r"\bbody=%?([\w.\-]+)", rest)
+                    trips = hlo.trip_count(_line(self.comps[c], name), self.comps)
+                    t = trips * run(body.group(1)) if body else 0.0
+                elif op == "call":
+                    m = re.search(r"\bto_apply=%?([\w.\-]+)", rest)
+                    t = run(m.group(1)) if m else 0.0
+                elif op == "conditional":
+                    m = re.search(r"branch_computations=\{([^}]*)\}", rest)
+                    branches = re.findall(r"%?([\w.\-]+)", m.group(1)) if m else []
+                    t = max((run(b) for b in branches), default=0.0)
+                else:
+                    flops, moved = self.flops_and_bytes(c, i)
+                    t = seconds_of(flops, moved) if flops or moved else 0.0
+                per[c, name] = t
+                total += t
+            return total
+
+        return run(comp or self.entry), per
+
+
+def _line(lines: list[str], name: str) -> str:
+    """The line of `lines` that defines instruction `name`."""
+    for line in lines:
+        m = hlo.INSTRUCTION.match(line)
+        if m and m.group(1) == name:
+            return line
+    raise KeyError(name)
