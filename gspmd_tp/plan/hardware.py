@@ -9,7 +9,8 @@ import math
 import os
 
 from gspmd_tp.job.errors import UserError
-from gspmd_tp.sharding import hlo
+from gspmd_tp.plan import calibration
+from gspmd_tp.sharding import hlo, hlo_cost
 from gspmd_tp.train import run_setup
 
 # Per chip, from the Cloud TPU system-architecture pages (cloud.google.com/tpu/docs): HBM
@@ -197,13 +198,17 @@ def _chip(device_kind: str) -> dict | None:
                  if device_kind.startswith(k)), None)  # fmt: skip
 
 
-def estimate(s: run_setup.Setup, stats, found: list, target: str, network_gbps: float | None = None) -> dict:
-    """Memory fit and a step-time estimate for a TPU or GPU target: compute = FLOPs / peak,
-    communication = each collective's ring bytes / the bandwidth it runs at, added (no overlap
-    assumed). A collective inside one island (a TPU slice, a GPU host) runs at the interconnect's
-    bandwidth (ICI, NVLink); one whose groups span islands at the network's (DCN, the hosts' NICs),
-    times the fewest devices its group has in one island (each device's share goes through its
-    own NIC, as NCCL's rings and the TPU's hierarchical reductions do), at most the interconnect's.
+def estimate(
+    s: run_setup.Setup, stats, found: list, target: str, network_gbps: float | None = None, text: str = ""
+) -> dict:
+    """Memory fit and a step-time estimate for a TPU or GPU target from the chip table: compute =
+    FLOPs / peak, communication = each collective's ring bytes / the bandwidth it runs at, less
+    what the compute the schedule places between its start and its done (the compiled step's
+    `text`, its products at peak) can hide: compute + exposed communication. A collective
+    inside one island (a TPU slice, a GPU host) runs at the interconnect's bandwidth (ICI,
+    NVLink); one whose groups span islands at the network's (DCN, the hosts' NICs), times the
+    fewest devices its group has in one island (each device's share goes through its own NIC, as
+    NCCL's rings and the TPU's hierarchical reductions do), at most the interconnect's.
     `network_gbps` (per chip or GPU) overrides the table. On GPUs the memory is JAX's share
     (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unset). An estimate, not a measurement."""
     from gspmd_tp.model.params import flops_per_token
@@ -247,14 +252,24 @@ def estimate(s: run_setup.Setup, stats, found: list, target: str, network_gbps: 
     compute_s = step_flops / s.mesh.size / flops
     link_s = near / link
     network_s = sum(c.ring_bytes_per_call / min(link, c.per_island * network) for c in far)
+
+    def comm_seconds(c) -> float:  # one execution
+        return c.ring_bytes / (min(link, c.per_island * network) if c.islands > 1 else link)
+
+    memory_bandwidth = chip.get("memory_bandwidth")  # GPUs'; the TPU table has none: products alone
+    per = hlo_cost.Costs(text).seconds(
+        lambda f, b: f / flops + (b / memory_bandwidth if memory_bandwidth else 0.0)
+    )[1] if text else {}  # fmt: skip
+    comm = calibration.exposed(found, comm_seconds, per)
     return {
         **out,
+        "source": "chip table (no calibration)",
         "network_bandwidth": network,
         "compute_s": compute_s,
-        "comm_s": link_s + network_s,
         "comm_link_s": link_s,
         "comm_network_s": network_s,
-        "step_s_estimate": compute_s + link_s + network_s,
+        **comm,
+        "step_s_estimate": compute_s + comm["comm_exposed_s"],
     }
 
 

@@ -49,7 +49,7 @@ import numpy as np
 
 from gspmd_tp.job import output_paths
 from gspmd_tp.job.errors import UserError, exit_from_main, interrupted, no_positional_arguments
-from gspmd_tp.plan import analysis, hardware
+from gspmd_tp.plan import analysis, calibration, hardware
 from gspmd_tp.sharding import hlo
 from gspmd_tp.sharding.mesh import mesh_file_name, mesh_string, parse_mesh
 from gspmd_tp.sharding.rules import (
@@ -72,6 +72,7 @@ def plan(
     s: run_setup.Setup | None = None,
     label: str | None = None,
     network_gbps: float | None = None,
+    cal: calibration.Calibration | None = None,
 ) -> dict:
     """Everything plan reports for one config (rule file and mesh included), as a JSON-able dict.
 
@@ -79,9 +80,13 @@ def plan(
     devices; `s` is the config's setup where it is already made. With `dump_hlo` the compiled
     step's HLO goes to DIR/LABEL_MESH.hlo.txt, LABEL the rule file's name unless given.
     `network_gbps` is the bandwidth between hosts or slices, per chip, for the target's estimate.
+    With `cal` (calibration.load) the step time is estimated from its measurements, which must be
+    of the plan's device kind, instead of the chip table.
     """
     if s is None:
         s = run_setup.setup(config, hardware.target_devices(target, slices) if target else None)
+    if cal is not None:
+        cal.check_kind(s.mesh.devices.flat[0].device_kind)  # before anything compiles
     rows = analysis.leaf_table(s)
     with hardware.no_cache_writes() if target else contextlib.nullcontext():
         compiled = step_lib.compile_train_step(s)
@@ -109,7 +114,11 @@ def plan(
     analytical = analysis.analytical_bytes(s, rows, backend)
     measured = sum(v["ring_bytes_per_device"] for v in collectives.values())
     asked = hlo.summarize(hlo.as_asked(found))
-    estimate = hardware.estimate(s, stats, found, target, network_gbps) if target else None
+    estimate = hardware.estimate(s, stats, found, target, network_gbps, text) if target else None
+    if cal is not None:  # the measured figures replace the chip table's times; the fit stays
+        timed = calibration.estimate(cal, found, text)
+        estimate = {**{k: v for k, v in (estimate or {}).items() if not k.startswith("comm_")}, **timed}
+    schedule = hlo.exposure(found)
     return {
         "target": target,
         "device_kind": device.device_kind,
@@ -141,6 +150,9 @@ def plan(
         "program_bytes_per_device": sum(v["ring_bytes_per_device"] for v in asked.values()),
         # Of which between GPU hosts or TPU slices.
         "network_bytes_per_device": hlo.network_bytes(found),
+        # By the compiled schedule: bytes of collectives with compute between their start and done.
+        "exposed_bytes_per_device": schedule["exposed"],
+        "hidden_bytes_per_device": schedule["hidden"],
         "analytical_bytes_per_device": analytical["total"],
         "analytical": analytical,
         # No ratio against a total that leaves out some of the sharding (analysis.analytical_bytes).
@@ -157,6 +169,7 @@ def plan(
                 "executions": c.executions,
                 "ring_bytes_per_device": c.ring_bytes_per_call,
                 "op_name": c.op_name,
+                "overlapped_with": len(c.window),  # compute instructions between its start and done
             }
             for c in largest
         ],
@@ -170,15 +183,24 @@ def _mb(x: float) -> str:
 def _estimate_lines(t: dict | None) -> list[str]:
     if not t:
         return []
-    if "fits" not in t:
+    lines = []
+    if "hbm_per_device" in t:
+        verdict = "fits" if t["fits"] else "DOES NOT FIT"
+        share = t.get("memory_fraction")
+        of = f" (JAX's {share:.0%} of the GPU; XLA_PYTHON_CLIENT_MEM_FRACTION sets it)" if share else ""
+        needed, per_device = _mb(t["hbm_needed"]), _mb(t["hbm_per_device"])
+        lines.append(f"  HBM needed / per device {needed:>14} / {per_device}{of}: {verdict}")
+    elif "step_s_estimate" not in t:
         return [f"  {t['device_kind']}: no memory/peak figures in the table; no fit or time estimate"]
-    verdict = "fits" if t["fits"] else "DOES NOT FIT"
-    share = t.get("memory_fraction")
-    of = f" (JAX's {share:.0%} of the GPU; XLA_PYTHON_CLIENT_MEM_FRACTION sets it)" if share else ""
-    lines = [
-        f"  HBM needed / per device {_mb(t['hbm_needed']):>14} / {_mb(t['hbm_per_device'])}{of}: {verdict}"
-    ]
-    if "step_s_estimate" in t:
+    if "step_s_estimate" in t and "comm_link_s" not in t:  # from a calibration
+        step, compute, comm, hidden = (
+            t[k] * 1e3 for k in ("step_s_estimate", "compute_s", "comm_exposed_s", "comm_hidden_s")
+        )
+        lines.append(
+            f"  step time estimate: {step:.2f} ms (compute {compute:.2f} ms + exposed communication "
+            f"{comm:.2f} ms; {hidden:.2f} ms hidden by the schedule) from {t['source']}"
+        )
+    elif "step_s_estimate" in t:
         step, compute, link = (t[k] * 1e3 for k in ("step_s_estimate", "compute_s", "comm_link_s"))
         comm = f"{link:.2f} ms at {t['link']} bandwidth"
         if t["network_bytes_per_device"]:
@@ -186,9 +208,10 @@ def _estimate_lines(t: dict | None) -> list[str]:
             per = "GPU" if t.get("memory_fraction") else "chip"
             network = f"{t['comm_network_s'] * 1e3:.2f} ms over the {t['network']}"
             comm += f" + {network} at {gbps:g} Gb/s per {per}"
+        hidden = t["comm_hidden_s"] * 1e3
         lines.append(
             f"  step time estimate: {step:.2f} ms (compute {compute:.2f} ms at peak + communication "
-            f"{comm}; no overlap assumed)"
+            f"{comm}, less {hidden:.2f} ms the schedule hides; {t['source']})"
         )
     else:
         lines.append(
@@ -256,6 +279,8 @@ def format_plan(p: dict) -> str:
         asked = _mb(p["program_bytes_per_device"])
         note = "(XLA:CPU runs bf16 all-reduces in f32)"
         lines.append(f"  {'in the dtypes the program asked for':<40} {'':>8} {'':>14} {asked:>14}  {note}")
+    for label, key in (("exposed in the schedule", "exposed"), ("overlapped with compute", "hidden")):
+        lines.append(f"  {'of which ' + label:<40} {'':>8} {'':>14} {_mb(p[key + '_bytes_per_device']):>14}")
     if p["network_bytes_per_device"]:
         between = "GPU hosts" if p["backend"] == "gpu" else "slices (DCN)"
         lines.append(f"  {'of which between ' + between:<40} {'':>8} {'':>14} "
@@ -294,6 +319,7 @@ def compare(
     slices: int = 1,
     dump_hlo: str | None = None,
     network_gbps: float | None = None,
+    cal: calibration.Calibration | None = None,
 ) -> list[dict]:
     """plan() for every rule file x mesh whose axes are the rule file's mesh_axes (rule files with
     other axis names compare with meshes in theirs). Every combination is set up before anything
@@ -335,7 +361,7 @@ def compare(
     if all(s is None for _, _, s in prepared):
         raise UserError(f"no rule file x mesh of --compare fits this model; first: {prepared[0][1]['error']}")
     return [
-        plan(c, dump_hlo, target, slices, s=s, label=labels[rules], network_gbps=network_gbps)
+        plan(c, dump_hlo, target, slices, s=s, label=labels[rules], network_gbps=network_gbps, cal=cal)
         if s is not None
         else c
         for rules, c, s in prepared
@@ -357,7 +383,9 @@ def format_compare(results: list[dict]) -> str:
         head += f" {'of which net':>13}"
     lines = [head]
     timed = [
-        r for r in results if (r.get("estimate") or {}).get("fits") and "step_s_estimate" in r["estimate"]
+        r
+        for r in results
+        if (r.get("estimate") or {}).get("fits", True) and "step_s_estimate" in (r.get("estimate") or {})
     ]
     best = min(timed, key=lambda r: r["estimate"]["step_s_estimate"]) if timed else None
     if timed:
@@ -378,7 +406,8 @@ def format_compare(results: list[dict]) -> str:
             lines[-1] += f" {_mb(r['network_bytes_per_device']):>13}"
         t = r.get("estimate") or {}
         if "step_s_estimate" in t:
-            lines[-1] += f" {t['step_s_estimate'] * 1e3:>8.2f}ms {'yes' if t['fits'] else 'NO':>5}"
+            fits = {True: "yes", False: "NO"}.get(t.get("fits"), "-")
+            lines[-1] += f" {t['step_s_estimate'] * 1e3:>8.2f}ms {fits:>5}"
             lines[-1] += "  <- best" if r is best else ""
     for r in results:
         if "error" not in r and r["analytical"]["unmodelled"]:
@@ -472,6 +501,7 @@ def main(argv) -> None:
     config = _CONFIG.value
     network = _NETWORK_GBPS.value
     try:
+        cal = calibration.load(_CALIBRATION.value) if _CALIBRATION.value else None
         rules_list = check_flags(
             _COMPARE.value,
             _MESHES.value,
@@ -484,7 +514,7 @@ def main(argv) -> None:
         if rules_list:
             meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
             results = compare(
-                config, rules_list, meshes, _TARGET.value, _SLICES.value, _DUMP_HLO.value, network
+                config, rules_list, meshes, _TARGET.value, _SLICES.value, _DUMP_HLO.value, network, cal
             )
             if _CHART.value:
                 chart(results, _CHART.value)
@@ -492,7 +522,7 @@ def main(argv) -> None:
             if _CHART.value and not _JSON.value:
                 print(f"chart: {_CHART.value}")
         else:
-            p = plan(config, _DUMP_HLO.value, _TARGET.value, _SLICES.value, network_gbps=network)
+            p = plan(config, _DUMP_HLO.value, _TARGET.value, _SLICES.value, network_gbps=network, cal=cal)
             print(json.dumps(p) if _JSON.value else format_plan(p))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -532,5 +562,11 @@ if __name__ == "__main__":
         None,
         "With --target: the network between GPU hosts or TPU slices, in Gb/s per GPU or chip each way "
         "(default: a DGX's NIC per GPU; the DCN of TPU v5e and v5p).",
+    )
+    _CALIBRATION = paths.define_flag(
+        "calibration",
+        None,
+        "Estimate the step time from this file's measurements (python -m gspmd_tp.plan calibrate) "
+        "instead of the chip table; it must be of the plan's device kind.",
     )
     entry.run(main, flags_parser=parse_flags)

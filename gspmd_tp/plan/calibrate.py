@@ -1,0 +1,258 @@
+"""Measure the devices at hand for plan's estimate (plan --calibration=FILE reads what it writes).
+
+    python -m gspmd_tp.plan calibrate --out=calibration.json [--meshes="dp=4,mp=2 dp=2,mp=4"] \
+        [--sizes=4096,65536,1048576,16777216] [--matmul_sizes=512,2048,8192] [--repeats=3 --inner=4]
+
+For every mesh axis of every mesh (each axis and group size once): all-gather, reduce-scatter,
+all-reduce and collective-permute over message sizes (the bytes of the result on one device), with
+every device taking part; then, on all devices at once, the rate of a square matrix product at
+several sizes and of an elementwise pass over arrays of several sizes (the memory-bound parts).
+Each figure is one trip of a loop that repeats the operation, the call's own overhead taken out
+(a call of 1 + inner trips less a call of 1). The file names the device kind, the meshes and the
+date; plan refuses it for devices of another kind.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__":  # simulated devices must be requested before jax is imported
+    from gspmd_tp.job import entry
+
+    entry.begin(devices=8)
+
+import datetime
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gspmd_tp.job import output_paths
+from gspmd_tp.job.errors import UserError, exit_from_main, interrupted, no_positional_arguments
+from gspmd_tp.plan import calibration
+from gspmd_tp.sharding import hlo
+from gspmd_tp.sharding.mesh import make_mesh, parse_mesh
+
+SIZES = tuple(4**k * 4096 for k in range(8))  # 4 KiB to 64 MiB
+MATMUL_SIZES = (64, 128, 256, 512, 1024)
+MEMORY_SIZES = tuple(4**k * 16384 for k in range(7))  # 16 KiB to 64 MiB read and written
+
+
+def default_meshes(count: int) -> list[str]:
+    """Every split of `count` devices into dp x mp by powers of two: each group size on each axis."""
+    return [f"dp={count // k},mp={k}" for k in (2**i for i in range(count.bit_length())) if count % k == 0]
+
+
+def _timed(fn, args, inner: int, repeats: int) -> float:
+    """Seconds of one trip of fn's loop: fn(*args, trips) for 1 and 1 + inner trips, the best of
+    `repeats` calls each, the difference over `inner` (the call's own overhead cancels)."""
+    jax.block_until_ready(fn(*args, np.int32(1)))  # compiles
+
+    def best(trips: int) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args, np.int32(trips)))
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return max((best(1 + inner) - best(1)) / inner, 1e-9)
+
+
+def _loop(body):
+    """A function of (x, trips) that applies body(i, x) `trips` times."""
+    return lambda x, trips: jax.lax.fori_loop(0, trips, body, x)
+
+
+def _collective(kind: str, axis: str, g: int, m: int):
+    """(loop body on one device's block, its block length) for `kind` over `axis` (g devices), its
+    result m float32 elements per device."""
+    if kind == "all-reduce":
+        return (lambda i, x: jax.lax.psum(x, axis)), m
+    if kind == "all-gather":
+        piece = m // g
+
+        def gather(i, x):
+            y = jax.lax.all_gather(x, axis, tiled=True)
+            return jax.lax.dynamic_slice_in_dim(y, (i % g) * piece, piece)
+
+        return gather, piece
+    if kind == "reduce-scatter":
+
+        def scatter(i, x):
+            r = jax.lax.psum_scatter(x, axis, tiled=True)
+            return jax.lax.dynamic_update_slice_in_dim(x, r, (i % g) * m, 0)
+
+        return scatter, m * g
+    ring = [(j, (j + 1) % g) for j in range(g)]
+    return (lambda i, x: jax.lax.ppermute(x, axis, ring)), m
+
+
+def _per_device(mesh, block_shape, body, inner: int, repeats: int, fill=1.0) -> float:
+    """Seconds of one trip of `body` run by every device of `mesh` on a block of its own."""
+    axes = tuple(mesh.axis_names)
+    spec = P(axes)
+    shape = (mesh.size * block_shape[0], *block_shape[1:])
+    x = jax.device_put(jnp.full(shape, fill, jnp.float32), NamedSharding(mesh, spec))
+    mapped = jax.shard_map(_loop(body), mesh=mesh, in_specs=(spec, P()), out_specs=spec, check_vma=False)
+    return _timed(jax.jit(mapped), (x,), inner, repeats)
+
+
+def measure(
+    meshes: list[str],
+    sizes=SIZES,
+    matmul_sizes=MATMUL_SIZES,
+    memory_sizes=MEMORY_SIZES,
+    inner: int = 4,
+    repeats: int = 3,
+    devices=None,
+    log=None,
+    dtype: str = "float32",
+) -> dict:
+    """The calibration of `devices` (all of them unless given), the matrix products in `dtype`:
+    see the module's docstring."""
+    devices = list(devices if devices is not None else jax.devices())
+    rows, seen = [], set()
+    for spec in meshes:
+        sizes_of = parse_mesh(spec, len(devices))
+        mesh = make_mesh(spec, list(sizes_of), devices)
+        for axis, g in sizes_of.items():
+            if g == 1 or (axis, g) in seen:
+                continue
+            seen.add((axis, g))
+            for kind in calibration.KINDS:
+                measured = []
+                for size in sizes:
+                    m = max(g, size // 4 // g * g)  # float32 elements, divisible by the group
+                    body, block = _collective(kind, axis, g, m)
+                    measured.append((m * 4, _per_device(mesh, (block,), body, inner, repeats)))
+                c = hlo.Collective(kind, "", "", measured[-1][0], g, 1)
+                rows.append({
+                    "kind": kind, "axis": axis, "mesh": spec, "group_size": g,
+                    "bytes": [b for b, _ in measured], "seconds": [t for _, t in measured],
+                    "latency_s": measured[0][1],
+                    "bandwidth": c.ring_bytes / measured[-1][1],  # ring bytes/s per device, largest size
+                })  # fmt: skip
+                if log:
+                    log(f"{kind:<18} {axis}={g}: {measured[0][1] * 1e6:,.0f} us at {measured[0][0]:,} B, "
+                        f"{rows[-1]['bandwidth'] / 1e9:,.2f} GB/s at {measured[-1][0]:,} B")  # fmt: skip
+    flat = make_mesh(f"d={len(devices)}", ["d"], devices)
+    matmul = []
+    product = jax.shard_map(  # x @ w repeated; w is the identity, so x stays what it was
+        lambda x, w, trips: jax.lax.fori_loop(0, trips, lambda i, y: y @ w, x),
+        mesh=flat, in_specs=(P("d"), P("d"), P()), out_specs=P("d"), check_vma=False,
+    )  # fmt: skip
+    for n in matmul_sizes:
+        w = jnp.tile(jnp.eye(n, dtype=dtype), (len(devices), 1))
+        x = jnp.ones((len(devices) * n, n), dtype)
+        args = [jax.device_put(a, NamedSharding(flat, P("d"))) for a in (x, w)]
+        matmul.append((2.0 * n**3, _timed(jax.jit(product), args, inner, repeats)))
+    memory = []
+    for size in memory_sizes:
+        m = size // 8  # read and written: 8 bytes an element
+        memory.append((8.0 * m, _per_device(flat, (m,), lambda i, x: x * 0.999 + 0.001, inner, repeats)))
+    if log:
+        (flops, t), (moved, u) = matmul[-1], memory[-1]
+        log(f"matmul {matmul_sizes[-1]}^3: {flops / t / 1e9:,.1f} GFLOP/s per device; "
+            f"elementwise {moved:,.0f} B: {moved / u / 1e9:,.2f} GB/s per device")  # fmt: skip
+    return {
+        "format": calibration.FORMAT,
+        "device_kind": devices[0].device_kind,
+        "platform": devices[0].platform,
+        "devices": len(devices),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+        "meshes": list(meshes),
+        "collectives": rows,
+        "matmul": {
+            "dtype": dtype,
+            "flops": [f for f, _ in matmul],
+            "seconds": [t for _, t in matmul],
+            "flops_per_sec": [f / t for f, t in matmul],
+        },
+        "memory": {
+            "bytes": [b for b, _ in memory],
+            "seconds": [t for _, t in memory],
+            "bytes_per_sec": [b / t for b, t in memory],
+        },
+    }
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",")})
+    except ValueError:
+        raise UserError(f"{flag}={text}: expected comma-separated integers") from None
+    if not values or values[0] < 1:
+        raise UserError(f"{flag}={text}: sizes must be positive")
+    return values
+
+
+def main(argv) -> None:
+    """CLI: python -m gspmd_tp.plan calibrate --out=FILE [--meshes=... --sizes=...]."""
+    no_positional_arguments(argv)
+    try:
+        out = _OUT.value
+        if not out:
+            raise UserError("--out=FILE is required: where the calibration is written")
+        output_paths.check_file(out, "--out", probe=True)
+        meshes = _MESHES.value.split() if _MESHES.value else default_meshes(jax.device_count())
+        for spec in meshes:
+            parse_mesh(spec, jax.device_count())  # a bad mesh is one line before anything runs
+        if _INNER.value < 1 or _REPEATS.value < 1:
+            raise UserError(f"--inner={_INNER.value} and --repeats={_REPEATS.value} must be at least 1")
+        sizes = _ints(_SIZES.value, "--sizes") if _SIZES.value else SIZES
+        # The products in the dtype steps compute in: float32 on CPU (bf16 is slower there), else bf16.
+        dtype = _DTYPE.value or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
+        log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        matmul = _ints(_MATMUL_SIZES.value, "--matmul_sizes") if _MATMUL_SIZES.value else MATMUL_SIZES
+        memory = _ints(_MEMORY_SIZES.value, "--memory_sizes") if _MEMORY_SIZES.value else MEMORY_SIZES
+        data = measure(meshes, sizes, matmul, memory, _INNER.value, _REPEATS.value, log=log, dtype=dtype)
+        with output_paths.whole_file(out) as partial, open(partial, "w") as f:
+            json.dump(data, f, indent=1)
+        where = f"{data['devices']} {data['device_kind']} devices"
+        print(f"calibration: {out} ({where}, {len(data['collectives'])} collective series)")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        exit_from_main(interrupted(f"--out={_OUT.value} is as it was"))
+
+
+if __name__ == "__main__":
+    import functools
+
+    from absl import flags
+
+    from gspmd_tp.job import paths
+    from gspmd_tp.job.errors import parse_flags
+
+    _OUT = paths.define_flag("out", "", "Write the calibration (JSON) here.")
+    _MESHES = flags.DEFINE_string(
+        "meshes", "", "Space-separated meshes whose axes are measured (default: every dp x mp split)."
+    )
+    _SIZES = flags.DEFINE_string(
+        "sizes", "", "Comma-separated message sizes in bytes (default 4 KiB to 64 MiB)."
+    )
+    _INNER = flags.DEFINE_integer(
+        "inner", 4, "Loop trips timed per call (beyond the one the call's overhead is)."
+    )
+    _MATMUL_SIZES = flags.DEFINE_string(
+        "matmul_sizes", "", "Comma-separated sides of the square products (default 64 to 1024)."
+    )
+    _MEMORY_SIZES = flags.DEFINE_string(
+        "memory_sizes",
+        "",
+        "Comma-separated bytes an elementwise pass reads and writes (default 16 KiB to 64 MiB).",
+    )
+    _DTYPE = flags.DEFINE_enum(
+        "dtype",
+        "",
+        ["", "float32", "bfloat16"],
+        "The matrix products' dtype (default: float32 on CPU, else bfloat16).",
+    )
+    _REPEATS = flags.DEFINE_integer("repeats", 3, "Calls timed per figure (the best is kept).")
+    entry.run(main, flags_parser=functools.partial(parse_flags, load=False))  # no --config

@@ -1,0 +1,149 @@
+"""A calibration file (written by `python -m gspmd_tp.plan calibrate`, calibrate.py) read for plan's
+estimate: collective times by kind, group size and message size; the matmul rate and a memory-bound
+rate by size. Times between measured sizes are interpolated; beyond the largest, extended at the
+last measured slope.
+
+The estimate of a step: each instruction of the compiled step at these rates (hlo_cost), plus each
+collective's time less the compute the schedule places between its start and its done (hlo's
+window): compute plus exposed communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+
+from gspmd_tp.job.errors import UserError
+from gspmd_tp.sharding import hlo, hlo_cost
+
+FORMAT = 1
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+
+
+def _interp(x: float, xs: list[float], ys: list[float], floor: bool = True) -> float:
+    """ys at x, linear between points, at the last segment's slope above them, and below the first
+    flat (`floor`: a latency) or in proportion."""
+    if x <= xs[0]:
+        return ys[0] if floor else ys[0] * x / xs[0]
+    if len(xs) == 1:
+        return ys[-1] * x / xs[-1]
+    if x >= xs[-1]:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + max(slope, 0.0) * (x - xs[-1])
+    return float(np.interp(x, xs, ys))
+
+
+@dataclasses.dataclass
+class Calibration:
+    """A calibration file's figures, checked."""
+
+    path: str
+    data: dict
+
+    @property
+    def device_kind(self) -> str:
+        """The device kind it was measured on."""
+        return self.data["device_kind"]
+
+    def label(self) -> str:
+        """How reports name it: the file, the device kind, devices and date."""
+        d = self.data
+        return f"calibration {self.path} ({d['devices']} {d['device_kind']} devices, {d['date']})"
+
+    def check_kind(self, device_kind: str) -> None:
+        """A UserError where the plan's devices are of another kind than those measured."""
+        if device_kind != self.device_kind:
+            raise UserError(
+                f"--calibration={self.path}: measured on {self.device_kind!r} devices, "
+                f"but this plan is for {device_kind!r}"
+            )
+
+    def collective_seconds(self, kind: str, group_size: int, result_bytes: float) -> float:
+        """Seconds of one collective moving `result_bytes` per device (its result) in groups of
+        `group_size`: the measurement of that kind at the nearest group size (the mean over the
+        mesh axes measured at it). An all-to-all is timed as an all-gather."""
+        if group_size <= 1:
+            return 0.0
+        kind = kind if kind in KINDS else "all-gather"
+        rows = [r for r in self.data["collectives"] if r["kind"] == kind]
+        if not rows:
+            raise UserError(f"--calibration={self.path}: measured on one device, no {kind} to time")
+        nearest = min({r["group_size"] for r in rows}, key=lambda g: (abs(g - group_size), -g))
+        rows = [r for r in rows if r["group_size"] == nearest]
+        return float(np.mean([_interp(result_bytes, r["bytes"], r["seconds"]) for r in rows]))
+
+    def compute_seconds(self, flops: float, moved: float) -> float:
+        """Seconds of one instruction: its matrix-product FLOPs at the measured matmul rate for that
+        size of product, plus its bytes at the measured memory-bound rate for that size."""
+        t = 0.0
+        if flops:
+            m = self.data["matmul"]
+            t += _interp(flops, m["flops"], m["seconds"], floor=False)
+        if moved:
+            b = self.data["memory"]
+            t += _interp(moved, b["bytes"], b["seconds"])
+        return t
+
+
+def load(path: str) -> Calibration:
+    """Reads and checks a calibration file; a UserError (one line) where it cannot serve."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise UserError(f"--calibration={path}: cannot read it ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"--calibration={path}: not a calibration file (not JSON: {e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise UserError(
+            f"--calibration={path}: not a calibration file of format {FORMAT} "
+            "(python -m gspmd_tp.plan calibrate writes one)"
+        )
+    try:
+        for key in ("device_kind", "devices", "date", "collectives", "matmul", "memory"):
+            data[key]  # noqa: B018
+        series = [(r["bytes"], r["seconds"]) for r in data["collectives"]]
+        series += [(data["matmul"]["flops"], data["matmul"]["seconds"])]
+        series += [(data["memory"]["bytes"], data["memory"]["seconds"])]
+        kinds = {r["kind"] for r in data["collectives"]}
+    except (KeyError, TypeError) as e:
+        raise UserError(f"--calibration={path}: incomplete, no {e} in it") from None
+    if kinds and kinds != set(KINDS):  # none where one device was measured
+        raise UserError(f"--calibration={path}: measures {sorted(kinds)}, expected all of {list(KINDS)}")
+    for xs, ys in series:
+        if not xs or len(xs) != len(ys) or list(xs) != sorted(xs) or min(ys) <= 0:
+            raise UserError(
+                f"--calibration={path}: a series of sizes and times that is empty, unsorted or not positive"
+            )
+    return Calibration(path, data)
+
+
+def window_seconds(c: hlo.Collective, per: dict[tuple[str, str], float]) -> float:
+    """Seconds of the compute the schedule places between collective `c`'s start and its done."""
+    return sum(per.get((c.scheduled_in, name), 0.0) for name in c.window)
+
+
+def exposed(found: list[hlo.Collective], comm_seconds, per: dict[tuple[str, str], float]) -> dict:
+    """{comm_s, comm_exposed_s, comm_hidden_s} per step: each collective's comm_seconds(c) (one
+    execution) less what its window's compute can hide, never more than that compute lasts."""
+    total = hidden = 0.0
+    for c in found:
+        t = comm_seconds(c)
+        total += t * c.executions
+        hidden += min(t, window_seconds(c, per)) * c.executions
+    return {"comm_s": total, "comm_exposed_s": total - hidden, "comm_hidden_s": hidden}
+
+
+def estimate(cal: Calibration, found: list[hlo.Collective], text: str) -> dict:
+    """The step time from a calibration: every instruction of the compiled step at the measured
+    rates, plus the collectives' measured times where the schedule leaves them exposed."""
+    compute_s, per = hlo_cost.Costs(text).seconds(cal.compute_seconds)
+    comm = exposed(found, lambda c: cal.collective_seconds(c.kind, c.group_size, c.result_bytes), per)
+    return {
+        "source": cal.label(),
+        "compute_s": compute_s,
+        **comm,
+        "step_s_estimate": compute_s + comm["comm_exposed_s"],
+    }

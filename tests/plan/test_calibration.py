@@ -1,0 +1,129 @@
+"""plan's calibration: measuring the devices at hand (tiny sizes), reading the file back, and the
+estimate it gives: compute plus the communication the compiled schedule leaves exposed."""
+
+import json
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+from conftest import ROOT, child_env, small_config
+from test_hlo import SCHEDULED
+
+from gspmd_tp.job.errors import UserError
+from gspmd_tp.plan import calibrate, calibration, planner
+from gspmd_tp.sharding import hlo, hlo_cost
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """A calibration of the 8 simulated devices at tiny sizes, one trip timed per figure, on disk."""
+    data = calibrate.measure(
+        ["dp=2,mp=4"], sizes=(4096,), matmul_sizes=(16, 32), memory_sizes=(16384,), inner=1, repeats=1
+    )
+    path = tmp_path_factory.mktemp("calibration") / "cpu.json"
+    path.write_text(json.dumps(data))
+    return str(path), data
+
+
+def test_calibrate_measures_every_collective_on_every_axis_and_the_compute_rates(measured):
+    path, data = measured
+    assert data["device_kind"] == jax.devices()[0].device_kind and data["devices"] == 8
+    assert data["meshes"] == ["dp=2,mp=4"] and data["date"].endswith("Z")
+    series = {(r["kind"], r["axis"], r["group_size"]) for r in data["collectives"]}
+    assert series == {(k, a, g) for k in calibration.KINDS for a, g in (("dp", 2), ("mp", 4))}
+    for r in data["collectives"]:
+        assert r["bytes"] == [4096] and r["seconds"][0] > 0, r
+    assert data["matmul"]["flops"] == [2 * 16**3, 2 * 32**3] and data["memory"]["bytes"] == [16384]
+    cal = calibration.load(path)
+    assert cal.collective_seconds("all-gather", 4, 4096) == pytest.approx(
+        data["collectives"][4]["seconds"][0]
+    )
+    assert cal.collective_seconds("all-reduce", 1, 4096) == 0
+
+
+def test_default_meshes_put_every_group_size_on_each_axis():
+    assert calibrate.default_meshes(8) == ["dp=8,mp=1", "dp=4,mp=2", "dp=2,mp=4", "dp=1,mp=8"]
+
+
+def _hand_made(kind="cpu") -> dict:
+    """1 ms per 1000 bytes for every collective over 4 devices, 1 GFLOP/s, 1 GB/s."""
+    rows = [
+        {"kind": k, "axis": "mp", "mesh": "dp=2,mp=4", "group_size": 4, "bytes": [1000, 2000],
+         "seconds": [1e-3, 2e-3]}
+        for k in calibration.KINDS
+    ]  # fmt: skip
+    return {
+        "format": 1, "device_kind": kind, "devices": 8, "date": "2026-01-01T00:00Z", "collectives": rows,
+        "matmul": {"flops": [1e6, 1e8], "seconds": [1e-3, 1e-1]},
+        "memory": {"bytes": [1e3, 1e6], "seconds": [1e-6, 1e-3]},
+    }  # fmt: skip
+
+
+def test_the_estimate_is_compute_plus_what_the_schedule_leaves_exposed():
+    """SCHEDULED (tests/sharding/test_hlo.py): an all-gather with a product between its start and
+    done, one back to back, one synchronous all-reduce. Only the first is hidden, and only for as
+    long as the product lasts."""
+    cal = calibration.Calibration("hand.json", _hand_made())
+    found = hlo.collectives(SCHEDULED, num_devices=8)
+    e = calibration.estimate(cal, found, SCHEDULED)
+    _, per = hlo_cost.Costs(SCHEDULED).seconds(cal.compute_seconds)
+    times = {c.name: cal.collective_seconds(c.kind, c.group_size, c.result_bytes) for c in found}
+    assert times["hid-start"] == pytest.approx(2e-3 + (64 * 128 * 4 - 2000) * 1e-6)
+    assert e["comm_s"] == pytest.approx(sum(times.values()))
+    assert (
+        e["comm_hidden_s"] == pytest.approx(per["main", "mm"]) and 0 < per["main", "mm"] < times["hid-start"]
+    )
+    assert e["step_s_estimate"] == pytest.approx(e["compute_s"] + e["comm_s"] - per["main", "mm"])
+    assert "calibration hand.json (8 cpu devices" in e["source"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "not a calibration file (not JSON"),
+        ('{"format": 0}', "not a calibration file of format 1"),
+        (json.dumps({**_hand_made(), "matmul": {}}), "incomplete, no 'flops' in it"),
+        (
+            json.dumps({**_hand_made(), "collectives": _hand_made()["collectives"][:1]}),
+            "measures ['all-gather']",
+        ),
+    ],
+)
+def test_a_file_that_cannot_serve_is_one_line(tmp_path, text, message):
+    path = tmp_path / "c.json"
+    path.write_text(text)
+    with pytest.raises(UserError, match=re.escape(message)) as e:
+        calibration.load(str(path))
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"--calibration={path}: ")
+
+
+def test_a_calibrated_plan_on_cpu_times_every_collective_as_exposed(measured):
+    """XLA:CPU runs every collective synchronously: nothing is hidden, and the estimate is the
+    compute at the measured rates plus every collective at its measured time."""
+    p = planner.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"), cal=calibration.load(measured[0]))
+    e = p["estimate"]
+    assert p["hidden_bytes_per_device"] == 0 and p["exposed_bytes_per_device"] == p["bytes_per_device"] > 0
+    assert e["comm_hidden_s"] == 0 and e["comm_exposed_s"] == e["comm_s"] > 0 and e["compute_s"] > 0
+    assert e["step_s_estimate"] == pytest.approx(e["compute_s"] + e["comm_s"])
+    assert "step time estimate" in planner.format_plan(p) and measured[0] in planner.format_plan(p)
+
+
+def test_a_calibration_of_another_device_kind_is_refused_before_compiling(monkeypatch):
+    cal = calibration.Calibration("v5e.json", _hand_made("TPU v5 lite"))
+    monkeypatch.setattr(planner.step_lib, "compile_train_step", None)  # reached: a TypeError
+    with pytest.raises(
+        UserError, match=r"^--calibration=v5e.json: measured on 'TPU v5 lite' devices, but this"
+    ):
+        planner.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"), cal=cal)
+
+
+def test_the_calibrate_command_is_a_plan_subcommand_with_one_line_errors(tmp_path):
+    out = tmp_path / "c.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "gspmd_tp.plan", "calibrate", f"--out={out}", "--meshes=dp=3,mp=2"],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1 and not out.exists()
+    assert run.stderr.strip().splitlines()[-1] == "error: mesh 'dp=3,mp=2' has 6 devices but 8 are available"
