@@ -184,11 +184,27 @@ def to_hf(
         conf = hf_layout.hf_config(s.model_cfg, dtype, s.config.seq_len, base)
         (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
         files.append(str(out / "config.json"))
-        for name in _CARRIED_FILES if hf_base else ():
-            if (Path(hf_base) / name).is_file():
-                shutil.copy(Path(hf_base) / name, out / name)
-                files.append(str(out / name))
+        for source, name in _carried(hf_base, s.config.data.get("tokenizer", "bytes")):
+            shutil.copy(source, out / name)
+            files.append(str(out / name))
     return files
+
+
+def _carried(hf_base: str | None, tokenizer: str) -> list[tuple[Path, str]]:
+    """(file, name in the export) of the tokenizer and generation files an export carries: those of
+    `hf_base`, else those beside the tokenizer the run trained with (a model directory that
+    from-hf recorded, or a tokenizer file, carried under the name Hugging Face reads)."""
+    if hf_base:
+        directory = Path(hf_base)
+    elif tokenizer == "bytes":
+        return []
+    elif Path(tokenizer).is_file():
+        name = "tokenizer.model" if tokenizer.endswith(".model") else "tokenizer.json"
+        beside = Path(tokenizer).parent / "tokenizer_config.json"
+        return [(Path(tokenizer), name)] + ([(beside, beside.name)] if beside.is_file() else [])
+    else:
+        directory = Path(tokenizer)
+    return [(directory / name, name) for name in _CARRIED_FILES if (directory / name).is_file()]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -384,3 +384,7 @@ def test_an_imported_model_brings_its_tokenizer_and_generate_prints_text(tmp_pat
     assert generate.main(args) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("def f(x):") and len(printed.strip()) > len("def f(x):"), printed
+    # to-hf with no --hf_base carries the tokenizer the run recorded.
+    files = llama.to_hf(str(tmp_path / "run"), str(tmp_path / "export"))
+    assert str(tmp_path / "export" / "tokenizer.json") in files
+    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == Path(bpe_path).read_bytes()
