@@ -38,3 +38,12 @@ def test_every_name_of_another_trainer_points_to_a_key_we_have():
         assert config_keys.lookup(config, path, absent) is not absent, (theirs, path)
     assert config_keys.lookup(config, "optim.learning_rate", absent) is absent
     assert config_keys.lookup(config, "optim.lr.value", absent) is absent
+
+
+def test_llama3_8b_has_llama_3_8bs_parameter_count():
+    """Meta's Llama 3 8B has 8.03B parameters (untied embedding and output projection)."""
+    from gspmd_tp.model.params import param_count
+
+    config = importlib.import_module("configs.llama3_8b").get_config()
+    counts = param_count(run_setup.model_config(config))
+    assert counts["total"] == 8_030_261_248, counts
