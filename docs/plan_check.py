@@ -1,0 +1,87 @@
+"""plan's predicted step times against bench.py's measured ones: the table, Spearman's rank
+correlation and the median relative error (docs/plan.md, "Checked against measurement").
+
+    RULES=dp,fsdp,megatron_1d,megatron_1d_sp,megatron_2d
+    MESHES="dp=8,mp=1 dp=4,mp=2 dp=2,mp=4 dp=1,mp=8"
+    python -m gspmd_tp.plan calibrate --out=/tmp/calibration.json
+    python bench.py --config=configs/bench_cpu.py --rules=$RULES --meshes="$MESHES" --steps=5 --warmup=5 \
+        --json_out=/tmp/bench.json
+    python -m gspmd_tp.plan --config=configs/bench_cpu.py --compare=$RULES --meshes="$MESHES" \
+        --calibration=/tmp/calibration.json --json > /tmp/plan.json
+    python docs/plan_check.py /tmp/plan.json /tmp/bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+
+def _ranks(values: list[float]) -> np.ndarray:
+    """Ranks from 1, ties sharing their mean rank."""
+    values = np.asarray(values)
+    order = values.argsort()
+    ranks = np.empty(len(values))
+    ranks[order] = np.arange(1, len(values) + 1)
+    for v in np.unique(values):
+        ranks[values == v] = ranks[values == v].mean()
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation of two equally long lists."""
+    return float(np.corrcoef(_ranks(a), _ranks(b))[0, 1])
+
+
+def rows(plan: dict, bench: dict) -> list[dict]:
+    """One row per rule file x mesh timed by both: predicted and measured step seconds."""
+    predicted = {
+        (Path(r["rules"]).stem, r["mesh"]): r["estimate"]
+        for r in plan["results"]
+        if "error" not in r and r.get("estimate")
+    }
+    out = []
+    for r in bench["results"]:
+        key = (Path(r["rules"]).stem, r["mesh"])
+        if key in predicted:
+            e = predicted[key]
+            out.append({
+                "rules": key[0], "mesh": key[1], "measured": r["step_s"], "predicted": e["step_s_estimate"],
+                "compute": e["compute_s"], "comm": e["comm_exposed_s"],
+            })  # fmt: skip
+    return out
+
+
+def main() -> None:
+    """Print the table and the two figures."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plan", help="plan --compare --calibration --json output")
+    ap.add_argument("bench", help="bench.py --json_out file")
+    a = ap.parse_args()
+    table = rows(json.loads(Path(a.plan).read_text()), json.loads(Path(a.bench).read_text()))
+    print("| rules | mesh | predicted ms (compute + exposed comm) | measured ms | error |")
+    print("|---|---|---|---|---|")
+    errors = []
+    for r in table:
+        error = r["predicted"] / r["measured"] - 1
+        errors.append(abs(error))
+        print(
+            f"| {r['rules']} | {r['mesh']} | {r['predicted'] * 1e3:,.0f} ({r['compute'] * 1e3:,.0f} + "
+            f"{r['comm'] * 1e3:,.0f}) | {r['measured'] * 1e3:,.0f} | {100 * error:+.0f}% |"
+        )
+    measured, predicted = [r["measured"] for r in table], [r["predicted"] for r in table]
+    best_measured = min(table, key=lambda r: r["measured"])
+    best_predicted = min(table, key=lambda r: r["predicted"])
+    above = best_predicted["measured"] / best_measured["measured"] - 1
+    print(f"\n{len(table)} points: Spearman {spearman(predicted, measured):.2f}, median |error| "
+          f"{100 * statistics.median(errors):.0f}%; the predicted best ({best_predicted['rules']} "
+          f"{best_predicted['mesh']}) measures {100 * above:.0f}% above the measured best "
+          f"({best_measured['rules']} {best_measured['mesh']})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
