@@ -27,23 +27,6 @@ _WORKERS = flags.DEFINE_string("workers", "0,1,2", "Comma-separated grain worker
 _VOCAB = flags.DEFINE_integer("vocab", 8192, "Vocabulary of the BPE trained without --tokenizer.")
 
 
-def train_bpe(texts: list[bytes], vocab: int, path: str) -> None:
-    """A byte-level BPE of `vocab` ids trained on `texts`, `<|endoftext|>` (id 0) ending documents."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator((t.decode("utf-8", "replace") for t in texts), trainer)
-    tok.save(path)
-
-
 def main(argv) -> None:
     """Trains (or loads) the tokenizer, then times the pipeline at each worker count."""
     del argv
@@ -53,7 +36,7 @@ def main(argv) -> None:
     if path is None:
         path = os.path.join(_OUT.value, "tokenizer.json")
         t0 = time.perf_counter()
-        train_bpe(texts, _VOCAB.value, path)
+        tokenizer_lib.train_bpe((t.decode("utf-8", "replace") for t in texts), _VOCAB.value, path)
         print(
             f"trained a {_VOCAB.value}-id BPE on {len(texts)} documents "
             f"in {time.perf_counter() - t0:.1f}s: {path}"

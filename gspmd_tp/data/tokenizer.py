@@ -170,3 +170,21 @@ def _sp_tokenizer(path: str, digest: str) -> Tokenizer:
         raise UserError(f"config.data.tokenizer={path}: the SentencePiece model has no bos or eos piece")
     return Tokenizer(path, "sentencepiece", sp.get_piece_size(), bos if bos >= 0 else None,
                      eos if eos >= 0 else None, digest)  # fmt: skip
+
+
+def train_bpe(texts, vocab_size: int, path: str) -> None:
+    """Trains a byte-level BPE (GPT-2's convention: `<|endoftext|>`, id 0, ends every document) of
+    `vocab_size` ids on `texts` (an iterable of str) and saves it as a tokenizer.json at `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    tok.save(path)

@@ -16,20 +16,10 @@ SP_VOCAB = 400  # byte_fallback needs 256 byte pieces
 @pytest.fixture(scope="session")
 def bpe_path(tmp_path_factory) -> str:
     """A tokenizer.json: byte-level BPE, `<|endoftext|>` (id 0) ending every document."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from gspmd_tp.data import tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train(SOURCES, trainer)
     path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
-    tok.save(str(path))
+    tokenizer.train_bpe((Path(p).read_text() for p in SOURCES), BPE_VOCAB, str(path))
     return str(path)
 
 
