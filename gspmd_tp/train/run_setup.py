@@ -185,18 +185,7 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
         )
     tx, schedule = optimizer.make_optimizer(config.optim, config.steps)
     abstract, shardings = state_lib.state_shardings(model_cfg, tx, mesh, rules, config.seq_len)
-    asked = config.optim.grad_reduce_dtype
-    if asked != "float32" and not step_lib.sums_per_batch_shard(
-        rules.batch_axes(), shardings.params, micro_batch
-    ):
-        why = (
-            f"{rules.source} on mesh {mesh_string(mesh)} has no data-parallel axis of more than one device"
-            if ways == 1
-            else f"{rules.source} shards parameters over the batch's mesh axes {sizes}, whose gradients "
-            "GSPMD reduce-scatters in float32"
-        )
-        warn(f"warning: config.optim.grad_reduce_dtype={asked} changes nothing: {why}")
-    return Setup(
+    s = Setup(
         config=config,
         model_cfg=model_cfg,
         rules=rules,
@@ -207,6 +196,16 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
         shardings=shardings,
         batch_sharding=jax.sharding.NamedSharding(mesh, rules.spec((axes.BATCH, None))),
     )
+    asked = config.optim.grad_reduce_dtype
+    if asked != step_lib.grad_reduce_dtype(s):
+        why = (
+            f"{rules.source} on mesh {mesh_string(mesh)} has no data-parallel axis of more than one device"
+            if ways == 1
+            else f"{rules.source} shards parameters over the batch's mesh axes {sizes}, whose gradients "
+            "GSPMD reduce-scatters in float32"
+        )
+        warn(f"warning: config.optim.grad_reduce_dtype={asked} changes nothing: {why}")
+    return s
 
 
 _TRAIN_STEP_FIX = (
