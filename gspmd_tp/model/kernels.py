@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from gspmd_tp.sharding.axes import BATCH, HEADS, KV_HEADS, LENGTH, MLP
+from gspmd_tp.sharding.axes import BATCH, EMBED, HEADS, KV_HEADS, LENGTH, MLP
 from gspmd_tp.sharding.rules import UNCONSTRAINED, axes_of
 
 if TYPE_CHECKING:
@@ -238,8 +238,20 @@ def embed(cfg: ModelConfig, table_ve, tokens_bl):
     """
     dtype = jnp.dtype(cfg.dtype)
     if dtype == table_ve.dtype:
-        return jnp.take(table_ve, tokens_bl, axis=0)
-    return embed_lookup(table_ve, tokens_bl, dtype)
+        rows_ble = jnp.take(table_ve, tokens_bl, axis=0)
+    else:
+        rows_ble = embed_lookup(table_ve, tokens_bl, dtype)
+    # The rows where the table lies, split on embed as it is, the batch left to GSPMD; the caller
+    # then constrains them to the residual stream's layout, an all-to-all. Where embed's mesh axis
+    # is also one of the batch's (data_fsdp_tensor: batch over data and fsdp, the table's embed over
+    # fsdp), GSPMD otherwise looks them up split on embed alone and cannot reach the batch's split
+    # in one step: it gathered the rows whole ("Involuntary full rematerialization").
+    # Inside a shard_map manual over every mesh axis (the step's per-shard gradient sums under dp)
+    # nothing is left to GSPMD, and an unconstrained axis is refused: the rows stay as they are.
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and jax.sharding.AxisType.Auto not in mesh.axis_types:
+        return rows_ble
+    return nn.with_logical_constraint(rows_ble, (UNCONSTRAINED, LENGTH, EMBED))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
