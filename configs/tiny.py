@@ -18,6 +18,12 @@ def get_config() -> ConfigDict:
     # > 0: compute the logits this many positions at a time (large vocabularies); must divide seq_len
     c.loss_chunk = 0
     c.seq_len = 128
+    # auto | none | collective_matmul: whether the TPU and GPU compilers split tensor parallelism's
+    # all-gathers and reduce-scatters into collective-permutes overlapped with the partial products
+    # of the matmul they feed (collective matmul, windowed einsum). auto: the compiler's own choice
+    # (on TPU, large products only); none: never; collective_matmul: every one it can. No effect on
+    # CPU. docs/plan.md#overlap
+    c.overlap = "auto"
     c.seed = 0
     c.log_every = 25
     c.eval_every = 100

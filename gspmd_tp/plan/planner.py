@@ -126,6 +126,9 @@ def plan(
         "rules": s.rules.source,
         "label": label,  # the rule file's name, or its short_names label in a --compare
         "mesh": mesh,
+        # config.overlap and the compiler options it passed for this backend (docs/plan.md#overlap)
+        "overlap": s.config.overlap,
+        "compiler_options": step_lib.compiler_options(s),
         "devices": n,
         "backend": backend,
         "params": [r for r in rows if r["kind"] == "params"],
@@ -241,6 +244,11 @@ def format_plan(p: dict) -> str:
     rules = os.path.relpath(p["rules"])  # rules/x.yaml when run from the repository
     rules = p["rules"] if rules.startswith("..") else rules
     lines = [f"plan: rules {rules} | mesh {p['mesh']} | {where} devices", ""]
+    if p["overlap"] != "auto":
+        flags = {k: str(v).lower() if isinstance(v, bool) else v for k, v in p["compiler_options"].items()}
+        options = " ".join(f"--{k}={v}" for k, v in flags.items()) or "none on this backend"
+        lines[0] += f" | overlap {p['overlap']}"
+        lines.insert(1, f"compiler options (config.overlap={p['overlap']}): {options}")
     lines.append(f"{'parameter':<26} {'shape':<20} {'logical':<44} {'spec':<28} {'per device':>12}")
     for r in p["params"]:
         logical = "(" + ", ".join(str(x) for x in r["logical"]) + ")"

@@ -84,6 +84,9 @@ def check_config(config) -> None:
         raise UserError(
             f"config.batch_size={config.batch_size} is not divisible by the {jax.process_count()} processes"
         )
+    if config.overlap not in step_lib.OVERLAP_OPTIONS:
+        expected = ", ".join(step_lib.OVERLAP_OPTIONS)
+        raise UserError(f"config.overlap={config.overlap!r}: expected one of {expected}")
     optimizer.check(config.optim)
     if config.host_device_count < 0:
         raise UserError(
@@ -141,6 +144,11 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     platform = mesh.devices.flat[0].platform
     if model_cfg.attention == "cudnn" and platform != "gpu":
         raise UserError(f"config.model.attention='cudnn' needs GPU devices; this run's are {platform}")
+    if config.overlap != "auto" and platform == "cpu":
+        warn(
+            f"warning: config.overlap={config.overlap} changes nothing on CPU devices: XLA:CPU has no "
+            "collective matmul (python -m gspmd_tp.plan --target=tpu:... shows what it does on a TPU)"
+        )
     # "auto" follows the devices the step compiles for, not the host (a TPU plan made on a laptop).
     with nn.logical_axis_rules(rules.rules):
         mlp_grad = mlp_implementation(model_cfg, platform)

@@ -222,7 +222,8 @@ def compile_eval_step(s: Setup):
     """Ahead-of-time compiles the eval step for the setup's abstract parameters and batch."""
     with state_lib.sharding_context(s.mesh, s.rules):
         params = s.abstract_state.params
-        return make_eval_step(s).lower(params, abstract_batch(s, s.config.batch_size)).compile()
+        lowered = make_eval_step(s).lower(params, abstract_batch(s, s.config.batch_size))
+        return lowered.compile(compiler_options=compiler_options(s))
 
 
 def abstract_batch(s: Setup, batch_size: int) -> jax.ShapeDtypeStruct:
@@ -233,4 +234,39 @@ def abstract_batch(s: Setup, batch_size: int) -> jax.ShapeDtypeStruct:
 def compile_train_step(s: Setup):
     """Ahead-of-time compiles the train step for the setup's abstract state and batch."""
     with state_lib.sharding_context(s.mesh, s.rules):
-        return make_train_step(s).lower(s.abstract_state, abstract_batch(s, s.config.batch_size)).compile()
+        lowered = make_train_step(s).lower(s.abstract_state, abstract_batch(s, s.config.batch_size))
+        return lowered.compile(compiler_options=compiler_options(s))
+
+
+# config.overlap: the compiler options each value passes, per platform of the devices the step
+# compiles for (the flag names of libtpu 0.0.42 and jaxlib 0.10.2's XLA). "auto" passes none: the
+# compiler's own choice, which on the TPU already decomposes the products whose operands exceed
+# its size threshold (the V1 windowed einsum, on by default) and on the GPU none (its threshold is
+# 100,000 MiB). XLA:CPU has no such pass: nothing is passed there (run_setup warns).
+OVERLAP_OPTIONS = {
+    "auto": {},
+    "none": {
+        "tpu": {
+            "xla_tpu_enable_windowed_einsum_for_all_gather": False,
+            "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
+        },
+    },
+    "collective_matmul": {
+        # The V2 collective matmul: every all-gather feeding a product and every reduce-scatter of
+        # one, whatever its size, becomes a loop of collective-permutes between partial products.
+        "tpu": {
+            "xla_tpu_all_gather_collective_matmul_mode": "post_spmd",
+            "xla_tpu_reduce_scatter_collective_matmul_mode": "post_spmd",
+        },
+        # The SPMD partitioner's windowed einsum from 0 MiB up, its partial products on several streams.
+        "gpu": {
+            "xla_gpu_threshold_for_windowed_einsum_mib": 0,
+            "xla_gpu_multi_streamed_windowed_einsum": True,
+        },
+    },
+}
+
+
+def compiler_options(s: Setup) -> dict:
+    """The compiler options config.overlap asks for on the platform the setup's mesh compiles for."""
+    return OVERLAP_OPTIONS[s.config.overlap].get(s.mesh.devices.flat[0].platform, {})
