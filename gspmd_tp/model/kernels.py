@@ -13,6 +13,7 @@ Logical axis names only, as in transformer.py: a rule file decides where each op
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING
 
 import flax.linen as nn
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from gspmd_tp.sharding.axes import BATCH, EMBED, HEADS, KV_HEADS, LENGTH, MLP
+from gspmd_tp.sharding.axes import BATCH, EMBED, HEADS, KV_HEADS, LENGTH, MLP, VOCAB
 from gspmd_tp.sharding.rules import UNCONSTRAINED, axes_of
 
 if TYPE_CHECKING:
@@ -231,13 +232,16 @@ fused_mlp.defvjp(_fused_mlp_fwd, _fused_mlp_bwd)
 def embed(cfg: ModelConfig, table_ve, tokens_bl):
     """The rows of the float32 table (vocab, embed) for tokens (batch, length), in the compute dtype.
 
-    In float32 a plain lookup. Otherwise the table is cast before the lookup, so where a rule file
-    splits the vocabulary the all-reduce that assembles the rows moves compute-dtype bytes (each row
-    is non-zero on one device only, so the sum is exact in any dtype); the gradient still adds every
-    position's row gradient into the table in float32 (embed_lookup).
+    In float32 with the vocabulary whole, a plain lookup. Otherwise the table is cast before the
+    lookup, so where a rule file splits the vocabulary the all-reduce that assembles the rows moves
+    compute-dtype bytes (each row is non-zero on one device only, so the sum is exact in any dtype);
+    the gradient adds every position's row gradient into the table in float32, one vocabulary shard
+    at a time (embed_lookup).
     """
     dtype = jnp.dtype(cfg.dtype)
-    if dtype == table_ve.dtype:
+    if dtype == table_ve.dtype and _table_shards(table_ve.shape)[0] == 1:
+        # Autodiff's gradient scatters with the lookup's own indices: where the batch is split they
+        # are gathered once for both (embed_lookup's backward gathers them again).
         rows_ble = jnp.take(table_ve, tokens_bl, axis=0)
     else:
         rows_ble = embed_lookup(table_ve, tokens_bl, dtype)
@@ -246,12 +250,33 @@ def embed(cfg: ModelConfig, table_ve, tokens_bl):
     # is also one of the batch's (data_fsdp_tensor: batch over data and fsdp, the table's embed over
     # fsdp), GSPMD otherwise looks them up split on embed alone and cannot reach the batch's split
     # in one step: it gathered the rows whole ("Involuntary full rematerialization").
-    # Inside a shard_map manual over every mesh axis (the step's per-shard gradient sums under dp)
-    # nothing is left to GSPMD, and an unconstrained axis is refused: the rows stay as they are.
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and jax.sharding.AxisType.Auto not in mesh.axis_types:
+    if _fully_manual():
         return rows_ble
     return nn.with_logical_constraint(rows_ble, (UNCONSTRAINED, LENGTH, EMBED))
+
+
+def _fully_manual() -> bool:
+    """Inside a shard_map manual over every mesh axis (the step's per-shard gradient sums under dp):
+    nothing is left to GSPMD, and a constraint naming an unconstrained axis is refused."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and jax.sharding.AxisType.Auto not in mesh.axis_types
+
+
+def _table_shards(shape: tuple[int, int]) -> tuple[int, int]:
+    """How many ways GSPMD splits a (vocab, embed) table on each axis here: the product of the mesh
+    axes each logical name maps to that are left to it (1 with no mesh, inside a fully manual
+    shard_map, or where they do not divide the axis)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1, 1
+    manual = {
+        a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == jax.sharding.AxisType.Manual
+    }
+    ways = (
+        math.prod(mesh.shape[a] for a in axes_of(e) if a not in manual)
+        for e in nn.logical_to_mesh_axes((VOCAB, EMBED))
+    )
+    return tuple(w if n % w == 0 else 1 for w, n in zip(ways, shape, strict=True))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -266,10 +291,36 @@ def _embed_lookup_fwd(table, tokens, dtype):
     return embed_lookup(table, tokens, dtype), (tokens, jnp.zeros((table.shape[0], 0), table.dtype))
 
 
-def _embed_lookup_bwd(dtype, residuals, g):
-    tokens, empty = residuals
-    table = jnp.zeros((empty.shape[0], g.shape[-1]), empty.dtype)
-    return table.at[tokens].add(g.astype(empty.dtype)), None
+def _embed_lookup_bwd(dtype, residuals, g_ble):
+    tokens_bl, empty = residuals
+    g_ble = g_ble.astype(empty.dtype)
+    vocab, width = empty.shape[0], g_ble.shape[-1]
+    t, f = _table_shards((vocab, width))
+    if t == 1:
+        return jnp.zeros((vocab, width), empty.dtype).at[tokens_bl].add(g_ble), None
+    # Scattered into the whole table, a vocabulary-split gradient is one GSPMD partitions on the
+    # batch alone: each device adds its tokens' rows into every row (data_fsdp_tensor: all-reduced
+    # over the vocabulary's mesh axes as well as the batch's). Scattered into a stack of the table's
+    # (t, f) shards, one scatter per shard, split as the table is, each device adds only into its
+    # own shard (the other shards' tokens fall out of range and are dropped): the reduction is the
+    # shard's, over the batch axes. Each element adds the same updates in the same order.
+    b, length = tokens_bl.shape
+    rows, cols = vocab // t, width // f
+    names = (VOCAB, EMBED, UNCONSTRAINED, LENGTH, None)
+    # Each shard's own rows numbered from 0, the other shards' tokens out of range (dropped).
+    tokens_tfbl = nn.with_logical_constraint(jnp.broadcast_to(tokens_bl, (t, f, b, length)), names[:-1])
+    shard_tfbl = jax.lax.broadcasted_iota(tokens_bl.dtype, tokens_tfbl.shape, 0)
+    local_tfbl = jnp.where(tokens_tfbl // rows == shard_tfbl, tokens_tfbl % rows, rows)
+    g_fblc = jnp.moveaxis(g_ble.reshape(b, length, f, cols), 2, 0)
+    g_tfblc = jnp.broadcast_to(g_fblc, (t, f, b, length, cols))
+    g_tfblc = nn.with_logical_constraint(g_tfblc, names)
+    shards_tfrc = nn.with_logical_constraint(
+        jnp.zeros((t, f, rows, cols), empty.dtype), (VOCAB, EMBED, None, None)
+    )
+    add = lambda z_rc, i_bl, u_blc: z_rc.at[i_bl].add(u_blc, mode="drop")  # noqa: E731
+    shards_tfrc = jax.vmap(jax.vmap(add))(shards_tfrc, local_tfbl, g_tfblc)
+    shards_tfrc = nn.with_logical_constraint(shards_tfrc, (VOCAB, EMBED, None, None))
+    return jnp.swapaxes(shards_tfrc, 1, 2).reshape(vocab, width), None
 
 
 embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)

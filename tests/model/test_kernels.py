@@ -9,12 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import small_config
 from jax._src.ad_checkpoint import saved_residuals  # jax.ad_checkpoint.print_saved_residuals' list
+from jax.sharding import NamedSharding
 from test_model import CFG, TOKENS, init
 
 from gspmd_tp.model import kernels
 from gspmd_tp.model.kernels import fused_mlp, swiglu
 from gspmd_tp.model.transformer import ModelConfig, Transformer
+from gspmd_tp.train import run_setup
+from gspmd_tp.train import state as state_lib
 
 
 def _assert_same_model(cfg, other, grad_rtol):
@@ -184,3 +188,30 @@ def test_embed_is_a_plain_lookup_in_float32_and_the_cast_first_one_otherwise():
     assert bf16.dtype == jnp.bfloat16 and np.array_equal(
         bf16, kernels.embed_lookup(table, tokens, jnp.bfloat16)
     )
+
+
+@pytest.mark.parametrize(
+    "rules, mesh",
+    [("data_fsdp_tensor", "data=2,fsdp=2,tensor=2"), ("megatron_1d", "dp=2,mp=4"), ("fsdp", "dp=8,mp=1")],
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_embed_gradient_sharded_over_eight_devices_is_autodiffs_of_the_lookup(rules, mesh, dtype):
+    """Split on vocab (tensor, mp), the table's gradient is scattered one table shard at a time;
+    split on embed alone (fsdp), it is take's. In float32 either way: autodiff of take's, to the
+    rounding of summing the batch shards' parts."""
+    s = run_setup.setup(small_config(rules=rules, mesh=mesh))
+    table = jax.random.normal(jax.random.key(0), (256, 64), jnp.float32)
+    tokens = jax.random.randint(jax.random.key(1), (8, 32), 0, 256)
+    weights = jax.random.normal(jax.random.key(2), (8, 32, 64), jnp.float32)
+    want = jax.grad(
+        lambda t: jnp.sum(jnp.take(t, tokens, axis=0).astype(dtype).astype(jnp.float32) * weights)
+    )(table)
+    cfg = ModelConfig(dtype=dtype)
+    shardings = [NamedSharding(s.mesh, s.rules.spec(n)) for n in (("vocab", "embed"), ("batch", "length"))]
+    with state_lib.sharding_context(s.mesh, s.rules):
+        loss = lambda t, x: jnp.sum(kernels.embed(cfg, t, x).astype(jnp.float32) * weights)  # noqa: E731
+        args = [jax.device_put(a, sh) for a, sh in zip((table, tokens), shardings, strict=True)]
+        got = jax.jit(jax.grad(loss), in_shardings=shardings)(*args)
+    assert args[0].addressable_shards[0].data.size <= table.size // 2  # the table really is split
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

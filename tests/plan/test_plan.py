@@ -67,14 +67,15 @@ def test_three_axes_plan_has_every_term_and_names_the_lookup_gap():
     """data_fsdp_tensor on 2x2x2: tensor parallelism over tensor, the gradients all-reduced over
     data, each layer's weights gathered and their gradients reduced over fsdp, the embedding's rows
     exchanged over fsdp (one all-to-all each way; gathered whole before the lookup's constraint,
-    1.19 of the analysis). What remains above the analysis (1.08) is the table's gradient: XLA:CPU
-    scatters it whole on vocab and all-reduces it over data and tensor, where the analysis reduces
-    the tensor shard over data."""
+    1.19 of the analysis), the table's gradient reduced shard by shard over data (scattered into
+    the whole table, it was all-reduced over data and tensor: 1.08). What remains above the analysis
+    (1.035) is the output projection's weight gathered again for the backward pass and the rows
+    gathered once more before the exchange."""
     p = planned("data_fsdp_tensor", "data=2,fsdp=2,tensor=2")
     a = p["analytical"]
     assert all(a[k] for k in ("tensor_parallel", "data_parallel", "fsdp_gather", "fsdp_reduce"))
     assert p["collectives"]["all-to-all"]["count"] == 2
-    assert p["ratio"] == pytest.approx(1.08, abs=0.02), (p["bytes_per_device"], a)
+    assert p["ratio"] == pytest.approx(1.035, abs=0.01), (p["bytes_per_device"], a)
 
 
 def test_2d_gathers_each_activation_once_and_the_mlp_output_gradient_once():
