@@ -25,6 +25,12 @@ def path_str(path) -> str:
 
 def param_axes(model_cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
     """{'layers/attn/qkv': (shape, logical names)} for every parameter."""
+    return dict(_param_axes(model_cfg))
+
+
+@functools.cache
+def _param_axes(model_cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    # Traced once per model config: a setup asks several times (checks, specs, plan's tables).
     boxed = jax.eval_shape(
         lambda r: Transformer(model_cfg).init(r, jnp.zeros((1, 8), jnp.int32))["params"],
         jax.random.key(0),
