@@ -32,7 +32,7 @@ lint: $(VENV)/.installed-test
 # Two workers for most of the suite; the multi-process tests after them, alone (they start process
 # groups of their own and time how fast a dead peer is noticed).
 test: lint
-	$(PY) -m pytest -n 2 -m "not serial"
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not serial"
 	$(PY) -m pytest -m serial
 
 clean:

@@ -260,3 +260,26 @@ LLAMA = dict(
     rope_theta=500000.0,
     rms_norm_eps=1e-6,
 )
+
+
+# Modules whose tests share what one process computed (plans cached per process, module-scoped
+# fixtures that train or convert): under `pytest -n 2 --dist loadgroup` each runs on one worker, so
+# that work is done once rather than once per worker. Other tests spread test by test.
+SHARED_WORK = {
+    "test_plan",
+    "test_plan_gpu",
+    "test_plan_tpu",
+    "test_convert",
+    "test_faults",
+    "test_resume",
+    "test_trainer",
+    "test_reference",
+}
+
+
+def pytest_collection_modifyitems(items):
+    """Marks the tests of SHARED_WORK modules with their module's xdist group."""
+    for item in items:
+        name = item.module.__name__.rpartition(".")[2]
+        if name in SHARED_WORK:
+            item.add_marker(pytest.mark.xdist_group(name))
