@@ -1,5 +1,6 @@
 """plan's predicted step times against bench.py's measured ones: the table, Spearman's rank
 correlation and the median relative error (docs/plan.md, "Checked against measurement").
+docs/plan_check.sh runs the commands below, one bench run per rule file.
 
     RULES=dp,fsdp,megatron_1d,megatron_1d_sp,megatron_2d
     MESHES="dp=8,mp=1 dp=4,mp=2 dp=2,mp=4 dp=1,mp=8"
@@ -60,9 +61,10 @@ def main() -> None:
     """Print the table and the two figures."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("plan", help="plan --compare --calibration --json output")
-    ap.add_argument("bench", help="bench.py --json_out file")
+    ap.add_argument("bench", nargs="+", help="bench.py --json_out files (their results together)")
     a = ap.parse_args()
-    table = rows(json.loads(Path(a.plan).read_text()), json.loads(Path(a.bench).read_text()))
+    bench = {"results": [r for f in a.bench for r in json.loads(Path(f).read_text())["results"]]}
+    table = rows(json.loads(Path(a.plan).read_text()), bench)
     print("| rules | mesh | predicted ms (compute + exposed comm) | measured ms | error |")
     print("|---|---|---|---|---|")
     errors = []

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# plan's calibrated estimate against bench.py's measured step times on 8 simulated CPU devices of
+# the machine at hand (docs/plan.md, "Checked against measurement"): the calibration, one bench run
+# per rule file over the four meshes, plan --compare with the calibration, then the table.
+#
+#   bash docs/plan_check.sh OUT_DIR
+#
+# Each part is skipped when its file in OUT_DIR exists, so the work may be spread over several
+# calls. RULES, MESHES, STEPS (default 5), WARMUP (3) and PYTHON may be set in the environment.
+set -eu
+out=${1:?usage: bash docs/plan_check.sh OUT_DIR}
+mkdir -p "$out"
+py=${PYTHON:-python}
+rules=${RULES:-dp,fsdp,megatron_1d,megatron_1d_sp,megatron_2d}
+meshes=${MESHES:-"dp=8,mp=1 dp=4,mp=2 dp=2,mp=4 dp=1,mp=8"}
+export JAX_PLATFORMS=cpu
+if [ ! -s "$out/calibration.json" ]; then
+  $py -m gspmd_tp.plan calibrate --out="$out/calibration.json"
+fi
+for r in ${rules//,/ }; do
+  if [ ! -s "$out/bench_$r.json" ]; then
+    $py bench.py --config=configs/bench_cpu.py --rules="$r" --meshes="$meshes" --steps="${STEPS:-5}" \
+      --warmup="${WARMUP:-3}" --json_out="$out/bench_$r.json"
+  fi
+done
+if [ ! -s "$out/plan.json" ]; then
+  $py -m gspmd_tp.plan --config=configs/bench_cpu.py --compare="$rules" --meshes="$meshes" \
+    --calibration="$out/calibration.json" --json > "$out/plan.json.part"
+  mv "$out/plan.json.part" "$out/plan.json"
+fi
+$py docs/plan_check.py "$out/plan.json" "$out"/bench_*.json | tee "$out/table.md"
