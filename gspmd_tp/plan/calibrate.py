@@ -1,15 +1,20 @@
 """Measure the devices at hand for plan's estimate (plan --calibration=FILE reads what it writes).
 
     python -m gspmd_tp.plan calibrate --out=calibration.json [--meshes="dp=4,mp=2 dp=2,mp=4"] \
-        [--sizes=4096,65536,1048576,16777216] [--matmul_sizes=512,2048,8192] [--repeats=3 --inner=4]
+        [--sizes=4096,65536,1048576,16777216] [--matmul_sizes=512,2048,8192] [--repeats=3 --min_time=0.01]
 
 For every mesh axis of every mesh (each axis and group size once): all-gather, reduce-scatter,
 all-reduce and collective-permute over message sizes (the bytes of the result on one device), with
 every device taking part; then, on all devices at once, the rate of a square matrix product at
-several sizes and of an elementwise pass over arrays of several sizes (the memory-bound parts).
-Each figure is one trip of a loop that repeats the operation, the call's own overhead taken out
-(a call of 1 + inner trips less a call of 1). The file names the device kind, the meshes and the
-date; plan refuses it for devices of another kind.
+several sizes and of an elementwise pass over arrays of several sizes (the memory-bound parts; from
+1 KiB, where the pass costs what any instruction costs to run). Each figure is one trip of a loop
+that repeats the operation, the call's own overhead taken out: a call of 1 + n trips less a call of
+1, the best of `repeats` calls each, over n, where n is raised until the n trips last at least
+`min_time` seconds (far above the timer's and the call's jitter, so no figure is noise or zero). The
+elementwise pass walks a working set of at least MEMORY_WORKING_SET bytes, a different part each
+trip, so that it reads from memory as a step's instructions do, not what its last trip left in the
+cache. The file names the device kind, the meshes and the date; plan refuses it for devices of
+another kind.
 """
 
 from __future__ import annotations
@@ -39,7 +44,10 @@ from gspmd_tp.sharding.mesh import make_mesh, parse_mesh
 
 SIZES = tuple(4**k * 4096 for k in range(8))  # 4 KiB to 64 MiB
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
-MEMORY_SIZES = tuple(4**k * 16384 for k in range(7))  # 16 KiB to 64 MiB read and written
+MEMORY_SIZES = tuple(4**k * 1024 for k in range(9))  # 1 KiB to 64 MiB read and written
+MEMORY_WORKING_SET = 32 * 2**20  # bytes per device: with 8 of them, more than a host's caches hold
+MIN_TIME = 0.01  # seconds of loop per timed call
+MAX_TRIPS = 1 << 20
 
 
 def default_meshes(count: int) -> list[str]:
@@ -47,9 +55,10 @@ def default_meshes(count: int) -> list[str]:
     return [f"dp={count // k},mp={k}" for k in (2**i for i in range(count.bit_length())) if count % k == 0]
 
 
-def _timed(fn, args, inner: int, repeats: int) -> float:
-    """Seconds of one trip of fn's loop: fn(*args, trips) for 1 and 1 + inner trips, the best of
-    `repeats` calls each, the difference over `inner` (the call's own overhead cancels)."""
+def _timed(fn, args, min_time: float, repeats: int) -> float:
+    """Seconds of one trip of fn's loop: fn(*args, trips) for 1 and 1 + n trips, the best of `repeats`
+    calls each, the difference over n (the call's own overhead cancels); n is raised until the n
+    trips take at least `min_time`, so that the difference stands well above the calls' jitter."""
     jax.block_until_ready(fn(*args, np.int32(1)))  # compiles
 
     def best(trips: int) -> float:
@@ -60,7 +69,17 @@ def _timed(fn, args, inner: int, repeats: int) -> float:
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    return max((best(1 + inner) - best(1)) / inner, 1e-9)
+    base, n = best(1), 1
+    while True:
+        full = best(1 + n)
+        if full - base >= min_time or n >= MAX_TRIPS:
+            break
+        # The next n from this one's rate, with room for its error; 8x where the loop did not show.
+        loop = full - base
+        n = min(MAX_TRIPS, n * 8 if loop <= min_time / 8 else int(n * 1.5 * min_time / loop) + 1)
+    full, base = min(full, best(1 + n)), min(base, best(1))
+    # Positive: where even MAX_TRIPS trips do not show above the call, the call's time bounds them.
+    return (full - base) / n if full > base else full / (1 + n)
 
 
 def _loop(body):
@@ -92,14 +111,14 @@ def _collective(kind: str, axis: str, g: int, m: int):
     return (lambda i, x: jax.lax.ppermute(x, axis, ring)), m
 
 
-def _per_device(mesh, block_shape, body, inner: int, repeats: int, fill=1.0) -> float:
+def _per_device(mesh, block_shape, body, min_time: float, repeats: int, fill=1.0) -> float:
     """Seconds of one trip of `body` run by every device of `mesh` on a block of its own."""
     axes = tuple(mesh.axis_names)
     spec = P(axes)
     shape = (mesh.size * block_shape[0], *block_shape[1:])
     x = jax.device_put(jnp.full(shape, fill, jnp.float32), NamedSharding(mesh, spec))
     mapped = jax.shard_map(_loop(body), mesh=mesh, in_specs=(spec, P()), out_specs=spec, check_vma=False)
-    return _timed(jax.jit(mapped), (x,), inner, repeats)
+    return _timed(jax.jit(mapped), (x,), min_time, repeats)
 
 
 def measure(
@@ -107,14 +126,15 @@ def measure(
     sizes=SIZES,
     matmul_sizes=MATMUL_SIZES,
     memory_sizes=MEMORY_SIZES,
-    inner: int = 4,
+    min_time: float = MIN_TIME,
     repeats: int = 3,
     devices=None,
     log=None,
     dtype: str = "float32",
+    working_set: int = MEMORY_WORKING_SET,
 ) -> dict:
-    """The calibration of `devices` (all of them unless given), the matrix products in `dtype`:
-    see the module's docstring."""
+    """The calibration of `devices` (all of them unless given), the matrix products in `dtype`, the
+    elementwise pass over `working_set` bytes per device: see the module's docstring."""
     devices = list(devices if devices is not None else jax.devices())
     rows, seen = [], set()
     for spec in meshes:
@@ -129,7 +149,7 @@ def measure(
                 for size in sizes:
                     m = max(g, size // 4 // g * g)  # float32 elements, divisible by the group
                     body, block = _collective(kind, axis, g, m)
-                    measured.append((m * 4, _per_device(mesh, (block,), body, inner, repeats)))
+                    measured.append((m * 4, _per_device(mesh, (block,), body, min_time, repeats)))
                 c = hlo.Collective(kind, "", "", measured[-1][0], g, 1)
                 rows.append({
                     "kind": kind, "axis": axis, "mesh": spec, "group_size": g,
@@ -150,11 +170,18 @@ def measure(
         w = jnp.tile(jnp.eye(n, dtype=dtype), (len(devices), 1))
         x = jnp.ones((len(devices) * n, n), dtype)
         args = [jax.device_put(a, NamedSharding(flat, P("d"))) for a in (x, w)]
-        matmul.append((2.0 * n**3, _timed(jax.jit(product), args, inner, repeats)))
+        matmul.append((2.0 * n**3, _timed(jax.jit(product), args, min_time, repeats)))
     memory = []
     for size in memory_sizes:
-        m = size // 8  # read and written: 8 bytes an element
-        memory.append((8.0 * m, _per_device(flat, (m,), lambda i, x: x * 0.999 + 0.001, inner, repeats)))
+        m = max(1, size // 8)  # read and written: 8 bytes an element
+        parts = max(1, working_set // (4 * m))  # trip i updates part i % parts in place
+
+        def step(i, x, m=m, parts=parts):
+            at = (i % parts) * m
+            part = jax.lax.dynamic_slice_in_dim(x, at, m)
+            return jax.lax.dynamic_update_slice_in_dim(x, part * 0.999 + 0.001, at, 0)
+
+        memory.append((8.0 * m, _per_device(flat, (parts * m,), step, min_time, repeats)))
     if log:
         (flops, t), (moved, u) = matmul[-1], memory[-1]
         log(f"matmul {matmul_sizes[-1]}^3: {flops / t / 1e9:,.1f} GFLOP/s per device; "
@@ -202,15 +229,17 @@ def main(argv) -> None:
         meshes = _MESHES.value.split() if _MESHES.value else default_meshes(jax.device_count())
         for spec in meshes:
             parse_mesh(spec, jax.device_count())  # a bad mesh is one line before anything runs
-        if _INNER.value < 1 or _REPEATS.value < 1:
-            raise UserError(f"--inner={_INNER.value} and --repeats={_REPEATS.value} must be at least 1")
+        if not _MIN_TIME.value > 0 or _REPEATS.value < 1:
+            raise UserError(
+                f"--min_time={_MIN_TIME.value} must be positive and --repeats={_REPEATS.value} at least 1"
+            )
         sizes = _ints(_SIZES.value, "--sizes") if _SIZES.value else SIZES
         # The products in the dtype steps compute in: float32 on CPU (bf16 is slower there), else bf16.
         dtype = _DTYPE.value or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
         log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         matmul = _ints(_MATMUL_SIZES.value, "--matmul_sizes") if _MATMUL_SIZES.value else MATMUL_SIZES
         memory = _ints(_MEMORY_SIZES.value, "--memory_sizes") if _MEMORY_SIZES.value else MEMORY_SIZES
-        data = measure(meshes, sizes, matmul, memory, _INNER.value, _REPEATS.value, log=log, dtype=dtype)
+        data = measure(meshes, sizes, matmul, memory, _MIN_TIME.value, _REPEATS.value, log=log, dtype=dtype)
         with output_paths.whole_file(out) as partial, open(partial, "w") as f:
             json.dump(data, f, indent=1)
         where = f"{data['devices']} {data['device_kind']} devices"
@@ -237,8 +266,8 @@ if __name__ == "__main__":
     _SIZES = flags.DEFINE_string(
         "sizes", "", "Comma-separated message sizes in bytes (default 4 KiB to 64 MiB)."
     )
-    _INNER = flags.DEFINE_integer(
-        "inner", 4, "Loop trips timed per call (beyond the one the call's overhead is)."
+    _MIN_TIME = flags.DEFINE_float(
+        "min_time", MIN_TIME, "Seconds of loop trips per timed call, at least (their count is raised to it)."
     )
     _MATMUL_SIZES = flags.DEFINE_string(
         "matmul_sizes", "", "Comma-separated sides of the square products (default 64 to 1024)."
@@ -246,7 +275,7 @@ if __name__ == "__main__":
     _MEMORY_SIZES = flags.DEFINE_string(
         "memory_sizes",
         "",
-        "Comma-separated bytes an elementwise pass reads and writes (default 16 KiB to 64 MiB).",
+        "Comma-separated bytes an elementwise pass reads and writes (default 1 KiB to 64 MiB).",
     )
     _DTYPE = flags.DEFINE_enum(
         "dtype",

@@ -1,7 +1,8 @@
 """A calibration file (written by `python -m gspmd_tp.plan calibrate`, calibrate.py) read for plan's
 estimate: collective times by kind, group size and message size; the matmul rate and a memory-bound
-rate by size. Times between measured sizes are interpolated; beyond the largest, extended at the
-last measured slope.
+rate by size. Each series' times are fitted non-decreasing in size (a larger operation never
+takes less time; a dip is the measurement's noise), then interpolated between measured sizes and
+extended beyond the largest at the last measured slope.
 
 The estimate of a step: each instruction of the compiled step at these rates (hlo_cost), plus each
 collective's time less the compute the schedule places between its start and its done (hlo's
@@ -20,6 +21,19 @@ from gspmd_tp.sharding import hlo, hlo_cost
 
 FORMAT = 1
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+
+
+def monotone(ys: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest `ys` in least squares (pool adjacent violators: each run
+    that decreases is replaced by its mean)."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for y in ys:
+        blocks.append([float(y), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 def _interp(x: float, xs: list[float], ys: list[float], floor: bool = True) -> float:
@@ -117,6 +131,8 @@ def load(path: str) -> Calibration:
             raise UserError(
                 f"--calibration={path}: a series of sizes and times that is empty, unsorted or not positive"
             )
+    for series in [*data["collectives"], data["matmul"], data["memory"]]:
+        series["seconds"] = monotone(series["seconds"])
     return Calibration(path, data)
 
 

@@ -2,8 +2,10 @@
 FLOPs and the bytes of its operands and results, and the seconds a step's compute takes at rates
 the caller gives. Collectives cost nothing here; hlo.py reads them and their windows.
 
-Bytes count whole operands and results (an upper bound where a fusion reads a slice); FLOPs count
-dots and convolutions (in fusions too), not elementwise work, which memory bounds.
+Bytes count whole operands and results, except where an instruction (or a fusion's root) is a
+dynamic-slice of an operand, which reads only the slice, or a dynamic-update-slice into one, which
+updates the buffer in place: the update is written, not the whole buffer. FLOPs count dots
+and convolutions (in fusions too), not elementwise work, which memory bounds.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from gspmd_tp.sharding import hlo
 _SIMPLE_SHAPE = re.compile(r"^(pred|bf16|[subfc]\d+)\[([\d,]*)\]")
 _NO_COST = hlo.NO_WORK | {"copy-start", "copy-done"}
 _GEMM = re.compile(r'custom_call_target="[^"]*(gemm|matmul)', re.IGNORECASE)  # cuBLAS, cuBLASLt
+_PARAMETER = re.compile(r"^\d+\)")
 
 
 def _dims(type_text: str) -> list[int]:
@@ -58,6 +61,33 @@ class Costs:
         # transfer (a TPU continuation fusion that also computes costs what it computes).
         self.transfers = {c for c, lines in self.comps.items() if hlo.transfer_only(lines)}
         self._flops: dict[str, float] = {}
+        self._sliced: dict[str, tuple[int, int] | None] = {}
+
+    def _slicing(self, comp: str) -> tuple[int, int] | None:
+        """(bytes not moved, bytes moved instead) where computation `comp`'s root is a
+        dynamic-slice of one of its parameters (the rest of that operand is not read) or a
+        dynamic-update-slice into one (in place: the update is written, the buffer neither read
+        nor written whole); None otherwise."""
+        if comp not in self._sliced:
+            self._sliced[comp] = None
+            instrs = {name: (result, op, rest) for name, result, op, rest in self.parsed.get(comp, [])}
+            root = next((line for line in self.comps.get(comp, []) if line.lstrip().startswith("ROOT")), "")
+            m = hlo.INSTRUCTION.match(root)
+            result, op, rest = m.groups()[1:] if m else ("", "", "")
+            while op == "bitcast" and hlo.operands(rest)[0] in instrs:  # a bitcast moves nothing
+                result, op, rest = instrs[hlo.operands(rest)[0]]
+            if op in ("dynamic-slice", "dynamic-update-slice"):
+                names = hlo.operands(rest)
+                buffer = instrs.get(names[0] if names else "")
+                in_place = bool(buffer and buffer[1] == "parameter" and _PARAMETER.match(buffer[2]))
+                if in_place and op == "dynamic-slice":
+                    self._sliced[comp] = (hlo.shape_bytes(buffer[0]), hlo.shape_bytes(result))
+                elif in_place and len(names) > 1:
+                    update = hlo.shape_bytes(self.types[comp].get(names[1], ""))
+                    # not the buffer read and the result written whole: the update written (what it
+                    # is made of is read as the fusion's other operands)
+                    self._sliced[comp] = (2 * hlo.shape_bytes(result), update)
+        return self._sliced[comp]
 
     def _called_flops(self, comp: str) -> float:
         """Matrix-product FLOPs inside a fused computation (nested fusions included)."""
@@ -87,6 +117,13 @@ class Costs:
             return 0.0, 0.0
         types = self.types[comp]
         moved = hlo.shape_bytes(result) + sum(hlo.shape_bytes(types.get(o, "")) for o in hlo.operands(rest))
+        names = hlo.operands(rest)
+        if op == "dynamic-slice" and names:  # the slice read, not the whole operand
+            moved -= hlo.shape_bytes(types.get(names[0], "")) - hlo.shape_bytes(result)
+        elif op == "dynamic-update-slice" and len(names) > 1:  # in place: the update read and written
+            moved += hlo.shape_bytes(types.get(names[1], "")) - 2 * hlo.shape_bytes(result)
+        elif op == "fusion" and called and (sliced := self._slicing(called.group(1))):
+            moved += sliced[1] - sliced[0]
         if op in ("dot", "convolution") or (op == "custom-call" and _GEMM.search(rest)):
             return _product_flops(op, result, rest, types), moved
         if op == "fusion" and called:

@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -18,10 +19,12 @@ from gspmd_tp.sharding import hlo, hlo_cost
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """A calibration of the 8 simulated devices at tiny sizes, one trip timed per figure, on disk."""
+    """A calibration of the 8 simulated devices at tiny sizes, 2 ms of trips timed per figure, on
+    disk."""
     data = calibrate.measure(
-        ["dp=2,mp=4"], sizes=(4096,), matmul_sizes=(16, 32), memory_sizes=(16384,), inner=1, repeats=1
-    )
+        ["dp=2,mp=4"], sizes=(4096,), matmul_sizes=(16, 32), memory_sizes=(1024, 16384), min_time=0.002,
+        repeats=1, working_set=65536,
+    )  # fmt: skip
     path = tmp_path_factory.mktemp("calibration") / "cpu.json"
     path.write_text(json.dumps(data))
     return str(path), data
@@ -35,12 +38,97 @@ def test_calibrate_measures_every_collective_on_every_axis_and_the_compute_rates
     assert series == {(k, a, g) for k in calibration.KINDS for a, g in (("dp", 2), ("mp", 4))}
     for r in data["collectives"]:
         assert r["bytes"] == [4096] and r["seconds"][0] > 0, r
-    assert data["matmul"]["flops"] == [2 * 16**3, 2 * 32**3] and data["memory"]["bytes"] == [16384]
+    assert data["matmul"]["flops"] == [2 * 16**3, 2 * 32**3] and data["memory"]["bytes"] == [1024, 16384]
+    # Every figure is a loop trip timed over 2 ms of trips: none is the timer's floor or zero.
+    figures = [t for r in data["collectives"] for t in r["seconds"]]
+    figures += data["matmul"]["seconds"] + data["memory"]["seconds"]
+    assert min(figures) > 1e-7, figures
     cal = calibration.load(path)
     assert cal.collective_seconds("all-gather", 4, 4096) == pytest.approx(
         data["collectives"][4]["seconds"][0]
     )
     assert cal.collective_seconds("all-reduce", 1, 4096) == 0
+
+
+def test_a_timed_trip_is_raised_to_last_the_minimum_time_and_the_call_overhead_cancels():
+    """A "call" of 3 ms plus 0.2 ms a trip: 0.2 ms a trip, timed over at least 20 ms of trips."""
+    calls = []
+
+    def fn(trips):
+        calls.append(int(trips))
+        time.sleep(3e-3 + 2e-4 * int(trips))
+        return trips
+
+    assert calibrate._timed(fn, (), min_time=0.02, repeats=2) == pytest.approx(2e-4, rel=0.3)
+    assert max(calls) - 1 >= 0.02 / 2e-4
+
+
+def test_the_curves_are_fitted_non_decreasing_in_size(tmp_path):
+    """A figure below its smaller neighbour (noise: an elementwise pass timed at 1 ns) is pooled
+    with it, so a larger operation never costs less than a smaller one."""
+    assert calibration.monotone([1.0, 3.0, 2.0, 2.0, 5.0]) == pytest.approx([1, 7 / 3, 7 / 3, 7 / 3, 5])
+    assert calibration.monotone([2.0, 1.0]) == [1.5, 1.5] and calibration.monotone([1.0, 2.0]) == [1, 2]
+    data = _hand_made()
+    data["memory"] = {"bytes": [1e3, 1e4, 1e5], "seconds": [2e-6, 1e-9, 4e-6]}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(data))
+    cal = calibration.load(str(path))
+    assert cal.data["memory"]["seconds"] == pytest.approx([1.0005e-6, 1.0005e-6, 4e-6])
+    assert cal.compute_seconds(0, 1e4) == pytest.approx(1.0005e-6)
+    assert cal.compute_seconds(0, 5e3) <= cal.compute_seconds(0, 1e4) < cal.compute_seconds(0, 2e4)
+
+
+# fmt: off
+SLICES = """\
+HloModule m, is_scheduled=true
+
+%update (p0: f32[6,256,256], p1: f32[256,256], p2: s32[]) -> f32[6,256,256] {
+  %p0 = f32[6,256,256]{2,1,0} parameter(0)
+  %p1 = f32[256,256]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  %b = f32[1,256,256]{2,1,0} bitcast(%p1)
+  ROOT %dus = f32[6,256,256]{2,1,0} dynamic-update-slice(%p0, %b, %p2, %c, %c)
+}
+
+%read (p0: f32[6,256,256], p1: s32[]) -> f32[256,256] {
+  %p0 = f32[6,256,256]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %ds = f32[1,256,256]{2,1,0} dynamic-slice(%p0, %p1, %c, %c), dynamic_slice_sizes={1,256,256}
+  ROOT %b = f32[256,256]{1,0} bitcast(%ds)
+}
+
+%scale (p0: f32[6,256,256]) -> f32[6,256,256] {
+  %p0 = f32[6,256,256]{2,1,0} parameter(0)
+  ROOT %m = f32[6,256,256]{2,1,0} multiply(%p0, %p0)
+}
+
+ENTRY %main (stack: f32[6,256,256], x: f32[256,256], i: s32[]) -> f32[6,256,256] {
+  %stack = f32[6,256,256]{2,1,0} parameter(0)
+  %x = f32[256,256]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %layer = f32[256,256]{1,0} fusion(%stack, %i), kind=kLoop, calls=%read
+  %put = f32[6,256,256]{2,1,0} fusion(%stack, %layer, %i), kind=kLoop, calls=%update
+  %plain = f32[6,256,256]{2,1,0} dynamic-update-slice(%put, %b2, %i, %i, %i)
+  %b2 = f32[1,256,256]{2,1,0} bitcast(%x)
+  ROOT %all = f32[6,256,256]{2,1,0} fusion(%plain), kind=kLoop, calls=%scale
+}
+"""
+# fmt: on
+
+
+def test_a_slice_read_or_updated_in_place_moves_the_slice_not_the_whole_buffer():
+    """A layer read out of a stack of 6 (dynamic-slice), or written into it in place
+    (dynamic-update-slice, in a fusion or not), moves one layer's bytes; a pass over the whole
+    stack moves all of it."""
+    costs = hlo_cost.Costs(SLICES)
+    index = {name: i for i, (name, *_) in enumerate(costs.parsed["main"])}
+    layer, stack = 256 * 256 * 4, 6 * 256 * 256 * 4
+    assert costs.flops_and_bytes("main", index["layer"]) == (0.0, 2 * layer + 4)
+    assert costs.flops_and_bytes("main", index["put"]) == (0.0, 2 * layer + 4)
+    assert costs.flops_and_bytes("main", index["plain"]) == (0.0, 2 * layer + 3 * 4)
+    assert costs.flops_and_bytes("main", index["all"]) == (0.0, 2 * stack)
 
 
 def test_default_meshes_put_every_group_size_on_each_axis():
