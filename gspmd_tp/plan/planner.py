@@ -3,6 +3,8 @@
     python -m gspmd_tp.plan --config=configs/tiny.py [--config.KEY=VALUE ...] [--json]
     python -m gspmd_tp.plan --config=configs/tiny.py --compare=megatron_1d,megatron_2d \
         --meshes="dp=8,mp=1 dp=2,mp=4" --chart=plan.png
+    python -m gspmd_tp.plan --config=configs/llama_1b.py --target=tpu:v5p:4x4x4 \
+        --compare=megatron_1d,megatron_1d_sp --meshes=dp=16,mp=4 --overlaps=auto,collective_matmul
     python -m gspmd_tp.plan --config=configs/llama_1b.py --target=tpu:v5p:4x4x4 --config.mesh=dp=-1,mp=4
     python -m gspmd_tp.plan --config=configs/llama_1b.py --target=gpu:h100:8 --config.mesh=dp=-1,mp=8
 
@@ -73,12 +75,14 @@ def plan(
     label: str | None = None,
     network_gbps: float | None = None,
     cal: calibration.Calibration | None = None,
+    name_overlap: bool = False,
 ) -> dict:
     """Everything plan reports for one config (rule file and mesh included), as a JSON-able dict.
 
     With `target` ("tpu:v5p:4x4x4", "gpu:h100:8") the step is compiled for it instead of the local
     devices; `s` is the config's setup where it is already made. With `dump_hlo` the compiled
-    step's HLO goes to DIR/LABEL_MESH.hlo.txt, LABEL the rule file's name unless given.
+    step's HLO goes to DIR/LABEL_MESH.hlo.txt, LABEL the rule file's name unless given
+    (DIR/LABEL_MESH_OVERLAP.hlo.txt with `name_overlap`, for a compare of several config.overlap).
     `network_gbps` is the bandwidth between hosts or slices, per chip, for the target's estimate.
     With `cal` (calibration.load) the step time is estimated from its measurements, which must be
     of the plan's device kind, instead of the chip table.
@@ -95,7 +99,7 @@ def plan(
     label = label or short_names([s.rules.source])[s.rules.source]
     if dump_hlo:
         os.makedirs(dump_hlo, exist_ok=True)
-        name = f"{label}_{mesh_file_name(mesh)}.hlo.txt"
+        name = f"{label}_{mesh_file_name(mesh)}{'_' + s.config.overlap if name_overlap else ''}.hlo.txt"
         with open(os.path.join(dump_hlo, name), "w") as f:
             f.write(text)
     n = s.mesh.size
@@ -328,12 +332,15 @@ def compare(
     dump_hlo: str | None = None,
     network_gbps: float | None = None,
     cal: calibration.Calibration | None = None,
+    overlaps: list[str] | None = None,
 ) -> list[dict]:
     """plan() for every rule file x mesh whose axes are the rule file's mesh_axes (rule files with
-    other axis names compare with meshes in theirs). Every combination is set up before anything
-    compiles: a rule file, mesh or config the user can fix, a rule file or mesh given twice however
-    spelt, or one paired with nothing, raises UserError; a model size the mesh cannot divide is
-    reported as that combination's row (`error`)."""
+    other axis names compare with meshes in theirs), under each config.overlap of `overlaps`
+    (default: the config's own). Every combination is set up before anything compiles: a rule
+    file, mesh or config the user can fix, a rule file or mesh given twice however spelt, or one
+    paired with nothing, raises UserError; a model size the mesh cannot divide is reported as that
+    combination's row (`error`)."""
+    overlaps = overlaps or [config.overlap]
     devices = hardware.target_devices(target, slices) if target else None
     count = len(devices) if devices is not None else jax.device_count()
     check_distinct(rules_list, meshes, count, "--compare", "each rule file x mesh is planned once")
@@ -358,32 +365,69 @@ def compare(
             sizes = sizes_of[mesh]
             if set(sizes) != set(axes[rules]):
                 continue
-            c = copy.deepcopy(config)
-            c.rules, c.mesh = rules, mesh
-            try:
-                prepared.append((rules, c, run_setup.setup(c, devices)))
-            except IndivisibleError as e:
-                resolved = ",".join(f"{k}={v}" for k, v in sizes.items())
-                row = {"rules": str(resolve_path(rules)), "label": labels[rules], "mesh": resolved}
-                prepared.append((rules, {**row, "error": str(e)}, None))
+            for overlap in overlaps:
+                c = copy.deepcopy(config)
+                c.rules, c.mesh, c.overlap = rules, mesh, overlap
+                try:
+                    prepared.append((rules, c, run_setup.setup(c, devices)))
+                except IndivisibleError as e:
+                    resolved = ",".join(f"{k}={v}" for k, v in sizes.items())
+                    row = {"rules": str(resolve_path(rules)), "label": labels[rules], "mesh": resolved}
+                    prepared.append((rules, {**row, "overlap": overlap, "error": str(e)}, None))
     if all(s is None for _, _, s in prepared):
         raise UserError(f"no rule file x mesh of --compare fits this model; first: {prepared[0][1]['error']}")
     return [
-        plan(c, dump_hlo, target, slices, s=s, label=labels[rules], network_gbps=network_gbps, cal=cal)
+        plan(
+            c,
+            dump_hlo,
+            target,
+            slices,
+            s=s,
+            label=labels[rules],
+            network_gbps=network_gbps,
+            cal=cal,
+            name_overlap=len(overlaps) > 1,
+        )
         if s is not None
         else c
         for rules, c, s in prepared
     ]
 
 
+def _several_overlaps(results: list[dict]) -> bool:
+    """Whether the rows are of more than one config.overlap (plan --compare --overlaps=A,B)."""
+    return len({r.get("overlap") for r in results}) > 1
+
+
+def _choice(timed: list[dict], several_overlaps: bool) -> str:
+    """The line naming the fastest timed row and its margin to the runner-up."""
+    best, runner_up = sorted(timed, key=lambda r: r["estimate"]["step_s_estimate"])[:2]
+    t0, t1 = (r["estimate"]["step_s_estimate"] for r in (best, runner_up))
+    margin = 1 - t0 / t1 if t1 else 0.0  # the share of the runner-up's step time the choice saves
+    overlap = f" with overlap {best['overlap']}" if several_overlaps else ""
+    other = f", {runner_up['overlap']}" if several_overlaps else ""
+    return (
+        f"choice: {best['label']} on {best['mesh']}{overlap}: {t0 * 1e3:.2f} ms, {margin:.1%} faster "
+        f"than the runner-up ({runner_up['label']} on {runner_up['mesh']}{other}: {t1 * 1e3:.2f} ms)"
+    )
+
+
 def format_compare(results: list[dict]) -> str:
-    """A table: one row per rule file x mesh."""
+    """A table: one row per rule file x mesh (x overlap, a column where more than one is compared),
+    then, where two or more rows have an estimated step time and fit, the choice and its margin."""
     # Columns as wide as the longest label and mesh (a path's file name, data=2,model=4), at least
     # as wide as the shipped ones need, so that the figures stay under their headings.
     nw, mw = column_widths(results, "label", (14, 12))
+    several = _several_overlaps(results)
+    ow = max(len("overlap"), *(len(str(r.get("overlap"))) for r in results))
+
+    def place(r: dict) -> str:
+        """The mesh column, and the overlap column where several are compared."""
+        return f"{r['mesh']:<{mw}}" + (f" {r.get('overlap')!s:<{ow}}" if several else "")
+
     head = (
-        f"{'rules':<{nw}} {'mesh':<{mw}} {'params+opt/dev':>15} {'temps/dev':>12} {'comm/dev':>12} "
-        f"{'analytical':>12} {'ratio':>6}"
+        f"{'rules':<{nw}} {place({'mesh': 'mesh', 'overlap': 'overlap'})} {'params+opt/dev':>15} "
+        f"{'temps/dev':>12} {'comm/dev':>12} {'analytical':>12} {'ratio':>6}"
     )
     # Where some bytes cross GPU hosts or TPU slices, a column of those (part of comm/dev).
     networked = any(r.get("network_bytes_per_device") for r in results)
@@ -401,11 +445,11 @@ def format_compare(results: list[dict]) -> str:
     for r in results:
         name = r["label"]
         if "error" in r:
-            lines.append(f"{name:<{nw}} {r['mesh']:<{mw}} {r['error']}")
+            lines.append(f"{name:<{nw}} {place(r)} {r['error']}")
             continue
         m = r["memory"]
         lines.append(
-            f"{name:<{nw}} {r['mesh']:<{mw}} {_mb(m['params'] + m['opt_state']):>15} "
+            f"{name:<{nw}} {place(r)} {_mb(m['params'] + m['opt_state']):>15} "
             f"{_mb(m['temporaries']):>12} "
             f"{_mb(r['bytes_per_device']):>12} {_mb(r['analytical_bytes_per_device']):>12} "
             f"{_ratio(r).split(':')[0]:>6}"
@@ -419,19 +463,24 @@ def format_compare(results: list[dict]) -> str:
             lines[-1] += "  <- best" if r is best else ""
     for r in results:
         if "error" not in r and r["analytical"]["unmodelled"]:
-            lines.append(f"{r['label']} {r['mesh']}: ratio {_ratio(r)}")
+            lines.append(
+                f"{r['label']} {r['mesh']}{' ' + r['overlap'] if several else ''}: ratio {_ratio(r)}"
+            )
+    if len(timed) > 1:
+        lines.append(_choice(timed, several))
     return "\n".join(lines)
 
 
 def chart(results: list[dict], path: str) -> None:
-    """A PNG with bytes sent and memory per device for each rule file x mesh."""
+    """A PNG with bytes sent and memory per device for each rule file x mesh (x overlap)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in results if "error" not in r]
-    labels = [f"{r['label']}\n{r['mesh']}" for r in ok]
+    several = _several_overlaps(results)
+    labels = [f"{r['label']}\n{r['mesh']}" + (f"\n{r['overlap']}" if several else "") for r in ok]
     x = np.arange(len(ok))
     timed = [r for r in ok if (r.get("estimate") or {}).get("step_s_estimate")]
     panels = 3 if timed else 2
@@ -475,13 +524,17 @@ def check_flags(
     target: str | None,
     slices: int,
     network: float | None,
-) -> list[str]:
+    overlaps: str = "",
+) -> tuple[list[str], list[str]]:
     """The CLI's flags checked together before anything compiles (a UserError names the mistake);
-    returns the --compare rule files, [] for a single plan."""
+    returns the --compare rule files ([] for a single plan) and the --overlaps values ([] for the
+    config's own)."""
     if meshes and not compare_flag:
         raise UserError(f"--meshes={meshes} is for --compare; a single plan takes --config.mesh")
     if chart_path and not compare_flag:
         raise UserError(f"--chart={chart_path} is for --compare")
+    if overlaps and not compare_flag:
+        raise UserError(f"--overlaps={overlaps} is for --compare; a single plan takes --config.overlap")
     if slices != 1 and not target:
         raise UserError(f"--slices={slices} needs --target (slices of a TPU target)")
     if slices < 1:
@@ -497,11 +550,25 @@ def check_flags(
     rules_list = [r.strip() for r in compare_flag.split(",")] if compare_flag else []
     if not all(rules_list):
         raise UserError(f"--compare={compare_flag}: an empty rule file name (comma-separated names)")
-    return rules_list
+    overlap_list = [o.strip() for o in overlaps.split(",")] if overlaps else []
+    for i, o in enumerate(overlap_list):
+        if o not in step_lib.OVERLAP_OPTIONS:
+            expected = ", ".join(step_lib.OVERLAP_OPTIONS)
+            raise UserError(f"--overlaps={overlaps}: {o!r} is not one of {expected} (comma-separated)")
+        if o in overlap_list[:i]:
+            raise UserError(
+                f"--overlaps: overlap {o!r} is given twice (each rule file x mesh x overlap is planned once)"
+            )
+    if len(overlap_list) > 1 and not target:
+        raise UserError(
+            f"--overlaps={overlaps} needs --target: XLA:CPU has no collective matmul, so on CPU devices "
+            "every overlap compiles the same step (--target=tpu:... or gpu:... compares them)"
+        )
+    return rules_list, overlap_list
 
 
 def main(argv) -> None:
-    """CLI: python -m gspmd_tp.plan --config=... [--json] [--compare=... --meshes=...]."""
+    """CLI: python -m gspmd_tp.plan --config=... [--json] [--compare=... --meshes=... --overlaps=...]."""
     no_positional_arguments(argv)
     from absl import logging
 
@@ -510,7 +577,7 @@ def main(argv) -> None:
     network = _NETWORK_GBPS.value
     try:
         cal = calibration.load(_CALIBRATION.value) if _CALIBRATION.value else None
-        rules_list = check_flags(
+        rules_list, overlaps = check_flags(
             _COMPARE.value,
             _MESHES.value,
             _CHART.value,
@@ -518,11 +585,20 @@ def main(argv) -> None:
             _TARGET.value,
             _SLICES.value,
             network,
+            _OVERLAPS.value,
         )
         if rules_list:
             meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
             results = compare(
-                config, rules_list, meshes, _TARGET.value, _SLICES.value, _DUMP_HLO.value, network, cal
+                config,
+                rules_list,
+                meshes,
+                _TARGET.value,
+                _SLICES.value,
+                _DUMP_HLO.value,
+                network,
+                cal,
+                overlaps,
             )
             if _CHART.value:
                 chart(results, _CHART.value)
@@ -553,6 +629,12 @@ if __name__ == "__main__":
     _COMPARE = flags.DEFINE_string("compare", "", "Comma-separated rule files to compare side by side.")
     _MESHES = flags.DEFINE_string(
         "meshes", "", 'Space-separated meshes for --compare ("dp=8,mp=1 dp=2,mp=4").'
+    )
+    _OVERLAPS = flags.DEFINE_string(
+        "overlaps",
+        "",
+        "Comma-separated config.overlap values for --compare to plan each rule file x mesh under "
+        "(auto,none,collective_matmul; more than one needs --target). Default: config.overlap.",
     )
     _CHART = paths.define_flag("chart", "", "With --compare: write a PNG chart here.")
     _DUMP_HLO = paths.define_flag(

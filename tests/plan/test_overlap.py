@@ -2,6 +2,7 @@
 libtpu), what the GPU compiler makes of them (needs the CUDA plugin), and what a CPU run is told."""
 
 import importlib.util
+import re
 
 import pytest
 from conftest import small_config
@@ -9,6 +10,7 @@ from conftest import small_config
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.plan import hardware, planner
 from gspmd_tp.sharding import hlo
+from gspmd_tp.sharding.mesh import mesh_file_name
 from gspmd_tp.train import run_setup
 from gspmd_tp.train import step as step_lib
 
@@ -91,3 +93,77 @@ def test_an_unknown_overlap_is_an_error_naming_the_key():
         UserError, match=r"^config.overlap='windowed': expected one of auto, none, collective_matmul$"
     ):
         run_setup.setup(small_config(overlap="windowed"))
+
+
+@needs_libtpu
+def test_compare_over_two_overlaps_plans_both_and_names_the_choice_with_its_margin(tmp_path):
+    config = small_config(**{"model.num_layers": 1})
+    overlaps = ["auto", "collective_matmul"]
+    rows = planner.compare(
+        config, ["megatron_1d_sp"], ["dp=2,mp=4"], TPU, dump_hlo=str(tmp_path), overlaps=overlaps
+    )
+    assert [r["overlap"] for r in rows] == overlaps
+    assert [r["compiler_options"] for r in rows] == [{}, step_lib.OVERLAP_OPTIONS["collective_matmul"]["tpu"]]
+    # One HLO file each, the overlap in its name.
+    mesh = mesh_file_name("dp=2,mp=4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"megatron_1d_sp_{mesh}_{o}.hlo.txt" for o in overlaps
+    ]
+    head, *lines = planner.format_compare(rows).splitlines()
+    assert head.split()[:4] == ["rules", "mesh", "overlap", "params+opt/dev"]
+    assert [line.split()[:3] for line in lines[:2]] == [["megatron_1d_sp", "dp=2,mp=4", o] for o in overlaps]
+    # The margin worked out here from the two estimates: the share of the slower one's step saved.
+    best, other = sorted(rows, key=lambda r: r["estimate"]["step_s_estimate"])
+    t_best, t_other = best["estimate"]["step_s_estimate"], other["estimate"]["step_s_estimate"]
+    assert t_best < t_other
+    margin = (t_other - t_best) / t_other * 100
+    assert lines[-1] == (
+        f"choice: megatron_1d_sp on dp=2,mp=4 with overlap {best['overlap']}: {t_best * 1e3:.2f} ms, "
+        f"{margin:.1f}% faster than the runner-up (megatron_1d_sp on dp=2,mp=4, {other['overlap']}: "
+        f"{t_other * 1e3:.2f} ms)"
+    )
+    (marked,) = [line for line in lines if line.endswith("<- best")]
+    assert marked.split()[2] == best["overlap"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            dict(overlaps="auto,collective_matmul"),
+            "--overlaps=auto,collective_matmul needs --target: XLA:CPU has no collective matmul, so on "
+            "CPU devices every overlap compiles the same step (--target=tpu:... or gpu:... compares them)",
+        ),
+        (
+            dict(overlaps="auto,windowed", target=TPU),
+            "--overlaps=auto,windowed: 'windowed' is not one of auto, none, collective_matmul "
+            "(comma-separated)",
+        ),
+        (
+            dict(overlaps="none,auto,none", target=TPU),
+            "--overlaps: overlap 'none' is given twice (each rule file x mesh x overlap is planned once)",
+        ),
+        (
+            dict(compare_flag="", overlaps="none"),
+            "--overlaps=none is for --compare; a single plan takes --config.overlap",
+        ),
+    ],
+)
+def test_overlaps_flag_mistakes_are_one_line_before_compiling(flags, message):
+    given = dict(
+        compare_flag="megatron_1d_sp", meshes="", chart_path="", dump_hlo=None, target=None, slices=1
+    )
+    with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
+        planner.check_flags(**{**given, "network": None, **flags})
+
+
+def test_overlaps_flag_gives_its_values_and_defaults_to_the_config_s_own():
+    given = dict(
+        compare_flag="megatron_1d_sp", meshes="", chart_path="", dump_hlo=None, slices=1, network=None
+    )
+    assert planner.check_flags(**given, target=TPU, overlaps="none, collective_matmul") == (
+        ["megatron_1d_sp"],
+        ["none", "collective_matmul"],
+    )
+    assert planner.check_flags(**given, target=None, overlaps="collective_matmul")[1] == ["collective_matmul"]
+    assert planner.check_flags(**given, target=None) == (["megatron_1d_sp"], [])

@@ -61,6 +61,22 @@ def test_every_rule_file_compiles_for_a_tpu_slice(rules):
     assert 0 <= e["comm_hidden_s"] <= p["hidden_bytes_per_device"] / v5e["ici"] * (1 + 1e-9)
 
 
+def test_compare_names_the_choice_and_its_margin_to_the_runner_up():
+    """format_compare of two plans above (the dicts compare returns): without --overlaps the table has
+    no overlap column, and the line after it names the fastest and how much it saves."""
+    rows = [tpu_plan("megatron_1d"), tpu_plan("megatron_1d_sp")]
+    head, *lines = planner.format_compare(rows).splitlines()
+    assert "overlap" not in head and not any(" auto " in line for line in lines)
+    fast, slow = sorted(rows, key=lambda r: r["estimate"]["step_s_estimate"])
+    t_fast, t_slow = fast["estimate"]["step_s_estimate"], slow["estimate"]["step_s_estimate"]
+    margin = (t_slow - t_fast) / t_slow * 100
+    assert lines[-1] == (
+        f"choice: {fast['label']} on dp=2,mp=4: {t_fast * 1e3:.2f} ms, {margin:.1f}% faster than the "
+        f"runner-up ({slow['label']} on dp=2,mp=4: {t_slow * 1e3:.2f} ms)"
+    )
+    assert planner.format_compare(rows[:1]).splitlines()[-1].startswith("megatron_1d ")  # one: no choice
+
+
 def test_megatron_1d_on_tpu_only_all_reduces_as_analysed():
     p = tpu_plan("megatron_1d")
     kinds = {k for k, v in p["collectives"].items() if v["count"]}
