@@ -205,25 +205,6 @@ def test_a_checkpoint_one_process_cannot_read_is_skipped_by_every_process(fsdp_j
     assert sorted(losses(run)) == [1, 2, 3] and losses(run)[2] == first[2]
 
 
-@pytest.mark.parametrize(
-    "only, key",
-    [
-        ("--config.optim.lr=0.001", "config.optim.lr"),
-        # A rule file only process 1 was given (and lacks): named on both, not process 1's own
-        # "not found" while process 0 waited 30 s in a collective and blamed a dead peer.
-        ("--config.rules=nonexistent", "config.rules"),
-    ],
-    ids=["lr", "missing-rule-file"],
-)
-def test_processes_given_other_values_are_refused_before_training(tmp_path, only, key):
-    procs = start(tmp_path / "run", 4, only=((), (only,)))
-    outs = [p.communicate(timeout=240) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 1, err[-2000:]
-        assert f"error: {key} differs between process 0 and process 1 of this job" in err, err[-2000:]
-    assert not (tmp_path / "run").exists()
-
-
 def test_processes_given_other_workdirs_are_refused_before_training(tmp_path):
     """Process 1 would save its shards of each checkpoint in its own workdir while process 0 waited
     in the save's barriers for them (a hang of minutes, then a crash with no checkpoint)."""
@@ -236,12 +217,14 @@ def test_processes_given_other_workdirs_are_refused_before_training(tmp_path):
 
 
 def test_a_value_that_fails_on_one_process_only_is_named_on_every_process(tmp_path):
-    """Process 1's mesh cannot be made: before, it alone stopped (and aborted at the exit barrier)
-    while process 0 compiled and failed 30 s later in gloo, blaming a dead peer."""
-    procs = start(tmp_path / "run", 4, only=((), ("--config.mesh=dp=3,mp=4",)))
+    """A rule file only process 1 was given (and lacks): before, it alone stopped with its own "not
+    found" while process 0 waited 30 s in a collective and blamed a dead peer. The configs are
+    compared before either is used, so any other value (a learning rate, a mesh process 1 cannot
+    make) is refused by the same line."""
+    procs = start(tmp_path / "run", 4, only=((), ("--config.rules=nonexistent",)))
     for last in refused(procs):
         assert last == (
-            "error: config.mesh differs between process 0 and process 1 of this job; "
+            "error: config.rules differs between process 0 and process 1 of this job; "
             "start every process with the same config, rule file and overrides"
         )
     assert not (tmp_path / "run").exists()
@@ -368,48 +351,22 @@ def test_a_peer_killed_during_training_stops_the_others_at_once(tmp_path):
     assert took < 30, took
 
 
-@pytest.mark.parametrize(
-    "extra, signals, by",
-    [
-        ((), [(1, signal.SIGTERM)], "SIGTERM on process 1"),
-        # Every step evaluates 4 batches, each preceded by a stop check, and the host runs ahead of
-        # the devices: the processes still stop at one check, each reading the same all-reduced signals.
-        (
-            ("--config.eval_every=1", "--config.eval_batches=4"),
-            [(0, signal.SIGTERM), (1, signal.SIGINT)],
-            "SIGTERM on process 0|SIGINT on process 1",
-        ),
-    ],
-    ids=["one-process-signalled", "both-signalled-during-evaluations"],
-)
-def test_a_stop_signal_stops_every_process_at_one_step(tmp_path, extra, signals, by):
-    procs = start(tmp_path / "run", 100_000, "--config.checkpoint_every=100000", *extra)
+def test_a_stop_signal_stops_every_process_at_one_step(tmp_path):
+    """SIGTERM on process 1, whose stop process 0 learns only from the all-reduced signals, then
+    SIGINT on process 0 (a preemption reaches every host at about the same time). Every step
+    evaluates 4 batches, each preceded by a stop check, and the host runs ahead of the devices: the
+    processes still stop at one check, each reading the same signals, and save one checkpoint."""
+    evaluating = ("--config.eval_every=1", "--config.eval_batches=4")
+    procs = start(tmp_path / "run", 100_000, "--config.checkpoint_every=100000", *evaluating)
     wait_for_training(tmp_path / "run")
-    for i, (process, sig) in enumerate(signals):
-        time.sleep(0.3 if i else 0)
-        procs[process].send_signal(sig)
+    procs[1].send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    procs[0].send_signal(signal.SIGINT)
     (out, _), _ = finish(procs)
+    by = "SIGTERM on process 1|SIGINT on process 0"
     stopped = re.search(rf"stopped by (?:{by}) after step (\d+): checkpoint saved", out)
     assert stopped, out[-2000:]
     assert os.listdir(tmp_path / "run" / "checkpoints") == [stopped.group(1)]
-
-
-def test_sigterm_while_compiling_is_one_line_on_every_process(tmp_path):
-    """jax.distributed.initialize's preemption notifier takes SIGTERM over; train.py takes it back."""
-    procs = start(tmp_path / "run", 100_000)
-    try:
-        compiling(procs[0])  # gloo's own lines come first
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            _, err = p.communicate(timeout=120)
-            assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
-            last = err.strip().splitlines()[-1]
-            assert last == "stopped by SIGTERM before training began; no checkpoint was written"
-    finally:
-        for p in procs:
-            p.kill()
-    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("signalled", [1, 0])
@@ -637,23 +594,41 @@ def test_cluster_job_is_what_jax_finds(monkeypatch):
     assert distributed.cluster_job(5) is None  # one process: nothing to join
 
 
+# python -c: bench.py as `python bench.py` runs it, its matmul roofline timed on 256 x 256 products,
+# not 2048 x 2048 (about 13 s of process 0's time on a 2-core test machine, twice per run: before
+# and after the steps); the rate is still measured by process 0 alone and shared. {host}: more
+# setup first.
+BENCH = (
+    "import runpy, socket, sys\n"
+    "{host}"
+    "from gspmd_tp.job import host_devices\n"
+    "request = host_devices.request\n"
+    "def small_matmuls(*args):\n"
+    "    request(*args)  # before jax is imported\n"
+    "    from gspmd_tp.bench import benchmark\n"
+    "    benchmark.matmul_rate.__defaults__ = (256, 2)\n"
+    "host_devices.request = small_matmuls\n"
+    "sys.argv[0] = 'bench.py'\n"
+    "runpy.run_path('bench.py', run_name='__main__')\n"
+)
+
+
 def bench_job(*extra, only=((), ())):
     """bench.py on 2 processes x 4 devices, process 1 on a host of another name (its
-    socket.gethostname made so): SMALL's model, megatron_1d on dp=2,mp=4 (process i adding `only[i]`)."""
+    socket.gethostname made so): SMALL's model, megatron_1d on dp=2,mp=4, 1 timed step and no
+    warmup (process i adding `only[i]`)."""
     port = free_port()
     args = [
-        *SMALL[:5], "--rules=megatron_1d", "--meshes=dp=2,mp=4", "--steps=2", "--warmup=1", *extra,
+        *SMALL[:5], "--rules=megatron_1d", "--meshes=dp=2,mp=4", "--steps=1", "--warmup=0", *extra,
         f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
     ]  # fmt: skip
-    other_host = (
-        "import runpy, socket, sys; socket.gethostname = lambda: 'another-host'; "
-        "sys.argv[0] = 'bench.py'; runpy.run_path('bench.py', run_name='__main__')"
-    )
+    other_host = "socket.gethostname = lambda: 'another-host'\n"
     return [
         subprocess.Popen(
             [
                 sys.executable,
-                *(["bench.py"] if i == 0 else ["-c", other_host]),
+                "-c",
+                BENCH.format(host=other_host if i else ""),
                 *args,
                 f"--process_id={i}",
                 *only[i],
@@ -730,7 +705,7 @@ def test_evaluate_and_generate_as_two_processes_report_what_one_process_does(tra
     assert (report["step"], report["mesh"], out1) == (4, "dp=2,mp=4", "")
     assert report["loss"] == pytest.approx(rows[-1]["eval_loss"], rel=1e-5)  # as training logged it
 
-    greedy = ["--prompt=def ", "--temperature=0", "--max_new_tokens=12", "--config.rules=fsdp",
+    greedy = ["--prompt=def ", "--temperature=0", "--max_new_tokens=4", "--config.rules=fsdp",
               "--config.mesh=dp=8,mp=1"]  # fmt: skip
     assert generate.main([f"--workdir={trained_workdir}", *greedy]) == 0
     want = capsys.readouterr().out
