@@ -189,8 +189,9 @@ def test_planning_for_a_slice_twice_reads_nothing_stale_from_the_compilation_cac
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            planner.plan(small_config(rules="fsdp", mesh="dp=4,mp=2"), target=TARGET)
-            planner.plan(small_config(rules="fsdp", mesh="dp=4,mp=2"), target=TARGET)
+            one_layer = small_config(rules="fsdp", mesh="dp=4,mp=2", **{"model.num_layers": 1})
+            planner.plan(one_layer, target=TARGET)
+            planner.plan(one_layer, target=TARGET)
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
     assert not [str(w.message)[:200] for w in caught if "compilation cache" in str(w.message)]
@@ -208,7 +209,8 @@ def test_the_slice_is_named_to_libtpu_as_cloud_tpu_names_it(topology, name):
 def test_planning_for_a_slice_prints_no_libtpu_warning():
     env = {k: v for k, v in os.environ.items() if k not in ("TPU_ACCELERATOR_TYPE", "XLA_FLAGS")}
     out = subprocess.run(
-        [sys.executable, "-m", "gspmd_tp.plan", "--config=configs/tiny.py", f"--target={TARGET}"],
+        [sys.executable, "-m", "gspmd_tp.plan", "--config=configs/tiny.py", f"--target={TARGET}",
+         "--config.model.num_layers=1", "--config.batch_size=8", "--config.seq_len=32"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
