@@ -20,6 +20,9 @@ from gspmd_tp.train import run_setup
 H100 = hardware.GPU_CHIPS["h100"]
 
 
+# Each test plans one of a few steps, shared through this cache (a GPU compile is most of a test's
+# time): megatron_1d dp=2,mp=4 (float32 on four hosts of two, bfloat16 on one host), fsdp dp=2,mp=4
+# in bfloat16 on one host, megatron_1d dp=2,mp=8 on two hosts of eight.
 @functools.cache
 def _planned(target, rules, mesh, **overrides):
     return planner.plan(small_config(rules=rules, mesh=mesh, **overrides), target=target)
@@ -28,6 +31,29 @@ def _planned(target, rules, mesh, **overrides):
 def gpu_plan(target="gpu:h100:8", rules="megatron_1d", mesh="dp=2,mp=4", **overrides):
     """plan.plan of small_config on `target`, compiled once per test process; a copy per caller."""
     return copy.deepcopy(_planned(target, rules, mesh, **overrides))
+
+
+BF16 = {"model.dtype": "bfloat16"}
+
+
+@functools.cache
+def _planned_twice():
+    """gpu_plan's step on four hosts of two, then that step planned again with 800 Gb/s between the
+    hosts: (first, second, the warnings of both). Planning the same step twice in one process is
+    what would read a compile-only executable back from the persistent compilation cache."""
+    before = jax.config.jax_persistent_cache_min_compile_time_secs  # restored for later tests
+    # Every compile is worth caching (conftest sets the same through the environment, so a first plan
+    # made earlier by another test was compiled under it too).
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = gpu_plan("gpu:h100:4x2")
+            config = small_config(rules="megatron_1d", mesh="dp=2,mp=4")
+            second = planner.plan(config, target="gpu:h100:4x2", network_gbps=800)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+    return first, second, [str(w.message)[:200] for w in caught]
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +101,21 @@ def test_the_1b_step_fits_an_h100_only_with_a_larger_memory_share(llama_1b_plann
 
 
 def test_megatron_1d_on_eight_gpus_all_reduces_as_analysed():
-    p = gpu_plan()
-    assert p["backend"] == "gpu" and p["devices"] == 8
+    """On four hosts of two: the hosts change which collectives cross the network (tested below),
+    not the program nor its bytes."""
+    p = gpu_plan("gpu:h100:4x2")
+    assert p["backend"] == "gpu" and p["devices"] == 8 and p["device_kind"] == H100["name"]
     assert {k for k, v in p["collectives"].items() if v["count"]} == {"all-reduce"}
     assert p["ratio"] == pytest.approx(1.0, abs=0.02)
+
+
+def test_on_one_host_every_collective_runs_at_nvlink_bandwidth():
+    p = gpu_plan(**BF16)
+    assert p["devices"] == 8 and p["network_bytes_per_device"] == 0
     e = p["estimate"]
     # The estimate, worked out here: the step's FLOPs shared by 8 GPUs at the data sheet's peak,
     # then every collective's bytes at NVLink's bandwidth (one host), added, less what the schedule hides.
-    compute_s = step_flops(small_config()) / 8 / H100["flops"]
+    compute_s = step_flops(small_config(**BF16)) / 8 / H100["flops"]
     comm_s = p["bytes_per_device"] / H100["link"]
     assert e["fits"] and e["compute_s"] == pytest.approx(compute_s, rel=1e-6)
     assert e["comm_s"] == pytest.approx(comm_s, rel=1e-6) and comm_s > 0
@@ -94,19 +127,20 @@ def test_a_bf16_model_assembles_its_vocabulary_parallel_lookup_in_bf16():
     """The lookup's all-reduce moves as many bytes as the output projection's input-gradient
     all-reduce of the same (batch, length, embed) shape; looked up in float32 and cast after, it
     would move twice as many."""
-    p = gpu_plan(**{"model.dtype": "bfloat16"})
+    p = gpu_plan(**BF16)
     (lookup,) = [c for c in p["largest_collectives"] if c["op_name"].endswith("jit(_take)/gather")]
     input_gradient = "transpose(jvp(Transformer))/ble,ev->blv/dot_general"
     (gradient,) = [c for c in p["largest_collectives"] if c["op_name"].endswith(input_gradient)]
     assert lookup["ring_bytes_per_device"] == gradient["ring_bytes_per_device"] > 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fsdp_on_gpus_gathers_and_reduce_scatters_as_analysed(dtype):
+def test_fsdp_on_gpus_gathers_and_reduce_scatters_as_analysed():
     """The GPU compiler gathers each weight after its cast to the compute dtype, forward and
     backward, and reduce-scatters its gradient in that dtype. Its reduce-scatter-start returns its
-    operands beside its results: counted whole, the ratio read 1.78 on the ~1B config."""
-    p = gpu_plan(rules="fsdp", mesh="dp=8,mp=1", **{"model.dtype": dtype})
+    operands beside its results: counted whole, the ratio read 1.78 on the ~1B config. (fsdp shards
+    over dp and mp together: dp=2,mp=4 is 8-way FSDP, the mesh compare plans it on below. In float32
+    the CLI's report below says the same.)"""
+    p = gpu_plan(rules="fsdp", mesh="dp=2,mp=4", **BF16)
     assert p["collectives"]["reduce-scatter"]["count"] > 0 and p["collectives"]["all-gather"]["count"] > 0
     assert p["ratio"] == pytest.approx(1.0, abs=0.01)
 
@@ -134,24 +168,40 @@ def test_across_two_hosts_only_the_data_parallel_reduction_crosses_the_network()
 
 def test_tensor_parallelism_across_hosts_runs_at_its_nics_per_host():
     """On four hosts of two, mp=4 spans two hosts with two GPUs of each group on each: its
-    all-reduces go through two NICs per host (100 GB/s), dp's through one (50 GB/s)."""
-    p = gpu_plan("gpu:h100:4x2", mesh="dp=2,mp=4")
+    all-reduces go through two NICs per host (100 GB/s), dp's through one (50 GB/s). Twice as fast
+    a network (--network_gbps=800) halves that time and changes no byte."""
+    p, faster, _ = _planned_twice()
     e = p["estimate"]
     assert p["network_bytes_per_device"] == pytest.approx(p["bytes_per_device"])  # every group crosses
     tensor_parallel, data_parallel = p["analytical"]["tensor_parallel"], p["analytical"]["data_parallel"]
     expected = tensor_parallel / (2 * H100["network"]) + data_parallel / H100["network"]
     assert e["comm_network_s"] == pytest.approx(expected, rel=0.02) and e["comm_link_s"] == 0
-    faster = planner.plan(
-        small_config(rules="megatron_1d", mesh="dp=2,mp=4"), target="gpu:h100:4x2", network_gbps=800
-    )
     assert faster["estimate"]["comm_network_s"] == pytest.approx(e["comm_network_s"] / 2)
     assert faster["bytes_per_device"] == p["bytes_per_device"]
 
 
-def test_compare_on_gpus_marks_the_best_estimate():
-    results = planner.compare(small_config(), ["dp", "megatron_1d"], ["dp=2,mp=4"], "gpu:h100:8")
+def test_compare_on_gpus_marks_the_best_estimate(monkeypatch):
+    """compare sets up each rule file x mesh on the target's devices and plans it there; its plans
+    are the ones planned above for the other tests (served from this module's cache, not compiled
+    again)."""
+    calls = []
+
+    def planned(config, dump_hlo, target, slices, s, label, **_):
+        calls.append((config.rules, config.mesh, target, s.mesh.devices.flat[0].device_kind, label))
+        assert config.to_dict() == small_config(rules=config.rules, mesh=config.mesh, **BF16).to_dict()
+        return {**gpu_plan(target, config.rules, config.mesh, **BF16), "label": label}
+
+    monkeypatch.setattr(planner, "plan", planned)
+    results = planner.compare(small_config(**BF16), ["fsdp", "megatron_1d"], ["dp=2,mp=4"], "gpu:h100:8")
+    assert calls == [
+        ("fsdp", "dp=2,mp=4", "gpu:h100:8", H100["name"], "fsdp"),
+        ("megatron_1d", "dp=2,mp=4", "gpu:h100:8", H100["name"], "megatron_1d"),
+    ]
     table = planner.format_compare(results)
     assert "est. step" in table and table.count("<- best") == 1
+    best = min(results, key=lambda r: r["estimate"]["step_s_estimate"])
+    (marked,) = [line for line in table.splitlines() if line.endswith("<- best")]
+    assert marked.startswith(best["label"] + " ")
     assert "of which net" not in table  # one host: nothing crosses a network
 
 
@@ -160,7 +210,7 @@ def test_compare_across_hosts_has_a_column_of_the_bytes_between_them():
     results = [gpu_plan("gpu:h100:2x8", mesh="dp=2,mp=8"), gpu_plan("gpu:h100:4x2", mesh="dp=2,mp=4")]
     table = planner.format_compare(results).splitlines()
     assert "of which net" in table[0] and all(r["network_bytes_per_device"] > 0 for r in results)
-    for r, line in zip(results, table[1:], strict=True):
+    for r, line in zip(results, table[1 : 1 + len(results)], strict=True):
         assert f"{r['network_bytes_per_device'] / 2**20:,.3f} MiB" in line
 
 
@@ -202,28 +252,28 @@ def test_a_bad_memory_fraction_is_refused_before_compiling(value, monkeypatch):
 
 
 def test_planning_for_gpus_twice_reads_nothing_stale_from_the_compilation_cache():
-    before = jax.config.jax_persistent_cache_min_compile_time_secs  # restored for later tests
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            planner.plan(small_config(rules="fsdp", mesh="dp=4,mp=2"), target="gpu:h100:8")
-            planner.plan(small_config(rules="fsdp", mesh="dp=4,mp=2"), target="gpu:h100:8")
-    finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
-    assert not [str(w.message)[:200] for w in caught if "compilation cache" in str(w.message)]
+    *_, caught = _planned_twice()
+    assert not [message for message in caught if "compilation cache" in message]
 
 
 def test_plan_cli_for_gpus_prints_the_report():
+    """Of fsdp in float32 (two layers: the collectives in the layer loop count twice), whose
+    all-gathers and reduce-scatters come out as analysed, as in bfloat16 above."""
     r = subprocess.run(
         [sys.executable, "-m", "gspmd_tp.plan", "--config=configs/tiny.py", "--target=gpu:h100:8",
-         "--config.mesh=dp=2,mp=4", "--config.rules=megatron_1d"],
+         "--config.mesh=dp=2,mp=4", "--config.rules=fsdp", "--config.model.num_layers=2",
+         "--config.batch_size=8", "--config.seq_len=32"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert "target gpu:h100:8: 8 NVIDIA H100 80GB HBM3 devices" in r.stdout
     assert "JAX's 75% of the GPU" in r.stdout and "at NVLink bandwidth" in r.stdout
     assert "Traceback" not in r.stderr
+    # "  all-gather (f32, s32, pred)   5 ...": a kind, its dtypes, its count
+    counts = dict(re.findall(r"^  ([a-z-]+) \(f32[^)]*\) +(\d+) ", r.stdout, re.MULTILINE))
+    assert int(counts["all-gather"]) > 0 and int(counts["reduce-scatter"]) > 0, r.stdout
+    (ratio,) = re.findall(r"^measured / analytical: (\S+)$", r.stdout, re.MULTILINE)
+    assert float(ratio) == pytest.approx(1.0, abs=0.01)
 
 
 def test_without_the_cuda_plugin_a_gpu_target_says_what_to_install(monkeypatch):
