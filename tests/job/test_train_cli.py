@@ -1,13 +1,22 @@
-"""train.py end to end, as a user runs it: metrics, checkpoints, resume, one-line user errors."""
+"""train.py end to end, as a user runs it: metrics, checkpoints, resume, one-line user errors.
+
+What fails inside the trainer is a UserError, which every command prints as one line: those errors
+are raised here by the trainer's function in-process, and a real process is started only where the
+process is the subject (its exit status and stderr, its flags and config file)."""
 
 import json
 import os
+import re
+import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import child_env
+from conftest import child_env, small_config
+
+from gspmd_tp.job.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -23,60 +32,89 @@ SMALL = [
 ]
 
 
-def train(workdir, *flags):
-    env = child_env()  # train.py asks for 8 devices
+def train(workdir, *flags, **env):
+    """train.py as a user runs it, its output captured; `env` added to the environment."""
     return subprocess.run(
         [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}", *SMALL, *flags],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+        cwd=ROOT, env=child_env(**env), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
 
 
-def test_train_writes_metrics_and_checkpoints_then_resumes(tmp_path):
-    first = train(tmp_path, "--config.steps=4")
-    assert first.returncode == 0, first.stderr[-2000:]
-    assert "step 4/4 | loss" in first.stdout and "tok/s" in first.stdout
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+def _rows(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_writes_metrics_and_checkpoints_then_resumes(trained_workdir, tmp_path, capsys):
+    rows = _rows(trained_workdir)  # 4 steps of small_config()
     assert [r["step"] for r in rows] == [1, 2, 4]  # the first step, then every log_every
     assert all({"step", "loss", "tokens_per_sec"} <= set(r) for r in rows)
     assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
-    assert list((tmp_path / "tensorboard").iterdir())
+    assert sorted(os.listdir(trained_workdir / "checkpoints")) == ["2", "4"]
+    assert list((trained_workdir / "tensorboard").iterdir())
 
-    # Resume on another mesh and rule file.
-    second = train(tmp_path, "--config.steps=6", "--config.rules=megatron_1d", "--config.mesh=dp=4,mp=2")
-    assert second.returncode == 0, second.stderr[-2000:]
-    assert "resumed from step 4" in second.stdout
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 4, 5, 6]
+    # Resume on another mesh and rule file, from step 2 (the step test_resume.py's run on that mesh
+    # compiles): its metrics from step 3 on are written again.
+    workdir = tmp_path / "run"
+    shutil.copytree(trained_workdir, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "4")
+    capsys.readouterr()
+    from gspmd_tp.train import loop
+
+    loop.train(small_config(rules="megatron_1d", mesh="dp=4,mp=2"), str(workdir))
+    out = capsys.readouterr().out
+    assert "resumed from step 2" in out and "step 4/4 | loss" in out and "tok/s" in out
+    assert [r["step"] for r in _rows(workdir)] == [1, 2, 3, 4]
 
 
 def test_user_errors_are_one_line_without_traceback(tmp_path):
+    from gspmd_tp.train import loop
+
     bad_rules = tmp_path / "bad.yaml"
     bad_rules.write_text("mesh_axes: [dp, mp]\nrules:\n  - [batch, tp]\n")
-    cases = {
-        f"--config.rules={bad_rules}": "bad.yaml: rule 1 (line 3) maps 'batch' to mesh axis 'tp'",
-        "--config.mesh=dp=3,mp=4": "mesh 'dp=3,mp=4' has 12 devices but 8 are available",
-        "--config.grad_accum=3": "config.batch_size=8 is not divisible by config.grad_accum=3",
-        "--config.data.train_files=/nonexistent/*.txt": "no file matches '/nonexistent/*.txt'",
-        "--config.model.attention=cudnn --config.model.dtype=bfloat16": (
-            "config.model.attention='cudnn' needs GPU devices; this run's are cpu"
+    cases = [
+        ({"rules": str(bad_rules)}, "bad.yaml: rule 1 (line 3) maps 'batch' to mesh axis 'tp'"),
+        ({"mesh": "dp=3,mp=4"}, "mesh 'dp=3,mp=4' has 12 devices but 8 are available"),
+        ({"grad_accum": 3}, "config.batch_size=8 is not divisible by config.grad_accum=3"),
+        ({"data.train_files": "/nonexistent/*.txt"}, "no file matches '/nonexistent/*.txt'"),
+        (
+            {"model.attention": "cudnn", "model.dtype": "bfloat16"},
+            "config.model.attention='cudnn' needs GPU devices; this run's are cpu",
         ),
-    }
-    for flag, message in cases.items():
-        result = train(tmp_path / "run", "--config.steps=2", *flag.split())
-        assert result.returncode == 1, (flag, result.stderr[-2000:])
-        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-        assert errors and message in errors[0], (flag, result.stderr[-2000:])
-        assert "Traceback" not in result.stderr
+    ]
+    for overrides, message in cases:
+        with pytest.raises(UserError) as e:
+            loop.train(small_config(steps=2, **overrides), str(tmp_path / "run"))
+        assert message in str(e.value) and "\n" not in str(e.value), (overrides, str(e.value))
     assert not (tmp_path / "run").exists()  # nothing written before the error
-    result = train("/dev/null/run", "--config.steps=2")
+    with pytest.raises(UserError, match="^--workdir=/dev/null/run: /dev/null is a file, not a directory$"):
+        loop.train(small_config(steps=2), "/dev/null/run")
+
+    # As train.py prints one, here with a leading ~ in --workdir (bash leaves `--workdir=~/x` as it
+    # is: the word is no assignment), which is the home directory.
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("x")
+    result = train("~/notes.txt", "--config.steps=1", HOME=str(home))
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == ["error: --workdir=/dev/null/run: /dev/null is a file, not a directory"]
+    assert errors == [f"error: --workdir={home}/notes.txt is a file, not a run's directory"]
+
+
+def test_a_tilde_in_the_rule_file_and_init_from_is_the_home_directory(tmp_path, monkeypatch):
+    """train.py found no rule file `--config.rules=~/r.yaml`, as bash leaves it."""
+    from gspmd_tp.train import loop
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "mine.yaml").write_text((ROOT / "rules" / "megatron_1d.yaml").read_text())
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)  # a directory named ~ is not made here
+    config = small_config(steps=1, rules="~/mine.yaml", init_from="~/p.npz")
+    with pytest.raises(
+        UserError, match=re.escape(f"config.init_from: no file {home}/p.npz")
+    ):  # after the rules
+        loop.train(config, str(tmp_path / "run"))
+    assert sorted(os.listdir(tmp_path)) == ["home"]
 
 
 @pytest.mark.parametrize(
@@ -105,7 +143,11 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
             "--config.model.hidden_size: the config has no key 'hidden_size' "
             "(gspmd_tp calls it config.model.d_model)",
         ),
-        (["-m", "gspmd_tp.plan"], "TMP", "--config=configs/tiny.py (the default): no such file (cwd TMP)"),
+        (
+            ["train.py", "--workdir=WORKDIR"],
+            "TMP",
+            "--config=configs/tiny.py (the default): no such file (cwd TMP)",
+        ),
     ],
 )
 def test_config_file_and_key_mistakes_are_one_line(tmp_path, command, cwd, message):
@@ -142,155 +184,124 @@ def test_flag_mistakes_are_one_line(args, message):
     assert result.stderr == f"error: {message} (--helpshort lists the flags)\n"
 
 
-@pytest.mark.parametrize(
-    "body, message",
-    [
-        ("def get_config(:\n    pass\n", "--config=CFG: invalid syntax (line 1) in CFG"),
-        ("X = 1\n", "--config=CFG: the file defines no get_config()"),
-        (
-            "def get_config():\n    return {'steps': 1}\n",
-            "--config=CFG: get_config() returned a value of type dict ({'steps",
-        ),
-        (
-            "def get_config():\n    return 5\n",
-            "--config=CFG: get_config() returned a value of type int (5), not",
-        ),
-        (
-            "import no_such_module\n",
-            "--config=CFG: ModuleNotFoundError: No module named 'no_such_module' (line 1)",
-        ),
-        (
-            "def get_config():\n    raise RuntimeError('no data')\n",
-            "--config=CFG: RuntimeError: no data (line 2)",
-        ),
-        (  # ml_collections re-raises a TypeError or ValueError with the whole traceback as its text
-            "def get_config():\n    return int('abc')\n",
-            "--config=CFG: ValueError: invalid literal for int() with base 10: 'abc' (line 2)",
-        ),
-        (
-            "def get_config(variant):\n    pass\n",
-            "--config=CFG: TypeError: get_config() missing 1 required positional argument: 'variant'",
-        ),
-        (
-            "def get_config():\n    pass\n",
-            "--config=CFG: get_config() returned a value of type NoneType (None), not",
-        ),
-        (
-            "from configs import tiny\ndef get_config():\n    c = tiny.get_config()\n"
-            "    c.optim.learning_rate = 1e-4\n    return c\n",
-            "config.optim.learning_rate is not a key gspmd_tp reads; gspmd_tp calls it config.optim.lr",
-        ),
-        (
-            "from configs import tiny\ndef get_config():\n    c = tiny.get_config()\n"
-            "    c.wandb_project = 'x'\n    return c\n",
-            "config.wandb_project is not a key gspmd_tp reads (known: batch_size,",
-        ),
-        (
-            "from configs import tiny\ndef get_config():\n    c = tiny.get_config()\n"
-            "    del c['loss_chunk']\n    return c\n",
-            "config.loss_chunk is missing (configs/tiny.py sets 0)",
-        ),
-    ],
-    ids=[
-        "syntax",
-        "no-get_config",
-        "dict",
-        "int",
-        "import",
-        "raises",
-        "raises-valueerror",
-        "needs-an-argument",
-        "none",
-        "misspelt-key",
-        "unknown-key",
-        "missing-key",
-    ],
-)
-def test_a_config_file_that_is_wrong_is_one_line(tmp_path, body, message):
-    cfg = tmp_path / "mine.py"
-    cfg.write_text(body)
-    env = child_env()
-    result = subprocess.run(
-        [sys.executable, "train.py", f"--config={cfg}", f"--workdir={tmp_path / 'run'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert len(result.stderr.splitlines()) == 1, result.stderr[-2000:]
-    assert result.stderr.startswith(f"error: {message.replace('CFG', str(cfg))}"), result.stderr
-    assert not (tmp_path / "run").exists()
+# A config file's mistakes, read before jax is imported: {id: (the file, or None for none, and the
+# start of its one line, CFG standing for its path)}.
+CONFIG_FILES = {
+    "missing": (None, "--config=CFG: no such file (cwd ROOT)"),
+    "syntax": ("def get_config(:\n    pass\n", "--config=CFG: invalid syntax (line 1) in CFG"),
+    "no-get_config": ("X = 1\n", "--config=CFG: the file defines no get_config()"),
+    "dict": (
+        "def get_config():\n    return {'steps': 1}\n",
+        "--config=CFG: get_config() returned a value of type dict ({'steps",
+    ),
+    "int": (
+        "def get_config():\n    return 5\n",
+        "--config=CFG: get_config() returned a value of type int (5), not",
+    ),
+    "import": (
+        "import no_such_module\n",
+        "--config=CFG: ModuleNotFoundError: No module named 'no_such_module' (line 1)",
+    ),
+    "raises": (
+        "def get_config():\n    raise RuntimeError('no data')\n",
+        "--config=CFG: RuntimeError: no data (line 2)",
+    ),
+    # ml_collections re-raises a TypeError or ValueError with the whole traceback as its text
+    "raises-valueerror": (
+        "def get_config():\n    return int('abc')\n",
+        "--config=CFG: ValueError: invalid literal for int() with base 10: 'abc' (line 2)",
+    ),
+    "needs-an-argument": (
+        "def get_config(variant):\n    pass\n",
+        "--config=CFG: TypeError: get_config() missing 1 required positional argument: 'variant'",
+    ),
+    "none": (
+        "def get_config():\n    pass\n",
+        "--config=CFG: get_config() returned a value of type NoneType (None), not",
+    ),
+}
 
 
+# `--config FILE` (absl's other spelling) named the default configs/tiny.py in the error.
 @pytest.mark.parametrize(
-    "body, message",
-    [
-        (None, "--config=CFG: no such file (cwd ROOT)"),
-        (
-            "def get_config():\n    raise RuntimeError('no data')\n",
-            "--config=CFG: RuntimeError: no data (line 2)",
-        ),
-        ("X = 1\n", "--config=CFG: the file defines no get_config()"),
-    ],
-    ids=["missing", "raises", "no-get_config"],
+    "case, spelling",
+    [(case, "=") for case in list(CONFIG_FILES)[1:]]
+    + [(case, " ") for case in ("missing", "raises", "no-get_config")],
 )
-def test_a_config_file_given_in_absls_space_form_is_the_one_named(tmp_path, body, message):
-    """`--config FILE` (absl's other spelling) named the default configs/tiny.py in the error."""
+def test_a_config_file_that_is_wrong_is_one_line(tmp_path, case, spelling):
+    body, message = CONFIG_FILES[case]
     cfg = tmp_path / "mine.py"
     if body is not None:
         cfg.write_text(body)
     result = subprocess.run(
-        [sys.executable, "train.py", "--config", str(cfg), f"--workdir={tmp_path / 'run'}"],
+        [sys.executable, "train.py", *f"--config{spelling}{cfg}".split(" "), f"--workdir={tmp_path / 'run'}"],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert result.returncode == 1, result.stderr[-2000:]
-    assert result.stderr == f"error: {message.replace('CFG', str(cfg)).replace('ROOT', str(ROOT))}\n"
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert len(result.stderr.splitlines()) == 1, result.stderr[-2000:]
+    assert result.stderr.startswith(f"error: {message.replace('CFG', str(cfg)).replace('ROOT', str(ROOT))}")
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize(
-    "command, given, message",
-    [
-        (
-            ["train.py", "--config=configs/tiny.py", *SMALL, "--config.steps=1"],
-            "run/checkpoints",
-            "--workdir=RUN/checkpoints is the checkpoints directory of RUN, not a run's directory; "
-            "pass --workdir=RUN",
+def test_config_keys_gspmd_tp_does_not_read_or_lacks_are_named(tmp_path):
+    """Checked once jax is imported (here in-process): a key misspelt, unknown or missing."""
+    from gspmd_tp.train import loop
+
+    cases = {
+        "c.optim.learning_rate = 1e-4": (
+            "config.optim.learning_rate is not a key gspmd_tp reads; gspmd_tp calls it config.optim.lr"
         ),
-        (
-            ["train.py", "--config=configs/tiny.py", *SMALL, "--config.steps=1"],
-            "run/checkpoints/4",
-            "--workdir=RUN/checkpoints/4 is step 4 of the checkpoints of RUN, not a run's directory; "
-            "pass --workdir=RUN (--step=4 reads that step)",
-        ),
-        (
-            ["-m", "gspmd_tp.convert", "from-hf", "--hf_dir=/nonexistent"],
-            "run/checkpoints",
-            "--workdir=RUN/checkpoints is the checkpoints directory of RUN, not a run's directory; "
-            "pass --workdir=RUN",
-        ),
-        (
-            ["-m", "gspmd_tp.evaluate"],
-            "run/checkpoints",
-            "--workdir=RUN/checkpoints is the checkpoints directory of RUN, not a run's directory; "
-            "pass --workdir=RUN",
-        ),
-    ],
-    ids=["train-checkpoints-dir", "train-step-dir", "from-hf-checkpoints-dir", "evaluate-checkpoints-dir"],
+        "c.wandb_project = 'x'": "config.wandb_project is not a key gspmd_tp reads (known: batch_size,",
+        "del c['loss_chunk']": "config.loss_chunk is missing (configs/tiny.py sets 0)",
+    }
+    for change, message in cases.items():
+        cfg = tmp_path / "mine.py"
+        cfg.write_text(
+            f"from configs import tiny\ndef get_config():\n c = tiny.get_config()\n {change}\n return c"
+        )
+        with pytest.raises(UserError) as e:
+            loop.train(runpy.run_path(str(cfg))["get_config"](), str(tmp_path / "run"))
+        assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+_CHECKPOINTS_DIR = (
+    "--workdir=RUN/checkpoints is the checkpoints directory of RUN, not a run's directory; pass --workdir=RUN"
 )
-def test_a_checkpoints_directory_given_as_workdir_is_one_line(tmp_path, command, given, message):
+
+
+def test_a_checkpoints_directory_given_as_workdir_is_one_line(tmp_path, capsys):
     """The checkpoint tool takes a run's checkpoints/ or one step directory; train.py given one
     started a fresh run inside the other run's checkpoints (its own checkpoints/, metrics and lock
     in there), and the readers looked for checkpoints/checkpoints."""
-    step = tmp_path / "run" / "checkpoints" / "4"
+    from gspmd_tp.inference import evaluate
+    from gspmd_tp.train import loop
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "4"
     for item in ("state", "meta", "data"):
         (step / item).mkdir(parents=True)
     (step / "_CHECKPOINT_METADATA").write_text("{}")
     before = sorted(str(p) for p in tmp_path.rglob("*"))
+    said = lambda message: message.replace("RUN", str(run))  # noqa: E731
+    with pytest.raises(UserError) as e:
+        loop.train(small_config(steps=1), str(run / "checkpoints"))
+    assert str(e.value) == said(_CHECKPOINTS_DIR)
+    with pytest.raises(UserError) as e:
+        loop.train(small_config(steps=1), str(step))
+    assert str(e.value) == said(
+        "--workdir=RUN/checkpoints/4 is step 4 of the checkpoints of RUN, not a run's directory; "
+        "pass --workdir=RUN (--step=4 reads that step)"
+    )
+    capsys.readouterr()
+    assert evaluate.main([f"--workdir={run / 'checkpoints'}"]) == 1
+    assert capsys.readouterr().err == f"error: {said(_CHECKPOINTS_DIR)}\n"
     result = subprocess.run(
-        [sys.executable, *command, f"--workdir={tmp_path / given}"],
+        [sys.executable, "-m", "gspmd_tp.convert", "from-hf", "--hf_dir=/x", f"--workdir={run}/checkpoints"],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 1, result.stderr[-2000:]
-    assert result.stderr == f"error: {message.replace('RUN', str(tmp_path / 'run'))}\n"
+    assert result.stderr == f"error: {said(_CHECKPOINTS_DIR)}\n"
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written
 
 
@@ -322,30 +333,3 @@ def test_a_file_given_as_workdir_is_named_a_file(tmp_path):
         step_dirs.check_workdir_given(str(path))
     with pytest.raises(step_dirs.UserError, match=rf"^{path} is a file, not a run's directory, its "):
         tool.info(str(path))
-
-
-def test_a_tilde_in_the_workdir_rule_file_and_init_from_is_the_home_directory(tmp_path):
-    """bash leaves `--workdir=~/x` and `--config.rules=~/r.yaml` as they are (the word is no
-    assignment): train.py made a directory named ~ in the working directory, and found no rule file."""
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / "notes.txt").write_text("x")
-    (home / "mine.yaml").write_text((ROOT / "rules" / "megatron_1d.yaml").read_text())
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    train = [sys.executable, str(ROOT / "train.py"), "--config=" + str(ROOT / "configs" / "tiny.py"), *SMALL]
-    runs = [
-        (["--workdir=~/notes.txt"], f"error: --workdir={home}/notes.txt is a file, not a run's directory"),
-        (
-            [f"--workdir={tmp_path / 'run'}", "--config.rules=~/mine.yaml", "--config.init_from=~/p.npz"],
-            f"error: config.init_from: no file {home}/p.npz",  # read once the rule file was
-        ),
-    ]
-    for args, message in runs:
-        result = subprocess.run(
-            [*train, "--config.steps=1", *args],
-            cwd=cwd, env=child_env(HOME=str(home)), capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert result.returncode == 1, result.stderr[-2000:]
-        assert result.stderr.strip().splitlines()[-1] == message
-    assert os.listdir(cwd) == [] and not (tmp_path / "run").exists()
