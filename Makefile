@@ -30,10 +30,11 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format --check .
 
 # Two workers for most of the suite; the multi-process tests after them, alone (they start process
-# groups of their own and time how fast a dead peer is noticed).
+# groups of their own and time how fast a dead peer is noticed). One compilation cache serves both.
 test: lint
-	$(PY) -m pytest -n 2 --dist loadgroup -m "not serial"
-	$(PY) -m pytest -m serial
+	cache=$$(mktemp -d) && export JAX_COMPILATION_CACHE_DIR=$$cache && \
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not serial" && $(PY) -m pytest -m serial; \
+	status=$$?; rm -rf $$cache; exit $$status
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -146,9 +146,13 @@ def test_two_processes_match_one_and_checkpoints_move_both_ways(tmp_path, capsys
     from gspmd_tp.train import loop
 
     # A constant learning rate (no warmup, no decay): the schedule does not follow config.steps, so
-    # one uninterrupted run of 6 steps is what the mixed run must match, stopped and resumed at 2
-    # and 4, and each one-process start compiles the same step (the compilation cache serves it).
-    constant = ("--config.optim.warmup_steps=0", "--config.optim.min_lr_ratio=1.0")
+    # one uninterrupted run of 8 steps is what the mixed run must match, stopped and resumed at 2,
+    # 4 and 6, and each one-process start compiles the same step (the compilation cache serves it).
+    constant = (
+        "--config.optim.warmup_steps=0",
+        "--config.optim.min_lr_ratio=1.0",
+        "--config.keep_checkpoints=4",
+    )
     # Every start reads the corpus from shards (data/shards.py): their resume by example index holds
     # from 1 process to 2 and from 2 back to 1.
     from gspmd_tp.data import prepare
@@ -156,23 +160,29 @@ def test_two_processes_match_one_and_checkpoints_move_both_ways(tmp_path, capsys
     prepare.prepare(small().data, str(tmp_path / "shards"))
     constant += (f"--config.data.shards={tmp_path / 'shards'}",)
     one = tmp_path / "one"
-    # 1 process x 8 devices (this one, as train.py runs it), checkpoints at 2, 4 and 6
-    loop.train(small(*constant, "--config.steps=6"), str(one))
+    # 1 process x 8 devices (this one, as train.py runs it), checkpoints at 2, 4, 6 and 8
+    loop.train(small(*constant, "--config.steps=8"), str(one))
     want = losses(one)
 
-    # The mixed run: a copy of that run without its checkpoints of steps 4 and 6.
+    # The mixed run: a copy of that run without its checkpoints of steps 4, 6 and 8.
     run = tmp_path / "mixed"
-    shutil.copytree(one, run, ignore=lambda d, names: ["4", "6"] if Path(d).name == "checkpoints" else [])
+    later = ["4", "6", "8"]
+    shutil.copytree(one, run, ignore=lambda d, names: later if Path(d).name == "checkpoints" else [])
     # Resumed by 2 processes x 4 devices, tensor parallel across both: every device needs every row,
     # so each process reads the whole batch, not half of it.
     outs = finish(start(run, 4, *constant, "--config.rules=megatron_1d", "--config.mesh=dp=1,mp=8"))
     assert "resumed from step 2" in outs[0][0]
     assert not [ln for ln in outs[1][0].splitlines() if ln.startswith(("step", "gspmd_tp", "resumed"))]
+    # Then on three mesh axes, data across the two processes (each reads its half of the batch),
+    # fsdp and tensor within each.
+    three_axes = ("--config.rules=data_fsdp_tensor", "--config.mesh=data=2,fsdp=2,tensor=2")
+    outs = finish(start(run, 6, *constant, *three_axes))
+    assert "resumed from step 4" in outs[0][0]
     capsys.readouterr()
-    loop.train(small(*constant, "--config.steps=6"), str(run))  # and back to 1 process x 8 devices
-    assert "resumed from step 4" in capsys.readouterr().out
+    loop.train(small(*constant, "--config.steps=8"), str(run))  # and back to 1 process x 8 devices
+    assert "resumed from step 6" in capsys.readouterr().out
     got = losses(run)
-    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    assert sorted(got) == [1, 2, 3, 4, 5, 6, 7, 8]
     for step, loss in want.items():
         assert abs(got[step] - loss) <= 1e-5 * abs(loss), (step, got[step], loss)
 
