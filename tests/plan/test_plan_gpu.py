@@ -185,11 +185,13 @@ def test_compare_on_gpus_marks_the_best_estimate(monkeypatch):
     are the ones planned above for the other tests (served from this module's cache, not compiled
     again)."""
     calls = []
+    # Planned (or taken from the cache) before plan is replaced, whatever order the tests run in.
+    plans = {r: gpu_plan("gpu:h100:8", r, "dp=2,mp=4", **BF16) for r in ("fsdp", "megatron_1d")}
 
     def planned(config, dump_hlo, target, slices, s, label, **_):
         calls.append((config.rules, config.mesh, target, s.mesh.devices.flat[0].device_kind, label))
         assert config.to_dict() == small_config(rules=config.rules, mesh=config.mesh, **BF16).to_dict()
-        return {**gpu_plan(target, config.rules, config.mesh, **BF16), "label": label}
+        return {**plans[config.rules], "label": label}
 
     monkeypatch.setattr(planner, "plan", planned)
     results = planner.compare(small_config(**BF16), ["fsdp", "megatron_1d"], ["dp=2,mp=4"], "gpu:h100:8")
