@@ -57,15 +57,37 @@ def rows(plan: dict, bench: dict) -> list[dict]:
     return out
 
 
+def variant_rows(plan_dir: str, bench_dir: str) -> list[dict]:
+    """One row per variant NAME with both plan_dir/NAME.json (one plan --calibration --json) and
+    bench_dir/NAME.json (bench.py --json_out), as docs/plan_check_gpu.sh writes them."""
+    out = []
+    for path in sorted(Path(plan_dir).glob("*.json")):
+        bench = Path(bench_dir) / path.name
+        e = json.loads(path.read_text()).get("estimate")
+        if not bench.exists() or not e:
+            continue
+        r = json.loads(bench.read_text())["results"][0]
+        out.append({
+            "rules": path.stem, "mesh": r["mesh"], "measured": r["step_s"], "predicted": e["step_s_estimate"],
+            "compute": e["compute_s"], "comm": e["comm_exposed_s"],
+        })  # fmt: skip
+    return out
+
+
 def main() -> None:
     """Print the table and the two figures."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("plan", help="plan --compare --calibration --json output")
+    ap.add_argument("plan", help="plan --compare --calibration --json output (a folder with --variants)")
     ap.add_argument("bench", nargs="+", help="bench.py --json_out files (their results together)")
+    ap.add_argument("--variants", action="store_true", help="plan and bench are folders of NAME.json")
     a = ap.parse_args()
-    bench = {"results": [r for f in a.bench for r in json.loads(Path(f).read_text())["results"]]}
-    table = rows(json.loads(Path(a.plan).read_text()), bench)
-    print("| rules | mesh | predicted ms (compute + exposed comm) | measured ms | error |")
+    if a.variants:
+        table = variant_rows(a.plan, a.bench[0])
+    else:
+        bench = {"results": [r for f in a.bench for r in json.loads(Path(f).read_text())["results"]]}
+        table = rows(json.loads(Path(a.plan).read_text()), bench)
+    first = "variant" if a.variants else "rules"
+    print(f"| {first} | mesh | predicted ms (compute + exposed comm) | measured ms | error |")
     print("|---|---|---|---|---|")
     errors = []
     for r in table:

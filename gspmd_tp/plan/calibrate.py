@@ -11,10 +11,10 @@ several sizes and of an elementwise pass over arrays of several sizes (the memor
 that repeats the operation, the call's own overhead taken out: a call of 1 + n trips less a call of
 1, the best of `repeats` calls each, over n, where n is raised until the n trips last at least
 `min_time` seconds (far above the timer's and the call's jitter, so no figure is noise or zero). The
-elementwise pass walks a working set of at least MEMORY_WORKING_SET bytes, a different part each
-trip, so that it reads from memory as a step's instructions do, not what its last trip left in the
-cache. The file names the device kind, the meshes and the date; plan refuses it for devices of
-another kind.
+elementwise pass walks a working set of at least MEMORY_WORKING_SET bytes (ACCELERATOR_WORKING_SET
+on a GPU or TPU), a different part each trip, so that it reads from memory as a step's instructions
+do, not what its last trip left in the cache. The file names the device kind, the meshes and the
+date; plan refuses it for devices of another kind.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ SIZES = tuple(4**k * 4096 for k in range(8))  # 4 KiB to 64 MiB
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
 MEMORY_SIZES = tuple(4**k * 1024 for k in range(9))  # 1 KiB to 64 MiB read and written
 MEMORY_WORKING_SET = 32 * 2**20  # bytes per device: with 8 of them, more than a host's caches hold
+ACCELERATOR_WORKING_SET = 2**30  # a GPU's or TPU's: far more than its on-chip cache (an H100's L2: 50 MB)
 MIN_TIME = 0.01  # seconds of loop per timed call
 MAX_TRIPS = 1 << 20
 
@@ -131,11 +132,14 @@ def measure(
     devices=None,
     log=None,
     dtype: str = "float32",
-    working_set: int = MEMORY_WORKING_SET,
+    working_set: int | None = None,
 ) -> dict:
     """The calibration of `devices` (all of them unless given), the matrix products in `dtype`, the
-    elementwise pass over `working_set` bytes per device: see the module's docstring."""
+    elementwise pass over `working_set` bytes per device (by default MEMORY_WORKING_SET on CPU,
+    ACCELERATOR_WORKING_SET elsewhere): see the module's docstring."""
     devices = list(devices if devices is not None else jax.devices())
+    if working_set is None:
+        working_set = MEMORY_WORKING_SET if devices[0].platform == "cpu" else ACCELERATOR_WORKING_SET
     rows, seen = [], set()
     for spec in meshes:
         sizes_of = parse_mesh(spec, len(devices))
