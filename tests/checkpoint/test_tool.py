@@ -9,9 +9,10 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import run_steps, save_checkpoint, small_config, token_batches
+from conftest import small_config
 
 from gspmd_tp.checkpoint import tool
+from gspmd_tp.inference import saved_run
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.model.params import param_count
 from gspmd_tp.train import loop, run_setup
@@ -19,31 +20,31 @@ from gspmd_tp.train import loop, run_setup
 # --- the checkpoint tool: info, export, import ---
 
 
-def test_info_export_and_import_onto_another_mesh(tmp_path):
-    source = small_config(rules="megatron_2d", mesh="dp=2,mp=4")
-    state, _ = run_steps(source, token_batches(source, 1))
-    save_checkpoint(tmp_path, source, state)
+def test_info_export_and_import_onto_another_mesh(trained_workdir, tmp_path):
+    # The shared run: small_config() trained under megatron_2d on dp=2,mp=4, steps 2 and 4 saved.
     info = subprocess.run(
-        [sys.executable, "-m", "gspmd_tp.checkpoint", "info", str(tmp_path)],
+        [sys.executable, "-m", "gspmd_tp.checkpoint", "info", str(trained_workdir)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert info.returncode == 0, info.stderr[-2000:]
     assert info.stderr == ""  # nothing from orbax about a healthy checkpoint
-    assert "steps: 2 (" in info.stdout
+    assert "steps: 2 (" in info.stdout and "), 4 (" in info.stdout and "step 4:" in info.stdout
     assert "saved on mesh dp=2,mp=4 by 1 process(es) with rules" in info.stdout
     assert "megatron_2d.yaml" in info.stdout and "d_model=64" in info.stdout
     assert "parameters: 131,392 (0.53 MB); optimizer state 1.05 MB" in info.stdout
 
     out = str(tmp_path / "params.npz")
-    shapes = tool.export_params(str(tmp_path), out)
+    shapes = tool.export_params(str(trained_workdir), out)
     assert shapes["layers/attn/qkv"] == (2, 64, 8, 4, 8)
+    # What the export must hold: step 4's parameters as saved_run reads them (onto the saved mesh).
+    saved = saved_run.restore_params(str(trained_workdir), 4, run_setup.setup(small_config()))
     dest = run_setup.setup(small_config(rules="megatron_1d", mesh="dp=1,mp=8"))
     params = tool.import_params(out, dest.abstract_state.params)
     for got, want, sharding in zip(
         jax.tree.leaves(params),
-        jax.tree.leaves(state.params),
+        jax.tree.leaves(saved),
         jax.tree.leaves(dest.shardings.params),
         strict=True,
     ):
@@ -70,10 +71,13 @@ def test_init_from_starts_a_fresh_run_from_exported_parameters(trained_workdir, 
     out = str(tmp_path / "a.npz")
     tool.export_params(str(trained_workdir), out)
     capsys.readouterr()
-    second = loop.train(
-        small_config(steps=1, init_from=out, rules="fsdp", mesh="dp=8,mp=1"), str(tmp_path / "b")
-    )
+    # The shared run's own config (its 4 steps, mesh and rules): its compiled train and eval steps
+    # are reused from the compilation cache. The import onto another mesh is
+    # test_info_export_and_import_onto_another_mesh's.
+    loop.train(small_config(init_from=out), str(tmp_path / "b"))
     assert f"initial parameters from {out}" in capsys.readouterr().out
+    second = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
+    assert second["step"] == 1
     assert second["loss"] < first["loss"] - 0.05  # it starts from the trained parameters, not from init
 
 
