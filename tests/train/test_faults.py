@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -62,22 +63,6 @@ def test_a_stop_signal_before_training_begins_is_one_line(tmp_path):
     )
     # The workdir this run created held only its lock: removed, as a run that fails early removes it.
     assert "Traceback" not in err and not workdir.exists()
-
-
-def test_a_signal_while_the_last_checkpoint_is_written_waits_for_it(tmp_path, monkeypatch, capsys):
-    original = signals.StopSignal.finishing
-
-    def signalled(stop, failed):  # SIGTERM once the loop is over, the last step's save in flight
-        original(stop, failed)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(signals.StopSignal, "finishing", signalled)
-    last = loop.train(small_config(steps=4, checkpoint_every=100), str(tmp_path))
-    out = capsys.readouterr().out
-    assert "received SIGTERM while the run finishes: it exits once its last checkpoint is written" in out
-    assert last["step"] == 4 and "stopped" not in last and "done: metrics in" in out
-    assert os.listdir(tmp_path / "checkpoints") == ["4"]
-    assert (tmp_path / "checkpoints" / "4" / "state" / "_METADATA").is_file()
 
 
 def test_in_a_multi_process_job_every_process_reads_the_signals_one_check_later(monkeypatch):
@@ -219,21 +204,68 @@ def _train_again(workdir, capsys, damage=None) -> str:
     return capsys.readouterr().out
 
 
-# The newest step undecodable (flip_bytes): test_a_finished_run_whose_last_checkpoint_is_damaged_...
-@pytest.mark.parametrize(
-    "damage",
-    [_remove_metadata, _garble_arrays, _remove_a_data_file],
-    ids=["partial", "corrupted", "data-file-gone"],
-)
-def test_broken_newest_checkpoint_is_skipped_with_a_warning(workdir, capsys, damage):
-    out = _train_again(workdir, capsys, damage=damage)
-    warning = next(line for line in out.splitlines() if line.startswith("warning: skipping"))
-    assert warning.startswith(f"warning: skipping checkpoint {workdir / 'checkpoints' / '4'}: ")
-    assert len(warning) < 600 and "tensorstore_spec" not in warning and "TensorStore({" not in out
-    assert "resumed from step 2" in out
-    # Kept for inspection, out of the way of the step 4 this run saved again.
-    assert [p.name[:2] for p in (workdir / "corrupt_checkpoints").iterdir()] == ["4-"]
-    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+def _with_step_3(workdir: Path) -> Path:
+    """Adds a step 3 to the run in `workdir`, a copy of its step 2: one more checkpoint to damage, so
+    that one start skips two damaged steps (each its own way) before resuming from step 2."""
+    shutil.copytree(workdir / "checkpoints" / "2", workdir / "checkpoints" / "3")
+    return workdir / "checkpoints" / "3"
+
+
+def _skipped_and_set_aside(workdir: Path, out: str, damaged: dict) -> None:
+    """`damaged` ({step: how}) were each skipped with a one-line warning naming the damage alone (no
+    tensorstore spec), the run resumed from step 2, and the damaged steps were moved aside, out of the
+    way of the step 4 this run saved again."""
+    ckpt = workdir / "checkpoints"
+    for step, how in damaged.items():
+        warning = [
+            line
+            for line in out.splitlines()
+            if line.startswith(f"warning: skipping checkpoint {ckpt / step}: ")
+        ]
+        assert len(warning) == 1 and len(warning[0]) < 600, (how, out[-3000:])
+    assert "tensorstore_spec" not in out and "TensorStore({" not in out
+    assert "resumed from step 2" in out and "nothing to do" not in out, out[-3000:]
+    aside = sorted(p.name.partition("-")[0] for p in (workdir / "corrupt_checkpoints").iterdir())
+    assert aside == sorted(damaged), aside
+    assert sorted(os.listdir(ckpt)) == ["2", "4"]
+    assert (ckpt / "4" / "state" / "_METADATA").is_file()
+
+
+def test_damaged_newest_checkpoints_are_skipped_and_a_signal_at_the_end_waits_for_the_last_save(
+    workdir, capsys, monkeypatch
+):
+    """Step 4 partial (its metadata gone), step 3 corrupted (garbled arrays): both skipped. A SIGTERM
+    once the loop is over, the last step's save in flight, waits for that save."""
+    original = signals.StopSignal.finishing
+
+    def signalled(stop, failed):
+        original(stop, failed)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(signals.StopSignal, "finishing", signalled)
+    _garble_arrays(_with_step_3(workdir))
+    _remove_metadata(workdir / "checkpoints" / "4")
+    capsys.readouterr()
+    last = loop.train(small_config(log_every=1, eval_every=100), str(workdir))
+    out = capsys.readouterr().out
+    assert "received SIGTERM while the run finishes: it exits once its last checkpoint is written" in out
+    assert last["step"] == 4 and "stopped" not in last and "done: metrics in" in out
+    _skipped_and_set_aside(workdir, out, {"4": "partial", "3": "corrupted"})
+
+
+def test_a_finished_run_whose_last_checkpoints_are_damaged_trains_its_last_steps_again(
+    workdir, capsys, monkeypatch
+):
+    """Not "nothing to do": the newest step is read before the run says so, and only then (a read
+    of every array of a large model's checkpoint takes minutes). Step 4's compressed chunks flipped
+    (orbax's error carries some 60 lines of tensorstore spec), step 3's largest data file gone."""
+    reads, original = [], store._restore_step
+    monkeypatch.setattr(store, "_restore_step", lambda d, a: reads.append(d.name) or original(d, a))
+    _remove_a_data_file(_with_step_3(workdir))
+    out = _train_again(workdir, capsys, damage=flip_bytes)
+    assert reads == ["4", "3", "2"]
+    assert f"warning: skipping checkpoint {workdir / 'checkpoints' / '4'}: partial or corrupted (" in out
+    _skipped_and_set_aside(workdir, out, {"4": "flipped bytes", "3": "data file gone"})
 
 
 # A failed read, then a read that succeeds (the next older step), then what the failed read left in
@@ -267,24 +299,6 @@ def test_what_a_failed_read_left_in_flight_stays_unprinted_after_a_later_read_su
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout == "done\n", out.stderr[-2000:]
     assert out.stderr == ""
-
-
-def test_a_finished_run_whose_last_checkpoint_is_damaged_trains_its_last_steps_again(
-    workdir, capsys, monkeypatch
-):
-    """Not "nothing to do": the newest step is read before the run says so, and only then (a read
-    of every array of a large model's checkpoint takes minutes)."""
-    reads, original = [], store._restore_step
-    monkeypatch.setattr(store, "_restore_step", lambda d, a: reads.append(d.name) or original(d, a))
-    out = _train_again(workdir, capsys, damage=flip_bytes)
-    assert reads == ["4", "2"]
-    warning = f"warning: skipping checkpoint {workdir / 'checkpoints' / '4'}: partial or corrupted ("
-    assert "nothing to do" not in out and out.count(warning) == 1 and "resumed from step 2" in out
-    # Orbax's error carries some 60 lines of tensorstore spec: the warning names the damage alone.
-    assert len(next(line for line in out.splitlines() if line.startswith(warning))) < 600
-    assert "tensorstore_spec" not in out and "TensorStore({" not in out
-    assert [p.name[:2] for p in (workdir / "corrupt_checkpoints").iterdir()] == ["4-"]
-    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
 
 
 @pytest.mark.parametrize(
@@ -573,18 +587,49 @@ def _at_step_2(workdir) -> Path:
     return workdir
 
 
-def test_non_finite_loss_stops_without_overwriting_the_last_good_checkpoint(workdir):
-    """Step 3's update overflows, unsaved (checkpoint_every=2): step 4's loss is NaN, the step OVERFLOW
-    compiles for test_parameters_a_finite_step_overflowed_are_never_saved[stop]."""
+def test_a_non_finite_state_is_never_saved_nor_resumed(workdir, tmp_path, monkeypatch):
+    """From step 2 at OVERFLOW's rate: step 3's update overflows from a finite loss and gradient
+    (never saved, skipping or not), step 4's loss is NaN (the run stops, step 2 survives). A NaN state
+    saved before saves were checked (check_state off, as in earlier versions) is not resumed."""
     _at_step_2(workdir)
-    with pytest.raises(UserError) as e:
+    ckpt_dir = workdir / "checkpoints"
+    overflowed = (
+        "non-finite parameters or optimizer state at step 3: an update since step 2 made them NaN or Inf "
+        "from a finite loss and gradient; stopped without saving (the newest checkpoint is step 2)"
+    )
+    with pytest.raises(UserError, match=re.escape(overflowed)):  # checkpoint_every=1: step 3 is due
+        loop.train(small_config(**OVERFLOW), str(workdir))
+    assert sorted(os.listdir(ckpt_dir)) == ["2"]
+    # Skipping steps skips non-finite losses and gradients, not this check (the step is OVERFLOW's).
+    nan_state = types.SimpleNamespace(params={"w": np.full(3, np.nan, np.float32)}, opt_state={})
+    watch = faults.NonFiniteWatch(True, print, start=2)
+    watch.add(3, {"loss": np.float32(2.0), "grad_norm": np.float32(1.0)})  # finite
+    with pytest.raises(UserError, match=re.escape(overflowed)):
+        watch.check_before_save(3, nan_state, stopping=False)
+    with pytest.raises(UserError) as e:  # step 3 is not due: step 4's loss is NaN
         loop.train(small_config(**{**OVERFLOW, "checkpoint_every": 2}), str(workdir))
-    message = str(e.value)
-    assert re.search(r"non-finite (loss|gradient) at step 4 \(loss", message), message
-    assert "the newest checkpoint is step 2" in message
-    assert os.listdir(workdir / "checkpoints") == ["2"]
+    assert re.search(r"non-finite (loss|gradient) at step 4 \(loss", str(e.value)), str(e.value)
+    assert "the newest checkpoint is step 2" in str(e.value)
+    assert os.listdir(ckpt_dir) == ["2"]
     saved = np.load(_export(workdir, 2))
     assert all(np.isfinite(saved[k]).all() for k in saved.files)
+
+    monkeypatch.setattr(faults.NonFiniteWatch, "check_state", lambda *args: None)
+    with pytest.raises(UserError, match="non-finite"):  # step 4's loss; step 3 was saved NaN
+        loop.train(small_config(**OVERFLOW), str(workdir))
+    monkeypatch.undo()
+    assert sorted(os.listdir(ckpt_dir)) == ["2", "3"]
+    # A resume names the NaN checkpoint and the older one, and moves nothing.
+    message = (
+        rf"checkpoint step 3 in {ckpt_dir} holds NaN or Inf parameters or optimizer state; every step "
+        rf"resumed from it would be NaN: move {ckpt_dir}/3 out of {ckpt_dir} to resume from step 2, with a "
+        r"lower config.optim.lr"
+    )
+    with pytest.raises(UserError, match=message):
+        loop.train(small_config(checkpoint_every=1), str(workdir))
+    assert sorted(os.listdir(ckpt_dir)) == ["2", "3"]
+    shutil.move(ckpt_dir / "3", tmp_path / "3")
+    assert loop.train(small_config(checkpoint_every=1), str(workdir))["step"] == 4
 
 
 def test_skip_nonfinite_steps_keeps_the_old_state(tmp_path):
@@ -621,43 +666,6 @@ def test_skip_nonfinite_steps_keeps_the_old_state(tmp_path):
 
 def _rows(workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.mark.parametrize("skip", [False, True], ids=["stop", "skip"])
-def test_parameters_a_finite_step_overflowed_are_never_saved(workdir, skip):
-    """Step 3's checkpoint would be the newest, the one a resume picks, NaN from there on."""
-    _at_step_2(workdir)
-    message = (
-        r"non-finite parameters or optimizer state at step 3: an update since step 2 made them NaN or Inf "
-        r"from a finite loss and gradient; stopped without saving \(the newest checkpoint is step 2\)"
-    )
-    with pytest.raises(UserError, match=message):
-        loop.train(small_config(skip_nonfinite_steps=skip, **OVERFLOW), str(workdir))
-    assert sorted(os.listdir(workdir / "checkpoints")) == ["2"]
-    saved = np.load(_export(workdir, 2))
-    assert all(np.isfinite(saved[k]).all() for k in saved.files)
-
-
-def test_a_non_finite_checkpoint_is_not_resumed(workdir, tmp_path, monkeypatch):
-    """A NaN state saved before saves were checked (check_state off, as in earlier versions) is the
-    newest checkpoint: a resume names it and the older ones, and moves nothing."""
-    _at_step_2(workdir)
-    monkeypatch.setattr(faults.NonFiniteWatch, "check_state", lambda *args: None)
-    with pytest.raises(UserError, match="non-finite"):  # step 4's loss; step 3 was saved NaN
-        loop.train(small_config(**OVERFLOW), str(workdir))
-    monkeypatch.undo()
-    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "3"]
-    ckpt_dir = workdir / "checkpoints"
-    message = (
-        rf"checkpoint step 3 in {ckpt_dir} holds NaN or Inf parameters or optimizer state; every step "
-        rf"resumed from it would be NaN: move {ckpt_dir}/3 out of {ckpt_dir} to resume from step 2, with a "
-        r"lower config.optim.lr"
-    )
-    with pytest.raises(UserError, match=message):
-        loop.train(small_config(checkpoint_every=1), str(workdir))
-    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "3"]
-    shutil.move(ckpt_dir / "3", tmp_path / "3")
-    assert loop.train(small_config(checkpoint_every=1), str(workdir))["step"] == 4
 
 
 def _export(workdir, step):
