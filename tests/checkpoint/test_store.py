@@ -7,52 +7,66 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import run_steps, save_checkpoint, small_config, token_batches
+from conftest import save_checkpoint, small_config, token_batches
 from ml_collections import ConfigDict
 
 from gspmd_tp.checkpoint import store
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.train import run_setup
+from gspmd_tp.train import state as state_lib
+from gspmd_tp.train import step as step_lib
 
 
-@pytest.mark.parametrize(
-    "target",
-    [
-        {"rules": "megatron_2d", "mesh": "dp=2,mp=4"},  # the same mesh and rules
-        {"rules": "megatron_1d", "mesh": "dp=4,mp=2"},  # another mesh and rule file
-    ],
-)
-def test_round_trip_gives_identical_params_and_next_loss(tmp_path, target):
-    source = small_config(rules="megatron_2d", mesh="dp=2,mp=4")
-    b0, b1, b2 = token_batches(source, 3)
-    state, _ = run_steps(source, [b0, b1])
-    saved_params = jax.tree.map(np.asarray, state.params)
-    mngr = save_checkpoint(tmp_path, source, state)
-    _, uninterrupted = run_steps(source, [b2], state=state)
-
-    dest = small_config(**target)
-    s = run_setup.setup(dest)
-    restored, data_state = store.restore(mngr, 2, s.abstract_state)
-    assert data_state == {"next_index": 2}
-    assert int(restored.step) == 2
-    # Read straight into the target shardings of the new mesh and rule file.
-    specs = jax.tree.map(lambda x: x.sharding.spec, restored.params)
-    assert specs == jax.tree.map(lambda x: x.spec, s.shardings.params)
-    for leaf, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(saved_params), strict=True):
-        np.testing.assert_array_equal(np.asarray(leaf), want)
-    _, resumed = run_steps(dest, [b2], state=restored)
-    np.testing.assert_allclose(resumed, uninterrupted, rtol=1e-5)
+def _steps(s, step, state, batches):
+    """Runs `step`, the compiled train step of Setup `s`, on `batches` from `state`:
+    (state, [(loss, grad_norm)])."""
+    history = []
+    for tokens in batches:
+        state, stats = step(state, jax.device_put(tokens, s.batch_sharding))
+        history.append((float(stats["loss"]), float(stats["grad_norm"])))
+    return state, history
 
 
-def test_meta_records_how_it_was_made(tmp_path):
-    c = small_config()
-    state, _ = run_steps(c, [])
-    mngr = save_checkpoint(tmp_path, c, state)
+def test_round_trip_gives_identical_state_and_next_loss_and_meta_records_how_it_was_made(tmp_path):
+    """One checkpoint, restored onto the same mesh and rules and onto another mesh and rule file:
+    the state as saved, in the target's shardings. On the same mesh the next step's loss is the
+    uninterrupted run's; on another mesh and rule file that is test_resume's reshard matrix (losses
+    after resuming onto other rule files, meshes and device counts), so only its own step compiles."""
+    config = small_config(rules="megatron_2d", mesh="dp=2,mp=4")
+    source = run_setup.setup(config)
+    step = step_lib.compile_train_step(source)
+    b0, b1, b2 = token_batches(config, 3)
+    state = state_lib.init_state(
+        source.model_cfg, source.tx, source.mesh, source.rules, config.seq_len, config.seed
+    )
+    state, _ = _steps(source, step, state, [b0, b1])
+    saved = jax.tree.map(np.asarray, state)
+    mngr = save_checkpoint(tmp_path, config, state)
+    _, uninterrupted = _steps(source, step, state, [b2])
+
     meta = store.read_meta(mngr, 2)
     assert meta["mesh"] == "dp=2,mp=4"
     assert meta["rules"]["source"].endswith("megatron_2d.yaml")
     assert "[embed, dp]" in meta["rules"]["text"]
     assert meta["model"]["d_model"] == 64
+
+    other = run_setup.setup(small_config(rules="megatron_1d", mesh="dp=4,mp=2"))
+    for target, s in [("the same mesh and rules", source), ("another mesh and rule file", other)]:
+        restored, data_state = store.restore(mngr, 2, s.abstract_state)
+        assert data_state == {"next_index": 2}, target
+        assert int(restored.step) == 2, target
+        # Read straight into the target shardings of the new mesh and rule file.
+        specs = jax.tree.map(lambda x: x.sharding.spec, restored)
+        assert specs == jax.tree.map(lambda x: x.spec, s.shardings), target
+        # The parameters and the optimizer state, each leaf as saved.
+        leaves = jax.tree_util.tree_leaves_with_path(restored)
+        for (path, leaf), want in zip(leaves, jax.tree.leaves(saved), strict=True):
+            np.testing.assert_array_equal(
+                np.asarray(leaf), want, err_msg=f"{target}: {jax.tree_util.keystr(path)}"
+            )
+        if s is source:
+            _, resumed = _steps(s, step, restored, [b2])
+            np.testing.assert_allclose(resumed, uninterrupted, rtol=1e-5, err_msg=target)
 
 
 def test_different_model_in_workdir_is_named():
@@ -101,11 +115,6 @@ sharding = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), PartitionSpec("x
 shape, count = (2048, 2048), 8  # 8 x 16 MiB = 128 MiB, each array split over 8 devices
 abstract = {f"w{i}": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding) for i in range(count)}
 mngr = checkpoint.manager(workdir, 1)
-if mode == "save":
-    make = jax.jit(lambda i: jnp.full(shape, i, jnp.float32), out_shardings=sharding)
-    checkpoint.save(mngr, 1, {k: make(float(i)) for i, k in enumerate(abstract)}, {}, {})
-    mngr.wait_until_finished()
-    sys.exit(0)
 def status_bytes(field):
     line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
     return int(line.split()[1]) * 1024
@@ -136,11 +145,26 @@ def _memory(mode, workdir):
         [sys.executable, "-c", MEMORY_SCRIPT, mode, str(workdir)], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    return json.loads(result.stdout.strip().splitlines()[-1]) if mode != "save" else None
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _save_for_memory(workdir):
+    """Step 1 of MEMORY_SCRIPT's arrays, saved here (the two measuring processes start bare)."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), PartitionSpec("x"))
+    shape = (2048, 2048)
+    make = jax.jit(lambda i: jnp.full(shape, i, jnp.float32), out_shardings=sharding)
+    mngr = store.manager(str(workdir), 1)
+    store.save(mngr, 1, {f"w{i}": make(float(i)) for i in range(8)}, {}, {})
+    mngr.wait_until_finished()
+    mngr.close()
 
 
 def test_restore_peak_memory_stays_near_the_sharded_size(tmp_path):
-    _memory("save", tmp_path)
+    assert len(jax.devices()) == 8  # as MEMORY_SCRIPT asks for
+    _save_for_memory(tmp_path)
     sharded, gathered = _memory("restore", tmp_path), _memory("gather", tmp_path)
     total, mib = sharded["total"], 2**20
     print(

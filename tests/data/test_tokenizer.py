@@ -51,10 +51,11 @@ def test_a_model_directory_is_read_and_workers_tokenize_the_same(bpe_path, tmp_p
     held = write(tmp_path / "held.txt", "def held(out):\n    return out\n")
     cfg = data_config(train_files=",".join(files), eval_files=held, tokenizer=bpe_path)
     here = pipeline.load_corpus(cfg)
+    tokens, text_bytes = pipeline.held_out(cfg)  # here too: each call with workers starts its own
+    assert text_bytes == 30 and len(tokens) < text_bytes
+    np.testing.assert_array_equal(tokens, here[1])
     cfg.workers = 1
     there = pipeline.load_corpus(cfg)
     for a, b in zip(here, there, strict=True):
         np.testing.assert_array_equal(a, b)
     assert here[0].dtype == np.uint16 and (here[0] == 0).sum() == len(files)  # one end token each
-    tokens, text_bytes = pipeline.held_out(cfg)
-    assert text_bytes == 30 and len(tokens) < text_bytes
