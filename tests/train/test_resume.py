@@ -3,11 +3,9 @@
 import json
 import os
 import signal
-import time
 
 import jax
 import numpy as np
-import pytest
 from conftest import run_steps, small_config, token_batches
 
 from gspmd_tp.checkpoint import store
@@ -16,79 +14,53 @@ from gspmd_tp.train import loop, run_setup
 
 K = 2  # steps before the save; two more after it
 
-# (rules, mesh, devices) saved -> (rules, mesh, devices) resumed.
-MATRIX = [
-    (("megatron_1d", "dp=2,mp=4", 8), ("megatron_2d", "dp=4,mp=2", 8)),
-    (("megatron_2d", "dp=2,mp=4", 8), ("dp", "dp=1,mp=1", 1)),
-    (("dp", "dp=8,mp=1", 8), ("megatron_2d", "dp=1,mp=2", 2)),
-    # Three mesh axes and back: megatron_1d's (dp, mp) onto (data, fsdp, tensor), and the reverse.
-    (("megatron_1d", "dp=2,mp=4", 8), ("data_fsdp_tensor", "data=2,fsdp=2,tensor=2", 8)),
-    (("data_fsdp_tensor", "data=2,fsdp=2,tensor=2", 8), ("megatron_1d", "dp=2,mp=4", 8)),
+# A chain of (rules, mesh, devices): each restores the checkpoint the one before saved (a rule file,
+# a mesh and a device count of its own) and saves it again in its own layout. The first trains K
+# steps; the links marked True train the two steps after and must match the uninterrupted run.
+CHAIN = [
+    ("megatron_2d", "dp=2,mp=4", 8, False),
+    ("megatron_1d", "dp=4,mp=2", 8, True),  # another rule file and mesh (the data test's second run)
+    ("dp", "dp=1,mp=1", 1, True),  # 8 devices -> 1
+    ("megatron_2d", "dp=1,mp=2", 2, False),  # 1 -> 2
+    # Three mesh axes and back: megatron_2d's (dp, mp) onto (data, fsdp, tensor), and the reverse.
+    ("data_fsdp_tensor", "data=2,fsdp=2,tensor=2", 8, False),
+    ("megatron_1d", "dp=2,mp=4", 8, False),
 ]
 
 
-class Saved:
-    """Checkpoints at step K, one per source (rules, mesh, devices), made once for the module."""
-
-    def __init__(self, root):
-        self.root, self.dirs = root, {}
-        self.batches = token_batches(small_config(), K + 2)
-        # The uninterrupted run: K steps, a save on the way (it must not disturb anything), 2 more.
-        state = self._train_and_save(("megatron_1d", "dp=2,mp=4", 8))
-        c = small_config(rules="megatron_1d", mesh="dp=2,mp=4")
-        _, history = run_steps(c, self.batches[K:], state=state)
-        self.want = [loss for loss, _ in history]
-
-    def _train_and_save(self, source):
-        rules, mesh, n = source
-        c = small_config(rules=rules, mesh=mesh)
-        state, _ = run_steps(c, self.batches[:K], devices=jax.devices()[:n])
-        workdir = str(self.root / f"{rules}-{mesh}-{n}")
-        mngr = store.manager(workdir, keep=1)
-        meta = run_setup.setup(c, jax.devices()[:n]).meta()
-        store.save(mngr, K, state, {"next_example": K * c.batch_size}, meta)
-        mngr.wait_until_finished()
-        self.dirs[source] = mngr
-        return state
-
-    def manager(self, source):
-        if source not in self.dirs:
-            self._train_and_save(source)
-        return self.dirs[source]
+def _save(workdir, config, devices, state):
+    mngr = store.manager(str(workdir), keep=1)
+    meta = run_setup.setup(config, devices).meta()
+    store.save(mngr, K, state, {"next_example": K * config.batch_size}, meta)
+    mngr.wait_until_finished()
+    return mngr
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    return Saved(tmp_path_factory.mktemp("saved"))
-
-
-def _name(case):
-    (r0, m0, n0), (r1, m1, n1) = case
-    return f"{r0}[{m0}]x{n0}->{r1}[{m1}]x{n1}"
-
-
-@pytest.mark.parametrize("case", MATRIX, ids=[_name(c) for c in MATRIX])
-def test_resume_on_another_rule_file_mesh_and_device_count(saved, case):
-    source, (dst_rules, dst_mesh, dst_n) = case
-    mngr = saved.manager(source)
-    dest = small_config(rules=dst_rules, mesh=dst_mesh)
-    devices = jax.devices()[:dst_n]
-    s = run_setup.setup(dest, devices)
-    t0 = time.perf_counter()
-    restored, _ = store.restore(mngr, K, s.abstract_state)
-    jax.block_until_ready(restored)
-    restore_s = time.perf_counter() - t0
-    # Each leaf lives on the new devices in the new sharding, not in the one it was saved with.
-    for leaf, want_sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(s.shardings), strict=True):
-        assert leaf.sharding.is_equivalent_to(want_sharding, leaf.ndim)
-        assert leaf.sharding.device_set == set(devices)
-    _, history = run_steps(dest, saved.batches[K:], devices=devices, state=restored)
-    got = [loss for loss, _ in history]
-    np.testing.assert_allclose(got, saved.want, rtol=1e-5)
-    rel = max(abs(g - w) / abs(w) for g, w in zip(got, saved.want, strict=True))
-    print(
-        f"\nreshard {_name(case)}: restore {restore_s * 1e3:.0f} ms, max relative loss difference {rel:.1e}"
-    )
+def test_resume_on_another_rule_file_mesh_and_device_count(tmp_path):
+    batches = token_batches(small_config(), K + 2)
+    rules, mesh, n, _ = CHAIN[0]
+    c = small_config(rules=rules, mesh=mesh)
+    state, _ = run_steps(c, batches[:K], devices=jax.devices()[:n])
+    saved = jax.device_get(state)
+    mngr = _save(tmp_path / "0", c, jax.devices()[:n], state)
+    # The uninterrupted run: K steps, a save on the way (it must not disturb anything), 2 more.
+    want = [loss for loss, _ in run_steps(c, batches[K:], state=state)[1]]
+    for i, (rules, mesh, n, train) in enumerate(CHAIN[1:], 1):
+        name = f"{CHAIN[i - 1][:3]} -> {(rules, mesh, n)}"
+        dest, devices = small_config(rules=rules, mesh=mesh), jax.devices()[:n]
+        s = run_setup.setup(dest, devices)
+        restored, _ = store.restore(mngr, K, s.abstract_state)
+        # Each leaf lives on the new devices in the new sharding, not in the one it was saved with,
+        # and holds the values saved.
+        for leaf, want_sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(s.shardings), strict=True):
+            assert leaf.sharding.is_equivalent_to(want_sharding, leaf.ndim), name
+            assert leaf.sharding.device_set == set(devices), name
+        for got, value in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(saved), strict=True):
+            np.testing.assert_array_equal(got, value, err_msg=name)
+        mngr = _save(tmp_path / str(i), dest, devices, restored)  # before the step donates it
+        if train:
+            got = [loss for loss, _ in run_steps(dest, batches[K:], devices=devices, state=restored)[1]]
+            np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=name)
 
 
 # --- data positions ---
