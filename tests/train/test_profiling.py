@@ -4,6 +4,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +25,13 @@ def _shares(line: str) -> dict[str, float]:
     return {name: float(pct) for name, pct in re.findall(r"([a-z, ]+?) ([\d.]+)%(?:, |$)", text)}
 
 
-def test_a_run_traces_the_steps_it_is_told_to(tmp_path, capsys):
-    c = small_config(steps=6, log_every=1, eval_every=100, checkpoint_every=100)
+def _profile_lines(capsys) -> list[str]:
+    return [x for x in capsys.readouterr().out.splitlines() if x.startswith("profile:")]
+
+
+def test_a_run_traces_the_window_of_its_own_steps(tmp_path, capsys, monkeypatch):
+    """One run and three resumes of it from step 2, all compiling the same step."""
+    c = small_config(steps=4, log_every=1, eval_every=100, checkpoint_every=2)
     c.profile.steps, c.profile.skip_steps = 2, 1
     loop.train(c, str(tmp_path))
     out = capsys.readouterr().out
@@ -40,48 +46,44 @@ def test_a_run_traces_the_steps_it_is_told_to(tmp_path, capsys):
     assert shares["matrix products"] > 0 and shares["collectives"] > 0  # megatron_2d on dp=2,mp=4
     assert f"profile in {tmp_path / profiling.PROFILE}" in out.splitlines()[-1]
     rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    ckpt_dir = step_dirs.checkpoint_dir(str(tmp_path))
 
-
-def test_a_resumed_run_counts_its_window_from_where_it_starts(tmp_path, capsys):
-    c = small_config(steps=2, log_every=1, eval_every=100, checkpoint_every=100)
-    loop.train(c, str(tmp_path))
-    c.steps = 4
-    c.profile.steps, c.profile.skip_steps = 1, 0
-    loop.train(c, str(tmp_path))
-    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("profile:")]
-    assert line.startswith("profile: steps 3..3 traced in ")
-
-
-def test_a_window_after_the_last_step_is_said_and_traces_nothing(tmp_path, capsys):
-    c = small_config(steps=2, log_every=1, eval_every=100)
+    # A window after the last step is said, and traces nothing.
+    shutil.rmtree(os.path.join(ckpt_dir, "4"))
+    traces = sorted(str(p) for p in (tmp_path / profiling.PROFILE).rglob("*"))
     c.profile.steps, c.profile.skip_steps = 2, 5
     loop.train(c, str(tmp_path))
     out = capsys.readouterr().out
-    assert "note: config.profile traces from step 6, after the run's last step 2" in out
+    assert "note: config.profile traces from step 8, after the run's last step 4" in out
     assert "profile:" not in out
-    assert not (tmp_path / profiling.PROFILE).exists()
+    assert sorted(str(p) for p in (tmp_path / profiling.PROFILE).rglob("*")) == traces
 
+    # A resumed run counts its window from where it starts.
+    shutil.rmtree(os.path.join(ckpt_dir, "4"))
+    c.profile.steps, c.profile.skip_steps = 1, 0
+    loop.train(c, str(tmp_path))
+    [line] = _profile_lines(capsys)
+    assert line.startswith("profile: steps 3..3 traced in ")
 
-def test_a_window_is_cut_at_the_run_end_once_the_save_it_started_has_finished(tmp_path, capsys, monkeypatch):
-    """Step 2's save runs in the background while step 3, the last, trains: the profiler stops after it."""
+    # A window cut at the run end stops once the save it started has finished: step 3's save runs in
+    # the background while step 4, the last, trains; the profiler stops after it.
+    shutil.rmtree(os.path.join(ckpt_dir, "4"))
     seen = []
     stop_trace = jax.profiler.stop_trace
-    ckpt_dir = step_dirs.checkpoint_dir(str(tmp_path))
 
     def stop_and_look():
         seen.append((step_dirs.steps_on_disk(ckpt_dir), os.listdir(ckpt_dir)))
         stop_trace()
 
     monkeypatch.setattr(jax.profiler, "stop_trace", stop_and_look)
-    c = small_config(steps=3, log_every=1, eval_every=100, checkpoint_every=2)
-    c.profile.steps, c.profile.skip_steps = 10, 1
+    c.checkpoint_every, c.profile.steps, c.profile.skip_steps = 1, 10, 0
     loop.train(c, str(tmp_path))
-    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("profile:")]
-    assert line.startswith("profile: steps 2..3 traced in ")
+    [line] = _profile_lines(capsys)
+    assert line.startswith("profile: steps 3..4 traced in ")
     [(steps, names)] = seen
-    assert steps == [2]
-    assert sorted(names) == ["2"]  # no save in progress
+    assert sorted(steps) == [2, 3]  # step 3 saved whole
+    assert sorted(names) == ["2", "3"]  # no save in progress
 
 
 def test_python_calls_are_traced_when_asked(tmp_path):
