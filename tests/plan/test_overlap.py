@@ -1,8 +1,11 @@
 """config.overlap: the compiler options it passes, what they do to the TPU compiler's HLO (needs
 libtpu), what the GPU compiler makes of them (needs the CUDA plugin), and what a CPU run is told."""
 
+import functools
 import importlib.util
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
 from conftest import small_config
@@ -16,21 +19,27 @@ from gspmd_tp.train import step as step_lib
 
 TPU = "tpu:v5e:2x4"
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
+OVERLAPS = ["auto", "collective_matmul"]
+# Two tests read _compared's plans: under pytest-xdist they run on one worker, which plans them once.
+pytestmark = pytest.mark.xdist_group("test_overlap")
 
 
-def _tpu_plan(tmp_path, rules: str, overlap: str) -> tuple[dict, list[hlo.Collective]]:
-    """plan.plan of small_config(rules) on dp=2,mp=4 for a v5e slice, and the collectives of its HLO."""
-    out = tmp_path / overlap
-    p = planner.plan(small_config(rules=rules, mesh="dp=2,mp=4", overlap=overlap), str(out), target=TPU)
-    (path,) = out.iterdir()
-    return p, hlo.collectives(path.read_text(), 8)
+@functools.cache
+def _compared(rules: str) -> tuple[list[dict], dict[str, str]]:
+    """planner.compare of small_config(rules) on dp=2,mp=4 for a v5e slice under overlap auto and
+    collective_matmul (once per test process): its rows and the HLO files it wrote, by name."""
+    with tempfile.TemporaryDirectory() as hlo_dir:
+        rows = planner.compare(
+            small_config(rules=rules), [rules], ["dp=2,mp=4"], TPU, dump_hlo=hlo_dir, overlaps=OVERLAPS
+        )
+        return rows, {p.name: p.read_text() for p in Path(hlo_dir).iterdir()}
 
 
 @needs_libtpu
 @pytest.mark.parametrize("rules", ["megatron_1d_sp", "megatron_2d"])
-def test_collective_matmul_turns_tpu_gathers_and_scatters_into_loops_of_permutes(tmp_path, rules):
-    base, _ = _tpu_plan(tmp_path, rules, "auto")
-    p, found = _tpu_plan(tmp_path, rules, "collective_matmul")
+def test_collective_matmul_turns_tpu_gathers_and_scatters_into_loops_of_permutes(rules):
+    (base, p), files = _compared(rules)
+    found = hlo.collectives(files[f"{rules}_{mesh_file_name('dp=2,mp=4')}_collective_matmul.hlo.txt"], 8)
     assert p["compiler_options"] == step_lib.OVERLAP_OPTIONS["collective_matmul"]["tpu"]
     assert base["compiler_options"] == {}
     # At this size the compiler's own choice decomposes nothing: every product's all-gather and
@@ -96,19 +105,15 @@ def test_an_unknown_overlap_is_an_error_naming_the_key():
 
 
 @needs_libtpu
-def test_compare_over_two_overlaps_plans_both_and_names_the_choice_with_its_margin(tmp_path):
-    config = small_config(**{"model.num_layers": 1})
-    overlaps = ["auto", "collective_matmul"]
-    rows = planner.compare(
-        config, ["megatron_1d_sp"], ["dp=2,mp=4"], TPU, dump_hlo=str(tmp_path), overlaps=overlaps
-    )
+def test_compare_over_two_overlaps_plans_both_and_names_the_choice_with_its_margin():
+    """The compare the collective matmul test above reads, of megatron_1d_sp."""
+    overlaps = OVERLAPS
+    rows, files = _compared("megatron_1d_sp")
     assert [r["overlap"] for r in rows] == overlaps
     assert [r["compiler_options"] for r in rows] == [{}, step_lib.OVERLAP_OPTIONS["collective_matmul"]["tpu"]]
     # One HLO file each, the overlap in its name.
     mesh = mesh_file_name("dp=2,mp=4")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        f"megatron_1d_sp_{mesh}_{o}.hlo.txt" for o in overlaps
-    ]
+    assert sorted(files) == [f"megatron_1d_sp_{mesh}_{o}.hlo.txt" for o in overlaps]
     head, *lines = planner.format_compare(rows).splitlines()
     assert head.split()[:4] == ["rules", "mesh", "overlap", "params+opt/dev"]
     assert [line.split()[:3] for line in lines[:2]] == [["megatron_1d_sp", "dp=2,mp=4", o] for o in overlaps]

@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -127,14 +128,30 @@ def test_multi_slice_target_sends_the_gradients_between_slices_over_dcn():
     assert "over the DCN at 25 Gb/s per chip" in planner.format_plan(p)
 
 
-def test_slices_of_a_chip_with_no_dcn_figure_get_a_time_only_with_network_gbps():
-    """v4's compile-only devices are TensorCores, two to a chip: the slices are laid out by hand
-    where mesh_utils refuses them (it raised an AssertionError before)."""
+def test_v4_slices_are_tensorcores_two_to_a_chip_and_get_a_time_only_with_network_gbps():
+    """libtpu's compile-only v4 slice has a device per TensorCore (a v4 slice in its default megacore
+    mode shows one per chip), so each device gets half the chip's HBM, FLOP/s and bandwidth. Two
+    such slices are laid out by hand where mesh_utils refuses them (it raised an AssertionError
+    before); with no DCN figure for v4 they get a time only with --network_gbps. The second plan is
+    the first's step compiled again: JAX would store the compile-only executable, then warn on
+    every later plan that it cannot load it (tests/conftest.py sets a cache directory)."""
+    one_slice = hardware.target_devices("tpu:v4:2x2x1")
+    assert len(one_slice) == 8 and one_slice[0].device_kind == "TPU v4"
     config = small_config(rules="megatron_1d", mesh="dp=4,mp=4")
-    p = planner.plan(config, target="tpu:v4:2x2x1", slices=2)
+    before = jax.config.jax_persistent_cache_min_compile_time_secs  # restored for later tests
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every compile would be stored
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            p = planner.plan(config, target="tpu:v4:2x2x1", slices=2)
+            timed = planner.plan(config, target="tpu:v4:2x2x1", slices=2, network_gbps=100)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+    assert not [str(w.message)[:200] for w in caught if "compilation cache" in str(w.message)]
+    assert p["devices"] == 16 and p["estimate"]["device_kind"] == "TPU v4"
+    assert p["estimate"]["devices_per_chip"] == 2 and p["estimate"]["hbm_per_device"] == 16 * 2**30
     assert p["estimate"]["fits"] and "step_s_estimate" not in p["estimate"]
     assert "no DCN bandwidth for TPU v4 in the table (--network_gbps=N" in planner.format_plan(p)
-    timed = planner.plan(config, target="tpu:v4:2x2x1", slices=2, network_gbps=100)
     per_device = 100e9 / 8 / 2
     assert timed["estimate"]["comm_network_s"] == pytest.approx(
         timed["network_bytes_per_device"] / per_device
@@ -173,30 +190,6 @@ def test_sequence_parallel_on_tpu_reduce_scatters_the_same_bytes():
     assert sp["bytes_per_device"] < one_d["bytes_per_device"]
 
 
-def test_v4_devices_are_tensorcores_two_to_a_chip():
-    """libtpu's compile-only v4 slice has a device per TensorCore (a v4 slice in its default megacore
-    mode shows one per chip), so each device gets half the chip's HBM, FLOP/s and bandwidth."""
-    p = planner.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"), target="tpu:v4:2x2x1")
-    assert p["devices"] == 8 and p["estimate"]["device_kind"] == "TPU v4"
-    assert p["estimate"]["devices_per_chip"] == 2 and p["estimate"]["hbm_per_device"] == 16 * 2**30
-
-
-def test_planning_for_a_slice_twice_reads_nothing_stale_from_the_compilation_cache():
-    """JAX would store the compile-only executable, then warn on every later plan that it cannot load
-    it. (tests/conftest.py sets a cache directory, shared by the test workers.)"""
-    before = jax.config.jax_persistent_cache_min_compile_time_secs  # restored for later tests
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every compile would be stored
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            one_layer = small_config(rules="fsdp", mesh="dp=4,mp=2", **{"model.num_layers": 1})
-            planner.plan(one_layer, target=TARGET)
-            planner.plan(one_layer, target=TARGET)
-    finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
-    assert not [str(w.message)[:200] for w in caught if "compilation cache" in str(w.message)]
-
-
 @pytest.mark.parametrize(
     "topology, name",
     [("v5e:2x4", "v5litepod-8"), ("v4:2x2x2", "v4-16"), ("v5p:4x4x4", "v5p-128"), ("v6e:4x4", "v6e-16"),
@@ -206,12 +199,17 @@ def test_the_slice_is_named_to_libtpu_as_cloud_tpu_names_it(topology, name):
     assert hardware._accelerator_type(topology) == name
 
 
-def test_planning_for_a_slice_prints_no_libtpu_warning():
+def test_planning_for_a_slice_prints_no_libtpu_warning_and_json_with_json(tmp_path):
+    """Through the command: a single plan for the slice, --json (the config's mesh) and --dump_hlo."""
     env = {k: v for k, v in os.environ.items() if k not in ("TPU_ACCELERATOR_TYPE", "XLA_FLAGS")}
     out = subprocess.run(
         [sys.executable, "-m", "gspmd_tp.plan", "--config=configs/tiny.py", f"--target={TARGET}",
-         "--config.model.num_layers=1", "--config.batch_size=8", "--config.seq_len=32"],
+         "--config.model.num_layers=1", "--config.batch_size=8", "--config.seq_len=32", "--json",
+         f"--dump_hlo={tmp_path / 'hlo'}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "WARNING" not in out.stderr and "could not determine" not in out.stdout + out.stderr
+    p = json.loads(out.stdout)
+    assert p["mesh"] == "dp=2,mp=4" and p["target"] == TARGET and p["backend"] == "tpu"
+    assert [f.name for f in (tmp_path / "hlo").iterdir()] == ["megatron_2d_dp2_mp4.hlo.txt"]
