@@ -26,38 +26,58 @@ def quick_matmul_rate(monkeypatch):
     monkeypatch.setattr(benchmark, "matmul_rate", lambda dtype: original(dtype, n=256, repeats=1))
 
 
-def test_report_rows_have_the_documented_fields(quick_matmul_rate):
-    report = benchmark.run(small_config(), ["megatron_1d"], ["dp=2,mp=4", "dp=4,mp=2"], steps=2, warmup=1)
+def test_report_rows_profiles_and_phases(tmp_path, quick_matmul_rate):
+    """A run of two meshes checks the report's documented fields, and one of the second mesh (its
+    step compiled once for both), profiled and split into phases, the profile's groups and the phases.
+
+    The three phases are timed apart from the report's steps, so they check one another: the
+    forward pass alone is shorter than forward and backward together, the split step takes about
+    as long as the steps timed without it (a phase timed before its device work ended would read
+    a hundredth of it), and the roofline fractions divide FLOPs counted here from the model's
+    parameters (a third forward, two thirds backward). The phases run on the state the profiled
+    step hands on (it donates its own)."""
+    c = small_config()
+    report = benchmark.run(c, ["megatron_1d"], ["dp=2,mp=4", "dp=4,mp=2"], 2, 1)
+    # The profile and the phases: on the second mesh, whose step is compiled (cached) already.
+    split = benchmark.run(c, ["megatron_1d"], ["dp=4,mp=2"], 3, 1, profile_dir=str(tmp_path), phases=True)
     assert set(report["matmul_flops_per_sec"]) == {"float32", "bfloat16"}
     assert (report["processes"], report["hosts"]) == (1, 1)
     assert [r["mesh"] for r in report["results"]] == ["dp=2,mp=4", "dp=4,mp=2"]
+    roof = max(report["matmul_flops_per_sec"].values())
+    flops = step_flops(c)
     for r in report["results"]:
+        # The documented fields.
         assert {"rules", "mesh", "tokens_per_sec", "step_s", "compile_s", "mfu", "roofline_fraction"} <= set(
             r
-        )
-        assert r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
+        ), r
+        assert r["step_s_min"] <= r["step_s"] <= r["step_s_max"], r
         assert r["mfu"] is None  # no published peak for a CPU
-        roof = max(report["matmul_flops_per_sec"].values())
-        assert abs(r["roofline_fraction"] - r["model_flops_per_sec"] / roof) < 1e-9
-        assert r["collective_bytes_per_device"] > 0
+        assert abs(r["roofline_fraction"] - r["model_flops_per_sec"] / roof) < 1e-9, r
+        assert r["collective_bytes_per_device"] > 0, r
         assert r["network_bytes_per_device"] == 0  # one host
         # CPU time over wall time of the timed steps: the step runs on this machine's cores.
-        assert 0 < r["host_cpu_busy_cores"] <= len(os.sched_getaffinity(0)) * 1.05
-
-
-def test_profile_splits_the_step_time_into_groups(tmp_path, quick_matmul_rate):
-    report = benchmark.run(small_config(), ["megatron_1d"], ["dp=2,mp=4"], 1, 1, profile_dir=str(tmp_path))
-    profile = report["results"][0]["profile"]
-    assert set(profile) == set(hlo.GROUPS)
+        assert 0 < r["host_cpu_busy_cores"] <= len(os.sched_getaffinity(0)) * 1.05, r
+    assert r["profile"] is None and "forward_s" not in r  # neither asked for
+    [r] = split["results"]
+    roof = max(split["matmul_flops_per_sec"].values())
+    table = benchmark.format_table(split)
+    # The profile: the step's time split into hlo.GROUPS.
+    profile = r["profile"]
+    assert set(profile) == set(hlo.GROUPS), profile
     assert sum(g["share"] for g in profile.values()) == pytest.approx(1.0)
     # megatron_1d all-reduces every layer's activations; every step multiplies matrices.
-    assert profile["matrix products"]["share"] > 0 and profile["collectives"]["share"] > 0
+    assert profile["matrix products"]["share"] > 0 and profile["collectives"]["share"] > 0, profile
     # The traced step's own wall time is reported beside the shares (the profiler slows it).
-    traced = report["results"][0]["profiled_step_s"]
+    traced = r["profiled_step_s"]
     assert traced > 0
-    table = benchmark.format_table(report)
+    assert f"{traced * 1e3:.1f}" in table.split("share of the profiled")[1], (traced, table)
+    # The phases.
+    assert 0 < r["forward_s"] < r["gradient_s"] and r["backward_s"] > 0, r
+    assert r["step_s"] / 3 < r["phase_step_s"] < 3 * r["step_s"], (r["phase_step_s"], r["step_s"])
+    assert r["forward_roofline_fraction"] == pytest.approx(flops / 3 / r["forward_s"] / roof, rel=1e-6)
+    assert r["backward_roofline_fraction"] == pytest.approx(2 * flops / 3 / r["backward_s"] / roof, rel=1e-6)
     assert "share of the profiled step's device time" in table
-    assert f"{traced * 1e3:.1f}" in table.split("share of the profiled")[1]
+    assert "the step split" in table
 
 
 def test_profiles_stay_under_profile_dir_whatever_path_names_the_rule_file(monkeypatch, tmp_path):
@@ -83,25 +103,6 @@ def test_profiles_stay_under_profile_dir_whatever_path_names_the_rule_file(monke
         str(profiles / "megatron_1d_2_dp2_mp4"),
         str(profiles / "megatron_2d_dp2_mp4"),
     ]
-
-
-def test_phases_split_the_step_into_forward_backward_and_optimizer(tmp_path, quick_matmul_rate):
-    """The three phases are timed apart from the report's steps, so they check one another: the
-    forward pass alone is shorter than forward and backward together, the split step takes about
-    as long as the steps timed without it (a phase timed before its device work ended would read
-    a hundredth of it), and the roofline fractions divide FLOPs counted here from the model's
-    parameters (a third forward, two thirds backward)."""
-    # With a profile too: the phases run on the state the profiled step hands on (it donates its own).
-    c = small_config()
-    report = benchmark.run(c, ["megatron_1d"], ["dp=4,mp=2"], 3, 1, profile_dir=str(tmp_path), phases=True)
-    r = report["results"][0]
-    assert 0 < r["forward_s"] < r["gradient_s"] and r["backward_s"] > 0
-    assert r["step_s"] / 3 < r["phase_step_s"] < 3 * r["step_s"], (r["phase_step_s"], r["step_s"])
-    roof = max(report["matmul_flops_per_sec"].values())
-    flops = step_flops(c)
-    assert r["forward_roofline_fraction"] == pytest.approx(flops / 3 / r["forward_s"] / roof, rel=1e-6)
-    assert r["backward_roofline_fraction"] == pytest.approx(2 * flops / 3 / r["backward_s"] / roof, rel=1e-6)
-    assert "the step split" in benchmark.format_table(report)
 
 
 def test_classify_goes_by_what_a_fusion_computes():
@@ -187,12 +188,13 @@ def test_parse_variants():
 
 
 def test_variants_are_timed_against_the_configured_step(quick_matmul_rate):
-    variants = [{"model.attention_block": "16"}]
+    # Another seed: the configured step's program, so one compile (cached) for both rows.
+    variants = [{"seed": "1"}]
     report = benchmark.run(
         small_config(), ["megatron_1d"], ["dp=4,mp=2"], 1, 1, variants=variants, rounds=2, round_steps=1
     )
     rows = report["results"]
-    assert [r["variant"] for r in rows] == ["(as configured)", "model.attention_block=16"]
+    assert [r["variant"] for r in rows] == ["(as configured)", "seed=1"]
     assert rows[0]["change"] == 0.0
     roof = max(report["matmul_flops_per_sec"].values())
     for r in rows:
@@ -200,7 +202,7 @@ def test_variants_are_timed_against_the_configured_step(quick_matmul_rate):
         assert r["change"] == pytest.approx(r["step_s"] / rows[0]["step_s"] - 1)
         assert r["roofline_fraction"] == pytest.approx(r["model_flops_per_sec"] / roof)
     table = benchmark.format_table(report)
-    assert "change" in table and "model.attention_block=16" in table
+    assert "change" in table and "seed=1" in table
 
 
 @pytest.mark.parametrize(
@@ -222,18 +224,6 @@ def test_a_bad_variant_stops_the_comparison_before_anything_compiles(monkeypatch
 def test_variants_refuse_profiles_and_phases():
     with pytest.raises(UserError, match="--variants"):
         benchmark.run(small_config(), ["megatron_1d"], ["dp=4,mp=2"], 1, 0, phases=True, variants=[{}])
-
-
-def test_cli_bad_variant_is_one_line_error():
-    run = subprocess.run(
-        [sys.executable, "bench.py", "--config=configs/bench_cpu.py",
-         "--variants=model.remat=none;model.nope=1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 1
-    assert run.stderr.strip().splitlines()[-1] == (
-        "error: --variants: --config.model.nope: the run's config has no key 'model.nope'"
-    )
 
 
 @pytest.mark.parametrize(
@@ -283,38 +273,6 @@ def test_a_rule_file_or_mesh_given_twice_is_an_error_before_anything_is_measured
     monkeypatch.setattr(benchmark, "_compiled", lambda *a: pytest.fail("compiled before checking"))
     with pytest.raises(UserError, match=message):
         benchmark.run(small_config(), rules, meshes, 1, 0)
-
-
-@pytest.mark.parametrize(
-    "given, message",
-    [
-        ("megatron_1d, nosuch", "rule file 'nosuch' not found (shipped rule files: data_fsdp_tensor, dp, "),
-        ("megatron_1d,,dp", "--rules=megatron_1d,,dp: an empty rule file name (comma-separated names)"),
-    ],
-)
-def test_cli_rules_are_read_as_plan_reads_them(given, message):
-    """A space after a comma was part of the next name (`rule file ' megatron_1d' not found`),
-    where plan --compare strips it."""
-    run = subprocess.run(
-        [sys.executable, "bench.py", "--config=configs/bench_cpu.py", f"--rules={given}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 1, run.stderr[-2000:]
-    assert run.stderr.strip().splitlines()[-1].startswith(f"error: {message}")
-
-
-def test_cli_unwritable_json_out_is_one_line_error_before_any_work(tmp_path):
-    blocker = tmp_path / "results"
-    blocker.write_text("a file where the report's directory would go")
-    run = subprocess.run(
-        [sys.executable, "bench.py", "--config=configs/bench_cpu.py", f"--json_out={blocker}/bench.json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 1
-    assert run.stderr.strip().splitlines()[-1] == (
-        f"error: --json_out={blocker}/bench.json: {blocker} is a file, not a directory"
-    )
-    assert "matmul" not in run.stdout + run.stderr
 
 
 def _row(**extra):
@@ -367,35 +325,6 @@ def test_table_columns_stay_under_their_headings_with_a_rule_file_path():
         assert line[:end].endswith("2,000"), line
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="os.access already refuses /proc to a user other than root")
-@pytest.mark.parametrize(
-    "flag, message",
-    [
-        ("--json_out=/proc/bench.json", "error: --json_out=/proc/bench.json: cannot write it ("),
-        # Its directory does not exist yet: probed in /proc, where it would be created.
-        (
-            "--json_out=/proc/gspmd_tp_none/b.json",
-            "error: --json_out=/proc/gspmd_tp_none/b.json: cannot write it (",
-        ),
-        (
-            "--profile_dir=/proc/bench_profile",
-            "error: --profile_dir=/proc/bench_profile: cannot write there (",
-        ),
-    ],
-)
-def test_cli_an_output_the_filesystem_refuses_is_one_line_error_before_any_work(flag, message):
-    # As root os.access says /proc is writable: the file write, or the profiler, used to fail with a
-    # traceback after every step had been timed.
-    run = subprocess.run(
-        [sys.executable, "bench.py", "--config=configs/bench_cpu.py", "--config.model.num_layers=1",
-         "--config.seq_len=64", "--config.batch_size=8", "--steps=1", "--warmup=0", flag],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 1
-    assert run.stderr.strip().splitlines()[-1].startswith(message)
-    assert "matmul" not in run.stdout + run.stderr and not run.stdout.strip()  # nothing timed
-
-
 def _strict_json(text: str) -> dict:
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
@@ -403,20 +332,123 @@ def _strict_json(text: str) -> dict:
     return json.loads(text, parse_constant=refuse)
 
 
-def test_cli_json_is_strict_json_when_the_loss_is_not_finite(tmp_path):
-    """bench.py --json prints the report and --json_out writes it. One run checks both on a diverged
-    step, whose loss was written NaN, which JSON parsers other than Python's refuse (a run with a
-    finite loss took another 8 s of the suite for the same two outputs)."""
-    out = tmp_path / "bench.json"
+# bench.py run as a user runs it, once for each argv in the JSON list argv[1], each run in a process
+# of its own: forked from this one, which has imported what bench.py imports (jax too, its backend
+# not started), so a run costs what bench.py does and not the ~3 CPU-s of starting Python and
+# importing jax again. benchmark.matmul_rate measures as quick_matmul_rate does (bench.py's
+# measure at full size: ~15 CPU-s a report). Prints [[exit status, stdout, stderr], ...] as JSON.
+BENCH_RUNS = """
+import json, os, runpy, sys, tempfile, traceback
+import absl.app, jax, ml_collections
+from gspmd_tp.bench import benchmark
+original = benchmark.matmul_rate
+benchmark.matmul_rate = lambda dtype: original(dtype, n=256, repeats=1)
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        code = 0
+        try:
+            sys.argv = ["bench.py", *argv]
+            runpy.run_path("bench.py", run_name="__main__")
+        except SystemExit as e:
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    texts = []
+    for f in (out, err):
+        f.seek(0)
+        texts.append(f.read().decode("utf-8", "replace"))
+    results.append([os.waitstatus_to_exitcode(status), *texts])
+print(json.dumps(results))
+"""
+
+
+def bench_runs(*argvs: list[str]) -> list[tuple[int, str, str]]:
+    """(exit status, stdout, stderr) of `python bench.py --config=configs/bench_cpu.py ARGV...` for
+    each argv, each a process of its own (BENCH_RUNS)."""
+    argvs = [["--config=configs/bench_cpu.py", *argv] for argv in argvs]
     run = subprocess.run(
-        [sys.executable, "bench.py", "--config=configs/bench_cpu.py", "--config.model.num_layers=1",
-         "--config.seq_len=64", "--config.batch_size=8", "--config.optim.lr=1e30",
-         "--config.optim.warmup_steps=1", "--config.optim.clip_norm=0", "--steps=1", "--warmup=3",
-         "--json", f"--json_out={out}"],
+        [sys.executable, "-c", BENCH_RUNS, json.dumps(argvs)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    for text in (run.stdout, out.read_text()):
+    return [tuple(r) for r in json.loads(run.stdout)]
+
+
+def test_cli_mistakes_are_one_line_errors_and_the_json_is_strict_when_the_loss_is_not_finite(tmp_path):
+    """Each mistake is its own bench.py run: exit status 1, its last stderr line the error, nothing
+    measured. A space after a comma in --rules was part of the next name (`rule file ' megatron_1d'
+    not found`), where plan --compare strips it. As root os.access says /proc is writable: the file
+    write, or the profiler, used to fail with a traceback after every step had been timed.
+
+    In the same process of runs (one start of Python for all), bench.py --json prints the report
+    and --json_out writes it. One run checks both on a diverged step, whose loss was written NaN,
+    which JSON parsers other than Python's refuse (a run with a finite loss took another 8 s of
+    the suite for the same two outputs)."""
+    blocker = tmp_path / "results"
+    blocker.write_text("a file where the report's directory would go")
+    cases = [
+        (
+            ["--variants=model.remat=none;model.nope=1"],
+            "error: --variants: --config.model.nope: the run's config has no key 'model.nope'",
+        ),
+        (
+            ["--rules=megatron_1d, nosuch"],
+            "error: rule file 'nosuch' not found (shipped rule files: data_fsdp_tensor, dp, ",
+        ),
+        (
+            ["--rules=megatron_1d,,dp"],
+            "error: --rules=megatron_1d,,dp: an empty rule file name (comma-separated names)",
+        ),
+        (
+            [f"--json_out={blocker}/bench.json"],
+            f"error: --json_out={blocker}/bench.json: {blocker} is a file, not a directory",
+        ),
+    ]
+    if os.geteuid() == 0:  # os.access already refuses /proc to a user other than root
+        small = ["--config.model.num_layers=1", "--config.seq_len=64", "--config.batch_size=8", "--steps=1"]
+        cases += [
+            ([*small, "--warmup=0", flag], message)
+            for flag, message in [
+                ("--json_out=/proc/bench.json", "error: --json_out=/proc/bench.json: cannot write it ("),
+                # Its directory does not exist yet: probed in /proc, where it would be created.
+                (
+                    "--json_out=/proc/gspmd_tp_none/b.json",
+                    "error: --json_out=/proc/gspmd_tp_none/b.json: cannot write it (",
+                ),
+                (
+                    "--profile_dir=/proc/bench_profile",
+                    "error: --profile_dir=/proc/bench_profile: cannot write there (",
+                ),
+            ]
+        ]
+    exact = {cases[0][1], cases[3][1]}  # the whole line; the others start so
+    json_out = tmp_path / "bench.json"
+    diverged = ["--config.model.num_layers=1", "--config.seq_len=64", "--config.batch_size=8",
+         "--config.model.vocab_size=256", "--config.model.d_model=64", "--config.model.mlp_dim=128",
+         "--config.optim.lr=1e30", "--config.optim.warmup_steps=1", "--config.optim.clip_norm=0",
+         "--steps=1", "--warmup=3", "--json", f"--json_out={json_out}"]  # fmt: skip
+    *results, (code, stdout, stderr) = bench_runs(*(argv for argv, _ in cases), diverged)
+    assert code == 0, stderr[-2000:]
+    for text in (stdout, json_out.read_text()):
         row = _strict_json(text)["results"][0]
         assert row["rules"] == "megatron_1d"  # bench_cpu.py's rule file
         assert row["loss"] is None and row["mfu"] is None and row["tokens_per_sec"] > 0
+    for (argv, message), (code, out, err) in zip(cases, results, strict=True):
+        assert code == 1, (argv, code, err[-2000:])
+        last = err.strip().splitlines()[-1]
+        assert last == message if message in exact else last.startswith(message), (argv, err[-2000:])
+        assert "matmul" not in out + err and not out.strip(), (argv, out, err[-2000:])  # nothing timed
