@@ -49,9 +49,9 @@ def reference_greedy(s, params, token_lists, steps):
     return np.stack(chosen, 1), np.stack(logits_seen, 1)
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_cached_greedy_decoding_equals_rerunning_the_full_forward(scan_layers):
-    config = small_config(**{"model.scan_layers": scan_layers, "rules": "megatron_1d"})
+def test_cached_greedy_decoding_equals_rerunning_the_full_forward_with_unscanned_layers():
+    """The scanned layers' case is the trained run's: in the test below, on its reference sampler."""
+    config = small_config(**{"model.scan_layers": False, "rules": "megatron_1d"})
     s = run_setup.setup(config)
     assert s.model_cfg.num_heads == 16 and s.model_cfg.num_kv_heads == 8  # grouped key/value heads
     init = lambda key: nn.meta.unbox(Transformer(s.model_cfg).init(key, jnp.zeros((1, 8), jnp.int32)))
@@ -76,74 +76,109 @@ def test_cache_is_sharded_by_the_rule_file(config):
     )
 
 
-def _ring_bytes(s, max_new_tokens):
-    """Bytes each device sends per call of the compiled greedy sampler (one 10-token prompt)."""
-    prompt_len = len(generate.encode(PROMPTS[0]))
-    run = generate.make_sampler(s, generate.batch_rows(s, 1), prompt_len, max_new_tokens, 0.0, 0)
-    return sum(c.ring_bytes_per_call for c in hlo.collectives(run.compiled().as_text(), s.mesh.size))
+def _ring_bytes(s, max_new_tokens, compiled=None):
+    """Bytes each device sends per call of the compiled greedy sampler (one 10-token prompt);
+    `compiled`: that sampler's executable, where it was compiled already."""
+    if compiled is None:
+        prompt_len = len(generate.encode(PROMPTS[0]))
+        run = generate.make_sampler(s, generate.batch_rows(s, 1), prompt_len, max_new_tokens, 0.0, 0)
+        compiled = run.compiled()
+    return sum(c.ring_bytes_per_call for c in hlo.collectives(compiled.as_text(), s.mesh.size))
 
 
-@pytest.mark.parametrize("rules, mesh", [("fsdp", "dp=2,mp=4"), ("megatron_2d", "dp=4,mp=2")])
-def test_parameters_sharded_over_the_batch_axes_are_gathered_once_not_per_token(rules, mesh):
+def test_parameters_sharded_over_the_batch_axes_are_gathered_once_not_per_token():
     """The decode loop reads the parameters laid out for decoding (replicated over the batch's mesh
     axes), gathered once before it. In their training layout each new token sent 345 KB per device
-    under fsdp (66% of the parameters' 526 KB) and 150 KB under megatron_2d on dp=4,mp=2."""
-    s = run_setup.setup(small_config(rules=rules, mesh=mesh))
+    under fsdp (66% of the parameters' 526 KB) and 150 KB under megatron_2d on dp=4,mp=2. fsdp's
+    case is checked in the fsdp test below, on the sampler it compiles already."""
+    s = run_setup.setup(small_config(rules="megatron_2d", mesh="dp=4,mp=2"))
+    _check_gathered_once(s, _ring_bytes(s, 4), _ring_bytes(s, 12))
+
+
+def _check_gathered_once(s, short, long):
+    """`short` and `long`: _ring_bytes of 4 and 12 new tokens."""
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s.abstract_state.params))
-    short, long = _ring_bytes(s, 4), _ring_bytes(s, 12)
     # What does grow per token is the activations' collectives (megatron_2d splits embed over mp in
     # them: 2.2 KB) and the token's gather: under 1% of the parameters, where it was 28% and 66%.
     assert (long - short) / 8 < 0.01 * param_bytes, (short, long, param_bytes)
 
 
-def _restored(workdir, rules, mesh):
-    step, _, s = saved_run.load_setup(str(workdir), {"rules": rules, "mesh": mesh})
-    return s, saved_run.restore_params(str(workdir), step, s)
+def test_every_rule_file_and_mesh_generates_the_tokens_and_logits_of_replicated_parameters(
+    trained_workdir, tmp_path, capsys
+):
+    """The trained run read under other rule files and meshes samples what it does with its
+    parameters replicated (rules dp: nothing to gather), greedy tokens and logits alike, which is
+    what rerunning the full forward pass for every token chooses: under
+    megatron_1d, under fsdp and megatron_2d with the parameters laid out for decoding (fsdp on
+    dp=8,mp=1 too), and under a rule file that shards the sequence over mp (sampling shards no
+    sequence position: a prompt of any length, and the one position decoded at a time, would not
+    divide a length rule's mesh axes). Each sampler is compiled once for all these checks."""
+    text = (Path(__file__).parents[2] / "rules" / "megatron_1d.yaml").read_text()
+    length_mp = tmp_path / "length_mp.yaml"
+    length_mp.write_text(
+        text.replace("[length, null]", "[length, mp]").replace("[norm_length, null]", "[norm_length, mp]")
+    )
+    token_lists = [generate.encode(p) for p in PROMPTS]  # up to 10 positions, on mp=4
+    prompt_len = max(len(t) for t in token_lists)
 
+    def restored(rules, mesh):  # as generate reads the run
+        step, _, s = saved_run.load_setup(str(trained_workdir), {"rules": rules, "mesh": mesh}, sampling=True)
+        return s, saved_run.restore_params(str(trained_workdir), step, s)
 
-def test_other_rules_and_mesh_generate_the_same_tokens(trained_workdir):
-    token_lists = [generate.encode(p) for p in PROMPTS[:2]]
-    s1, p1 = _restored(trained_workdir, "megatron_1d", "dp=2,mp=4")
-    s2, p2 = _restored(trained_workdir, "megatron_2d", "dp=4,mp=2")
+    def greedy(s, params):
+        run = generate.make_sampler(
+            s, generate.batch_rows(s, len(token_lists)), prompt_len, 8, 0.0, 0, return_logits=True
+        )
+        return run.layout(), *generate.sample_tokens(s, params, token_lists, 8, return_logits=True, run=run)
+
+    s, params = restored("dp", "dp=2,mp=4")
+    _, want, want_logits = greedy(s, params)
+    # The cache reproduces the full forward pass, rerun for every token (grouped key/value heads).
+    assert s.model_cfg.num_heads == 16 and s.model_cfg.num_kv_heads == 8 and s.model_cfg.scan_layers
+    ref, ref_logits = reference_greedy(s, params, token_lists, 8)
+    np.testing.assert_array_equal(want, ref)
+    np.testing.assert_allclose(want_logits, ref_logits, atol=2e-5, rtol=1e-4)
+    read = {}
+    for rules, mesh, layout in [
+        ("megatron_1d", "dp=2,mp=4", None),  # its decoding layout is its training one
+        ("megatron_2d", "dp=4,mp=2", "decoding"),
+        ("fsdp", "dp=2,mp=4", "decoding"),
+        ("fsdp", "dp=8,mp=1", "decoding"),
+        (str(length_mp), "dp=2,mp=4", None),
+    ]:
+        read[rules, mesh] = s, params = restored(rules, mesh)
+        got_layout, got, got_logits = greedy(s, params)
+        assert layout in (None, got_layout), (rules, mesh, got_layout)
+        np.testing.assert_array_equal(got, want, err_msg=f"{rules} on {mesh}")
+        np.testing.assert_allclose(
+            got_logits, want_logits, atol=2e-5, rtol=1e-4, err_msg=f"{rules} on {mesh}"
+        )
+    p1, p2 = read["megatron_1d", "dp=2,mp=4"][1], read["megatron_2d", "dp=4,mp=2"][1]
     assert p1["layers"]["attn"]["qkv"].sharding.spec != p2["layers"]["attn"]["qkv"].sharding.spec
-    t1, l1 = generate.sample_tokens(s1, p1, token_lists, 8, return_logits=True)
-    t2, l2 = generate.sample_tokens(s2, p2, token_lists, 8, return_logits=True)
-    np.testing.assert_array_equal(t1, t2)
-    np.testing.assert_allclose(l1, l2, atol=2e-5, rtol=1e-4)
     # Sampling: the same seed gives the same sample on another mesh (the random bits do not
-    # depend on how the logits are sharded).
-    a = generate.sample_tokens(s1, p1, token_lists, 8, temperature=1.0, top_k=20, seed=3)
-    b = generate.sample_tokens(s2, p2, token_lists, 8, temperature=1.0, top_k=20, seed=3)
+    # depend on how the logits are sharded). The run's own rule file and mesh sample as
+    # test_cli_prints_the_continued_prompts's --prompts_file does (one compile for both).
+    s1, p1 = restored("megatron_2d", "dp=2,mp=4")
+    s2, p2 = read["fsdp", "dp=8,mp=1"]
+    two = [generate.encode(p) for p in ("class ", "import ")]
+    a = generate.sample_tokens(s1, p1, two, 4, temperature=1.0, top_k=5, seed=3)
+    b = generate.sample_tokens(s2, p2, two, 4, temperature=1.0, top_k=5, seed=3)
     np.testing.assert_array_equal(a, b)
     assert ((a >= 0) & (a < 256)).all()
+    assert not capsys.readouterr().err  # the layout for decoding fits: no note
 
 
-@pytest.mark.parametrize(
-    "rules, mesh", [("fsdp", "dp=2,mp=4"), ("fsdp", "dp=8,mp=1"), ("megatron_2d", "dp=2,mp=4")]
-)
-def test_parameters_laid_out_for_decoding_give_the_tokens_and_logits_of_replicated_ones(
-    trained_workdir, rules, mesh
-):
-    token_lists = [generate.encode(p) for p in PROMPTS[:2]]
-    s1, p1 = _restored(trained_workdir, "dp", "dp=2,mp=4")  # parameters replicated: nothing to gather
-    s2, p2 = _restored(trained_workdir, rules, mesh)
-    rows, prompt_len = generate.batch_rows(s2, 2), max(len(t) for t in token_lists)
-    run = generate.make_sampler(s2, rows, prompt_len, 8, 0.0, 0, return_logits=True)
-    assert run.layout() == "decoding"
-    t1, l1 = generate.sample_tokens(s1, p1, token_lists, 8, return_logits=True)
-    t2, l2 = generate.sample_tokens(s2, p2, token_lists, 8, return_logits=True, run=run)
-    np.testing.assert_array_equal(t1, t2)
-    np.testing.assert_allclose(l1, l2, atol=2e-5, rtol=1e-4)
-
-
-def test_parameters_that_do_not_fit_laid_out_for_decoding_sample_in_their_training_layout(
+def test_fsdp_parameters_are_gathered_once_or_where_that_does_not_fit_sample_in_their_training_layout(
     monkeypatch, capsys
 ):
+    """fsdp's case of test_parameters_sharded_over_the_batch_axes_are_gathered_once_not_per_token
+    (in their training layout each new token sent 345 KB per device, 66% of the parameters' 526
+    KB), and the same sampler where the layout for decoding does not fit in memory."""
     s = run_setup.setup(small_config(rules="fsdp", mesh="dp=2,mp=4"))
     params = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, 32, seed=0).params
     token_lists = [generate.encode(PROMPTS[0])]
     rows, prompt_len = generate.batch_rows(s, 1), len(token_lists[0])
-    run = generate.make_sampler(s, rows, prompt_len, 6, 0.0, 0)
+    run = generate.make_sampler(s, rows, prompt_len, 4, 0.0, 0)
 
     def need(layout):  # as run_setup.check_memory counts it: all 8 simulated devices on this host
         m = run.compiled_for(layout).memory_analysis()
@@ -151,12 +186,15 @@ def test_parameters_that_do_not_fit_laid_out_for_decoding_sample_in_their_traini
         return 8 * (per_device - m.alias_size_in_bytes)
 
     assert need("training") < need("decoding")  # the replicated parameters, held through the loop
-    want = generate.sample_tokens(s, params, token_lists, 6, run=run)
-    assert run.layout() == "decoding" and not capsys.readouterr().err
+    decoding = run.compiled_for("decoding")
+    # 12 new tokens: a sampler of its own, whose layout is chosen in this host's memory.
+    _check_gathered_once(s, _ring_bytes(s, 4, decoding), _ring_bytes(s, 12))
+    assert not capsys.readouterr().err
+    # A host where only the training layout fits: `run` chooses its layout at its first use.
     monkeypatch.setattr(run_setup, "_host_memory", lambda: (need("training") + need("decoding")) // 2)
-    run = generate.make_sampler(s, rows, prompt_len, 6, 0.0, 0)
-    got = generate.sample_tokens(s, params, token_lists, 6, run=run)
+    got = generate.sample_tokens(s, params, token_lists, 4, run=run)
     assert run.layout() == "training"
+    want = generate.sample_tokens(s, params, token_lists, 4, run=decoding)
     np.testing.assert_array_equal(got, want)
     err = capsys.readouterr().err
     assert err.startswith(
@@ -169,31 +207,12 @@ def test_parameters_that_do_not_fit_laid_out_for_decoding_sample_in_their_traini
     assert err.count("\n") == 1
 
 
-def test_a_rule_file_that_shards_the_sequence_samples_as_any_other(trained_workdir, tmp_path):
-    """Sampling shards no sequence position: a prompt of any length and the one position decoded at
-    a time would not divide a length rule's mesh axes."""
-    text = (Path(__file__).parents[2] / "rules" / "megatron_1d.yaml").read_text()
-    length_mp = tmp_path / "length_mp.yaml"
-    length_mp.write_text(
-        text.replace("[length, null]", "[length, mp]").replace("[norm_length, null]", "[norm_length, mp]")
-    )
-    token_lists = [generate.encode(p) for p in PROMPTS[:2]]  # 9 and 10 positions, on mp=4
-    got = []
-    for rules in (str(length_mp), "megatron_1d"):
-        step, _, s = saved_run.load_setup(
-            str(trained_workdir), {"rules": rules, "mesh": "dp=2,mp=4"}, sampling=True
-        )
-        got.append(
-            generate.sample_tokens(s, saved_run.restore_params(str(trained_workdir), step, s), token_lists, 4)
-        )
-    np.testing.assert_array_equal(*got)
-
-
 def test_cli_prints_the_continued_prompts(trained_workdir, tmp_path, capsys):
-    argv = ["--workdir", str(trained_workdir), "--max_new_tokens=5", "--temperature=0"]
-    assert generate.main([*argv, "--prompt=def ", "--config.mesh=dp=4,mp=2"]) == 0
+    # The sampler of test_parameters_sharded_over_the_batch_axes_are_gathered_once_not_per_token.
+    argv = ["--workdir", str(trained_workdir), "--max_new_tokens=4", "--temperature=0"]
+    assert generate.main([*argv, f"--prompt={PROMPTS[0]}", "--config.mesh=dp=4,mp=2"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("def ") and "step 4 of" in err and "mesh dp=4,mp=2" in err
+    assert out.startswith(PROMPTS[0]) and "step 4 of" in err and "mesh dp=4,mp=2" in err, (out, err)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("class \nimport \n")
     assert generate.main([*argv, f"--prompts_file={prompts}", "--top_k=5", "--temperature=1"]) == 0
@@ -307,7 +326,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(trained_workdi
     shutil.copytree(trained_workdir, run)
     flip_bytes(run / "checkpoints" / "4")
     before = sorted(str(p) for p in run.rglob("*"))
-    assert generate.main(["--workdir", str(run), "--prompt=x", "--max_new_tokens=2", "--temperature=0"]) == 0
+    # The sampler of test_prompt_bytes_that_are_not_utf8_are_the_prompts_own_tokens (5 positions).
+    argv = ["--workdir", str(run), "--prompt=abcd", "--max_new_tokens=3", "--temperature=0"]
+    assert generate.main(argv) == 0
     err = capsys.readouterr().err
     warning, status = err.strip().splitlines()[-2:]
     skipped = run / "checkpoints" / "4"
@@ -396,7 +417,8 @@ def test_a_sampling_step_too_large_for_memory_is_one_line_before_any_read(
 ):
     monkeypatch.setattr(run_setup, "_host_memory", lambda: 2**20)  # a host of 1 MiB
     monkeypatch.setattr(saved_run, "params_for", lambda *a, **k: pytest.fail("read before checking memory"))
-    assert generate.main(["--workdir", str(trained_workdir), "--prompt=ab", "--max_new_tokens=4"]) == 1
+    argv = ["--workdir", str(trained_workdir), "--prompt=abcd", "--max_new_tokens=3", "--temperature=0"]
+    assert generate.main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: the compiled sampling step needs 8 CPU devices x ") and err.count("\n") == 1
     assert "more than this host's 0.0 GiB of RAM; fewer --max_new_tokens or prompts" in err

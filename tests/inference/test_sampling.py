@@ -4,7 +4,6 @@ are drawn, each as often as softmax(logits / temperature) renormalised over them
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from gspmd_tp.inference import generate
 
@@ -39,14 +38,17 @@ LOGITS[256:] = 5.0
 TOP3 = [7, 200, 42]
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_top_k_draws_only_the_k_likeliest_tokens_as_often_as_their_softmax_says(seed):
-    counts = _counts(LOGITS, 0.8, 3, seed)
-    assert set(np.flatnonzero(counts)) == set(TOP3)
-    want = _softmax(LOGITS[TOP3] / 0.8)
-    assert _chi_square(counts[TOP3], want) < CRITICAL[2]
-    # The test can tell the temperature: the same draws reject softmax(logits) at temperature 1.
-    assert _chi_square(counts[TOP3], _softmax(LOGITS[TOP3])) > CRITICAL[2]
+def test_top_k_draws_only_the_k_likeliest_tokens_as_often_as_their_softmax_says_and_a_seed_draws_the_same():
+    """Two seeds' draws, each checked; the first drawn again is the same, the second differs."""
+    draws = {seed: _counts(LOGITS, 0.8, 3, seed) for seed in (0, 1)}
+    for seed, counts in draws.items():
+        assert set(np.flatnonzero(counts)) == set(TOP3), (seed, np.flatnonzero(counts))
+        want = _softmax(LOGITS[TOP3] / 0.8)
+        assert _chi_square(counts[TOP3], want) < CRITICAL[2], (seed, counts[TOP3])
+        # The test can tell the temperature: the same draws reject softmax(logits) at temperature 1.
+        assert _chi_square(counts[TOP3], _softmax(LOGITS[TOP3])) > CRITICAL[2], (seed, counts[TOP3])
+    assert np.array_equal(_counts(LOGITS, 0.8, 3, 0), draws[0]), "seed 0 drew other tokens the second time"
+    assert not np.array_equal(draws[0], draws[1]), "seeds 0 and 1 drew the same tokens"
 
 
 def test_without_top_k_every_token_is_drawn_as_often_as_its_softmax_says():
@@ -59,8 +61,3 @@ def test_without_top_k_every_token_is_drawn_as_often_as_its_softmax_says():
     assert set(np.flatnonzero(counts)) == set(five)
     assert _chi_square(counts[five], _softmax(logits[five] / 0.8)) < CRITICAL[4]
     assert _chi_square(counts[five], _softmax(logits[five])) > CRITICAL[4]
-
-
-def test_a_seed_draws_the_same_tokens_and_another_seed_other_ones():
-    assert np.array_equal(_counts(LOGITS, 0.8, 3, 5), _counts(LOGITS, 0.8, 3, 5))
-    assert not np.array_equal(_counts(LOGITS, 0.8, 3, 5), _counts(LOGITS, 0.8, 3, 6))
