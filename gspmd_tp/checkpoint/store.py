@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 from gspmd_tp.checkpoint.step_dirs import (
     CORRUPT_DIR,
@@ -63,6 +64,28 @@ FREE_MODEL_KEYS = (
     "attention_block",
     "mlp_grad",
 )
+
+# An array replicated over several devices is saved a slice per replica, in parallel; each slice
+# is a program compiled per shape and device. Below this many bytes a slice, that costs more than
+# the parallel copy saves: one replica writes the whole array (orbax's default handler otherwise).
+MIN_REPLICA_SLICE_BYTES = 1 << 20
+
+
+def _register_array_handler() -> None:
+    handler = ocp.type_handlers.ArrayHandler(
+        array_metadata_store=array_metadata_store.Store(),
+        min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
+    )
+    absl_log = std_logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(std_logging.ERROR)  # orbax warns of any handler replaced
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+        absl_log.setLevel(level)
+
+
+_register_array_handler()
 
 
 def manager(workdir: str, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
