@@ -119,7 +119,7 @@ def note_schedule_change(saved_config: dict, config, step: int, count: int, log)
     old = make_schedule(ml_collections.ConfigDict(saved["optim"]), saved["steps"])
     new = make_schedule(config.optim, config.steps)
     counts = np.arange(count, max(count + 1, config.steps))
-    now_lr, before_lr = np.asarray(new(counts)), np.asarray(old(counts))
+    now_lr, before_lr = map(np.asarray, jax.jit(lambda c: (new(c), old(c)))(counts))  # one compile
     differs = np.flatnonzero(~np.isclose(now_lr, before_lr, rtol=1e-6, atol=0))
     if not differs.size:
         return
