@@ -156,10 +156,12 @@ def test_every_rule_file_and_mesh_generates_the_tokens_and_logits_of_replicated_
     p1, p2 = read["megatron_1d", "dp=2,mp=4"][1], read["megatron_2d", "dp=4,mp=2"][1]
     assert p1["layers"]["attn"]["qkv"].sharding.spec != p2["layers"]["attn"]["qkv"].sharding.spec
     # Sampling: the same seed gives the same sample on another mesh (the random bits do not
-    # depend on how the logits are sharded). The run's own rule file and mesh sample as
-    # test_cli_prints_the_continued_prompts's --prompts_file does (one compile for both).
+    # depend on how the logits are sharded: over mp, or not at all). On each mesh these sample as
+    # the --prompts_file of test_cli_prints_the_continued_prompts (dp=2,mp=4) and of
+    # test_the_training_batch_size_does_not_limit_the_meshes_generate_reads_on (dp=8,mp=1) do:
+    # one compile for both.
     s1, p1 = restored("megatron_2d", "dp=2,mp=4")
-    s2, p2 = read["fsdp", "dp=8,mp=1"]
+    s2, p2 = restored("megatron_2d", "dp=8,mp=1")
     two = [generate.encode(p) for p in ("class ", "import ")]
     a = generate.sample_tokens(s1, p1, two, 4, temperature=1.0, top_k=5, seed=3)
     b = generate.sample_tokens(s2, p2, two, 4, temperature=1.0, top_k=5, seed=3)
@@ -434,9 +436,13 @@ def test_the_training_batch_size_does_not_limit_the_meshes_generate_reads_on(
     meta = json.loads(meta_file.read_text())
     meta["config"]["batch_size"] = 12  # not divisible by dp=8
     meta_file.write_text(json.dumps(meta))
-    argv = ["--workdir", str(run), "--prompt=def ", "--max_new_tokens=3", "--config.mesh=dp=8,mp=1"]
-    assert generate.main(argv) == 0, capsys.readouterr().err
-    assert capsys.readouterr().out.startswith("def ")
+    # As test_every_rule_file_and_mesh_generates_... samples on dp=8,mp=1: one compile for both.
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("class \nimport \n")
+    argv = ["--workdir", str(run), f"--prompts_file={prompts}", "--max_new_tokens=4", "--temperature=1"]
+    assert generate.main([*argv, "--top_k=5", "--config.mesh=dp=8,mp=1"]) == 0, capsys.readouterr().err
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "--- 1/2 ---" and lines[1].startswith("class ") and "--- 2/2 ---" in lines
 
 
 def test_ctrl_c_is_one_line_and_status_130(trained_workdir, monkeypatch, capsys):
