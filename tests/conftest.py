@@ -238,8 +238,8 @@ def trained_workdir(tmp_path_factory):
 def fsdp_job(tmp_path_factory):
     """(workdir, each process's (stdout, stderr), losses) of a train.py job of 2 processes x 4 devices
     under fsdp that trained 2 steps (checkpoints at 1 and 2) and traced step 2 (config.profile). One
-    start for two serial tests: test_multiprocess damages and resumes it, test_profiling reads its
-    traces."""
+    start for the serial tests: test_multiprocess damages and resumes it and runs its readers on it,
+    test_profiling reads its traces."""
     from test_multiprocess import FSDP, finish, losses, start
 
     run = tmp_path_factory.mktemp("fsdp_job")

@@ -703,23 +703,23 @@ def reader_job(module, *args, only=((), ()), cwd=(ROOT, ROOT)):
     ]
 
 
-def test_evaluate_and_generate_as_two_processes_report_what_one_process_does(trained_workdir, capsys):
-    """The run's mesh of 8 devices as 2 processes x 4: the held-out rows split between the
-    processes (dp=2 across them), and under fsdp the parameters too, each process reading only its
-    shards of the checkpoint. Process 0 prints what one process of 8 devices prints."""
+def test_evaluate_and_generate_as_two_processes_report_what_one_process_does(fsdp_job, capsys):
+    """The fsdp run's mesh of 8 devices as 2 processes x 4: the held-out rows and the parameters
+    split between the processes, each process reading only its shards of the checkpoint. Process 0
+    prints what one process of 8 devices prints."""
     from gspmd_tp.inference import generate
 
-    rows = [json.loads(line) for line in (trained_workdir / "metrics.jsonl").read_text().splitlines()]
-    (out0, _), (out1, _) = finish(reader_job("evaluate", f"--workdir={trained_workdir}", "--json"))
+    run = fsdp_job[0]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (out0, _), (out1, _) = finish(reader_job("evaluate", f"--workdir={run}", "--json"))
     report = json.loads(out0)
-    assert (report["step"], report["mesh"], out1) == (4, "dp=2,mp=4", "")
+    assert (report["step"], report["mesh"], out1) == (2, "dp=8,mp=1", "")
     assert report["loss"] == pytest.approx(rows[-1]["eval_loss"], rel=1e-5)  # as training logged it
 
-    greedy = ["--prompt=def ", "--temperature=0", "--max_new_tokens=4", "--config.rules=fsdp",
-              "--config.mesh=dp=8,mp=1"]  # fmt: skip
-    assert generate.main([f"--workdir={trained_workdir}", *greedy]) == 0
+    greedy = ["--prompt=def ", "--temperature=0", "--max_new_tokens=4"]
+    assert generate.main([f"--workdir={run}", *greedy]) == 0
     want = capsys.readouterr().out
-    (out0, err0), (out1, _) = finish(reader_job("generate", f"--workdir={trained_workdir}", *greedy))
+    (out0, err0), (out1, _) = finish(reader_job("generate", f"--workdir={run}", *greedy))
     assert (out0, out1) == (want, "")
     assert "| mesh dp=8,mp=1 | rules " in err0
 
@@ -740,19 +740,19 @@ def test_evaluate_and_generate_as_two_processes_report_what_one_process_does(tra
         ),
     ],
 )  # fmt: skip
-def test_reader_processes_given_other_values_are_refused_before_reading(trained_workdir, only, lasts):
-    procs = reader_job("generate", f"--workdir={trained_workdir}", only=(("--prompt=a",), only))
+def test_reader_processes_given_other_values_are_refused_before_reading(fsdp_job, only, lasts):
+    procs = reader_job("generate", f"--workdir={fsdp_job[0]}", only=(("--prompt=a",), only))
     assert refused(procs) == lasts
 
 
-def test_evaluating_processes_that_read_other_held_out_files_are_refused(trained_workdir, tmp_path):
+def test_evaluating_processes_that_read_other_held_out_files_are_refused(fsdp_job, tmp_path):
     """The same relative --config.data.eval_files from two directories: each process would
     evaluate its rows of another split."""
     for i in range(2):
         (tmp_path / f"cwd{i}").mkdir()
         (tmp_path / f"cwd{i}" / "held_out.txt").write_text(f"process {i}'s own held-out text\n" * 200)
     procs = reader_job(
-        "evaluate", f"--workdir={trained_workdir}", "--config.data.eval_files=held_out.txt",
+        "evaluate", f"--workdir={fsdp_job[0]}", "--config.data.eval_files=held_out.txt",
         cwd=(tmp_path / "cwd0", tmp_path / "cwd1"),
     )  # fmt: skip
     differs = "error: the held-out split read by process 1 of this job differs from process 0's"
@@ -760,10 +760,10 @@ def test_evaluating_processes_that_read_other_held_out_files_are_refused(trained
         assert last.startswith(differs), last
 
 
-def test_a_reader_process_killed_stops_the_others_at_once(trained_workdir):
+def test_a_reader_process_killed_stops_the_others_at_once(fsdp_job):
     """A reader's job ends as bench.py's does: one line, at once, instead of process 0 waiting in a
     collective for the dead one until the heartbeat timeout."""
-    procs = reader_job("generate", f"--workdir={trained_workdir}", "--prompt=a", "--max_new_tokens=20")
+    procs = reader_job("generate", f"--workdir={fsdp_job[0]}", "--prompt=a", "--max_new_tokens=20")
     err, took = process_1_killed(procs, once=lambda: joined(procs[0]))
     assert procs[0].returncode == 1, err[-2000:]
     assert err.strip().splitlines()[-1] == (
