@@ -1,5 +1,6 @@
 """Rule files: the golden parameter -> PartitionSpec table per rule file, and every load error."""
 
+import functools
 import os
 from pathlib import Path
 
@@ -19,22 +20,70 @@ GOLDEN = Path(__file__).parent / "golden"
 SHIPPED = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
 
 
+def _logical(names) -> str:
+    return "(" + ", ".join(str(n) for n in names) + ")"
+
+
 def spec_table(rules_name: str) -> str:
     """'path  (logical names)  PartitionSpec' for every parameter of the small test model."""
     rules = load_rules(rules_name)
     model_cfg = run_setup.model_config(small_config())
     lines = [f"# rules/{rules_name}.yaml: parameter, logical axes, PartitionSpec (small test model)"]
     for path, (_, names) in sorted(param_axes(model_cfg).items()):
-        logical = "(" + ", ".join(str(n) for n in names) + ")"
-        lines.append(f"{path:<24} {logical:<42} {rules.spec(names)}")
+        lines.append(f"{path:<24} {_logical(names):<42} {rules.spec(names)}")
     return "\n".join(lines) + "\n"
 
 
 @pytest.mark.parametrize("rules_name", SHIPPED)
 def test_golden_parameter_specs(rules_name):
-    """Set GOLDEN_UPDATE=1 to rewrite tests/golden/*.txt after an intended change; then read them."""
+    """Set GOLDEN_UPDATE=1 to rewrite tests/sharding/golden/*.txt after an intended change; then read them."""
     path = GOLDEN / f"specs_{rules_name}.txt"
     table = spec_table(rules_name)
+    if os.environ.get("GOLDEN_UPDATE"):
+        path.write_text(table)
+    assert table == path.read_text()
+
+
+@functools.cache
+def activation_names() -> tuple[tuple, ...]:
+    """The logical names of every activation constraint the small test model places, forward and
+    backward (each distinct tuple once, in the order traced), from an abstract trace of its loss's
+    gradient: nothing compiled."""
+    import jax.numpy as jnp
+
+    from gspmd_tp.model import transformer
+
+    seen, real = [], transformer._constrain
+
+    def record(x, names):
+        if tuple(names) not in seen:
+            seen.append(tuple(names))
+        return x
+
+    cfg = run_setup.model_config(small_config())
+    model = transformer.Transformer(cfg)
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    transformer._constrain = record
+    try:
+        params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+        loss = lambda p: model.apply({"params": p}, tokens).astype(jnp.float32).mean()  # noqa: E731
+        jax.eval_shape(jax.grad(loss), nn.meta.unbox(params))
+    finally:
+        transformer._constrain = real
+    return tuple(seen)
+
+
+@pytest.mark.parametrize("rules_name", SHIPPED)
+def test_golden_activation_specs(rules_name):
+    """Where each rule file places the activations the model constrains (GOLDEN_UPDATE=1 rewrites
+    tests/sharding/golden/activations_*.txt, as for the parameters)."""
+    rules = load_rules(rules_name)
+    names = activation_names()
+    assert ("batch", "length", "vocab") in names and len(names) >= 6  # the trace saw the model
+    lines = [f"# rules/{rules_name}.yaml: activation logical axes, PartitionSpec (forward and backward)"]
+    lines += [f"{_logical(n):<48} {rules.spec(n)}" for n in names]
+    table = "\n".join(lines) + "\n"
+    path = GOLDEN / f"activations_{rules_name}.txt"
     if os.environ.get("GOLDEN_UPDATE"):
         path.write_text(table)
     assert table == path.read_text()
