@@ -150,3 +150,23 @@ def test_a_padded_vocabulary_gives_the_unpadded_loss_and_no_gradient_to_its_padd
         head = np.asarray(grads_p["lm_head"])
         np.testing.assert_allclose(head[:, :300], np.asarray(grads_u["lm_head"]), rtol=1e-5, atol=1e-7)
         assert not head[:, 300:].any()
+
+
+def test_a_batch_with_no_target_counted_sums_to_zero_and_has_a_zero_gradient():
+    """Every target masked out (an evaluation batch of padding rows alone): the loss sum and the
+    count are 0 and every gradient is 0, whole or chunked. A mean taken inside the loss, or a mask
+    applied after a log of zero, would give NaN here."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    hidden = jax.random.normal(keys[0], (2, 8, 16))
+    head = jax.random.normal(keys[1], (16, 64))
+    targets = jax.random.randint(keys[2], (2, 8), 0, 64)
+    none = np.zeros((2, 8), bool)
+    for name, fn in [
+        ("whole", lambda x, w: loss.cross_entropy_sums(x @ w, targets, none)),
+        ("chunked", lambda x, w: loss.chunked_cross_entropy_sums(x, w, targets, 4, none)),
+    ]:
+        total, count = fn(hidden, head)
+        grads = jax.grad(lambda x, w, f=fn: f(x, w)[0], argnums=(0, 1))(hidden, head)
+        assert (float(total), int(count)) == (0.0, 0), name
+        for g in grads:
+            assert np.isfinite(np.asarray(g)).all() and not np.asarray(g).any(), name
