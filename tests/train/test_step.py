@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import loss_and_grads, small_config, token_batches
+from shipped_rules import SHIPPED, mesh_for
 
 from gspmd_tp.data import pipeline
 from gspmd_tp.model.transformer import Transformer
@@ -154,3 +155,16 @@ def test_a_bfloat16_gradient_reduction_with_nothing_to_reduce_is_a_warning(capsy
     assert (
         line.startswith("warning: config.optim.grad_reduce_dtype=bfloat16 changes nothing: ") and why in line
     )
+
+
+@pytest.mark.parametrize("rules", SHIPPED)
+def test_a_bfloat16_gradient_reduction_applies_where_no_parameter_is_sharded_over_the_batch(capsys, rules):
+    """docs/training.md's list: dp, megatron_1d and megatron_1d_sp sum gradients per batch shard and
+    reduce them in bfloat16; the rule files that shard parameters over a batch axis (fsdp, fsdp_tp,
+    megatron_2d, data_fsdp_tensor) reduce-scatter in float32 and say so in one warning."""
+    s = run_setup.setup(
+        small_config(rules=rules, mesh=mesh_for(rules), **{"optim.grad_reduce_dtype": "bfloat16"})
+    )
+    applies = rules in ("dp", "megatron_1d", "megatron_1d_sp")
+    assert step_lib.grad_reduce_dtype(s) == ("bfloat16" if applies else "float32")
+    assert ("changes nothing" in capsys.readouterr().err) != applies
