@@ -269,6 +269,8 @@ SHARED_WORK = {
     "test_plan",
     "test_plan_gpu",
     "test_plan_tpu",
+    "test_overlap",
+    "test_calibration",
     "test_convert",
     "test_faults",
     "test_resume",

@@ -16,9 +16,6 @@ from gspmd_tp.job.errors import UserError
 from gspmd_tp.plan import calibrate, calibration, planner
 from gspmd_tp.sharding import hlo, hlo_cost
 
-# Two tests read the measured fixture: under pytest-xdist they run on one worker, which measures once.
-pytestmark = pytest.mark.xdist_group("test_calibration")
-
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):

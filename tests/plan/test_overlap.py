@@ -20,8 +20,6 @@ from gspmd_tp.train import step as step_lib
 TPU = "tpu:v5e:2x4"
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
 OVERLAPS = ["auto", "collective_matmul"]
-# Two tests read _compared's plans: under pytest-xdist they run on one worker, which plans them once.
-pytestmark = pytest.mark.xdist_group("test_overlap")
 
 
 @functools.cache
