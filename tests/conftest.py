@@ -12,15 +12,17 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
-# Compiling is most of the suite's CPU time, and about half of that is LLVM optimizing the machine code
-# of XLA:CPU, which runs a few small steps at most here. At -O0 the optimized HLO (the collectives,
-# fusions and memory analysis the tests read) is the same; results differ from -O2 by float rounding
-# alone (a train step's loss by about 2e-7, relative), far inside every tolerance here. Subprocesses
-# get it too: those that set their own device count through child_env(). A level already in XLA_FLAGS
-# wins.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += f" {FAST_COMPILE}"
+# Compiling is most of the suite's CPU time, spent generating machine code for steps that run a few
+# times at most here. Two flags cut it without changing the optimized HLO (the collectives, fusions
+# and memory analysis the tests read): LLVM at -O0 instead of -O2, and XLA:CPU's elemental emitter
+# for each fusion instead of its MLIR fusion emitters (which set up an MLIR context and pass
+# pipeline per kernel). Results differ by float rounding alone (a train step's loss by about 2e-7,
+# relative), far inside every tolerance here. Subprocesses get them too: those that set their own
+# device count through child_env(). A setting of either already in XLA_FLAGS wins.
+FAST_COMPILE = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+for flag in FAST_COMPILE:
+    if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += f" {flag}"
 
 # Many tests compile the same small programs (and train.py subprocesses recompile on resume): a
 # compilation cache shared by the session and its subprocesses cuts the suite's CPU time by a third.
