@@ -281,6 +281,7 @@ SHARED_WORK = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the test ids
 def pytest_collection_modifyitems(items):
     """Marks the tests of SHARED_WORK modules with their module's xdist group."""
     for item in items:
