@@ -29,11 +29,13 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Two workers for most of the suite; the multi-process tests after them, alone (they start process
-# groups of their own and time how fast a dead peer is noticed). One compilation cache serves both.
+# Two workers for most of the suite; the multi-process tests after them, two at a time and beside
+# nothing else (they start process groups of their own and time how fast a dead peer is noticed).
+# One compilation cache serves both.
 test: lint
 	cache=$$(mktemp -d) && export JAX_COMPILATION_CACHE_DIR=$$cache && \
-	$(PY) -m pytest -n 2 --dist loadgroup -m "not serial" && $(PY) -m pytest -m serial; \
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not multiprocess" && \
+	$(PY) -m pytest -n 2 --dist loadgroup -m multiprocess; \
 	status=$$?; rm -rf $$cache; exit $$status
 
 clean:

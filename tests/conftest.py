@@ -240,7 +240,7 @@ def trained_workdir(tmp_path_factory):
 def fsdp_job(tmp_path_factory):
     """(workdir, each process's (stdout, stderr), losses) of a train.py job of 2 processes x 4 devices
     under fsdp that trained 2 steps (checkpoints at 1 and 2) and traced step 2 (config.profile). One
-    start for the serial tests: test_multiprocess damages and resumes it and runs its readers on it,
+    start for the multiprocess tests: test_multiprocess damages and resumes it and runs its readers on it,
     test_profiling reads its traces."""
     from test_multiprocess import FSDP, finish, losses, start
 
@@ -288,3 +288,5 @@ def pytest_collection_modifyitems(items):
         name = item.module.__name__.rpartition(".")[2]
         if name in SHARED_WORK:
             item.add_marker(pytest.mark.xdist_group(name))
+        elif "fsdp_job" in getattr(item, "fixturenames", ()):  # one job, damaged and read in order
+            item.add_marker(pytest.mark.xdist_group("fsdp_job"))

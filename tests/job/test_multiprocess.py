@@ -16,7 +16,7 @@ import pytest
 from conftest import child_env
 
 # Alone, after the parallel part of the suite: a busy neighbour delays how fast a dead peer is seen.
-pytestmark = pytest.mark.serial
+pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [

@@ -150,7 +150,7 @@ def test_a_trace_cut_short_ends_at_the_last_step_dispatched(tmp_path):
     assert len(lines) == 1
 
 
-@pytest.mark.serial
+@pytest.mark.multiprocess
 def test_each_process_of_a_job_traces_its_own_devices(fsdp_job):
     run, outs, _ = fsdp_job
     [line] = [x for x in outs[0][0].splitlines() if x.startswith("profile:")]
