@@ -5,6 +5,7 @@ save_pretrained. Every parameter is perturbed away from its default init (norm s
 so a mistake in any mapping changes the logits.
 """
 
+import importlib.util
 import json
 import os
 import select
@@ -26,8 +27,12 @@ from gspmd_tp.model.transformer import Transformer
 from gspmd_tp.train import state as state_lib
 
 ROOT = Path(__file__).resolve().parents[2]
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+# torch and transformers (the hf extra) are imported by the tests that use them, not when the suite
+# is collected: they were a third of each collection's time, paid again by every worker.
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")),
+    reason="needs torch and transformers (the hf extra)",
+)
 
 MODELS = {
     "untied": dict(LLAMA, tie_word_embeddings=False),
@@ -37,6 +42,9 @@ MODELS = {
 
 
 def _hf_model(kind):
+    import torch
+    import transformers
+
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(**MODELS[kind])
     model = transformers.LlamaForCausalLM(cfg).eval()
@@ -62,6 +70,9 @@ TOKENS = np.random.default_rng(0).integers(0, 256, (2, 24), dtype=np.int32)
 
 
 def _hf_logits(path):
+    import torch
+    import transformers
+
     model = transformers.LlamaForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     with torch.no_grad():
         return model(torch.from_numpy(TOKENS.astype(np.int64))).logits.float().numpy()
@@ -443,6 +454,9 @@ def test_ctrl_c_is_one_line_and_status_130(commands, tmp_path, command, at, left
 def test_an_imported_model_brings_its_tokenizer_and_generate_prints_text(tmp_path, bpe_path, capsys):
     """from-hf records the model directory's tokenizer.json in the run's config: generate encodes a
     text prompt and prints text through it, with no tokenizer flag."""
+    import torch
+    import transformers
+
     from gspmd_tp.inference import generate
 
     hf_dir = tmp_path / "hf"

@@ -10,7 +10,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from tensorboardX.proto import event_pb2
 
 from gspmd_tp.model.params import flops_per_token, param_count
 from gspmd_tp.model.transformer import ModelConfig, Transformer
@@ -74,6 +73,9 @@ def test_mfu_is_none_without_a_peak_or_throughput():
 def read_scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
     """{tag: [(step, value)]} from every TFRecord event file under `tb_dir`, as TensorBoard reads
     them: a session start at step N (a writer's purge_step) drops the values of steps >= N before it."""
+    metrics._summary_writer()  # tensorboardX as the trainer imports it: without torch, seconds faster
+    from tensorboardX.proto import event_pb2
+
     scalars: dict[str, list[tuple[int, float]]] = {}
     for path in sorted(tb_dir.glob("events.out.tfevents.*")):
         raw = path.read_bytes()
