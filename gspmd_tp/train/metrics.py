@@ -117,20 +117,25 @@ def has_value(workdir: str, step: int, key: str) -> bool:
     return bool(rows) and key in rows[-1]
 
 
-def _summary_writer():
-    """tensorboardX's SummaryWriter, its module imported without torch. Where torch is installed
-    (the hf extra) tensorboardX imports it, only to accept torch tensors, which this module never
-    passes: 1.1-1.4 s of process 0's start, before its first step, on a 2-core host."""
-    if "torch" in sys.modules or "tensorboardX" in sys.modules:
-        from tensorboardX import SummaryWriter
+def _event_protos():
+    """tensorboardX's event writer and protocol buffers (EventsWriter, Event, SessionLog, Summary),
+    imported without torch. Where torch is installed (the hf extra) tensorboardX imports it, only to
+    accept torch tensors, which this module never passes: 1.1-1.4 s of process 0's start."""
 
-        return SummaryWriter
+    def load():
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        return EventsWriter, Event, SessionLog, Summary
+
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        return load()
     sys.modules["torch"] = None  # `import torch` raises ImportError meanwhile: tensorboardX goes on
     try:
-        from tensorboardX import SummaryWriter
+        return load()
     finally:
         del sys.modules["torch"]
-    return SummaryWriter
 
 
 class MetricsWriter:
@@ -148,18 +153,20 @@ class MetricsWriter:
         if enabled:
             os.makedirs(workdir, exist_ok=True)
             self._jsonl = open(os.path.join(workdir, JSONL), "a")  # noqa: SIM115
-            SummaryWriter = _summary_writer()  # imported lazily: only process 0 needs it
+            EventsWriter, self._event, SessionLog, self._summary = _event_protos()  # process 0's
 
+            # Written here, in the caller's thread, and flushed after each step: tensorboardX's
+            # SummaryWriter hands events to a thread of its own, which flushes them only every
+            # flush_secs and, with flush_secs=0, polls its queue without pause (a core kept busy).
             # The file is named by the second it was opened and the host: a writer opened in the
             # same second would truncate its predecessor's file but for the suffix, in opening order.
-            # flush_secs=0: the writer's thread flushes each event as it writes it (flush() does not
-            # wait for that thread), so a killed run loses no event of a step it will not train again.
-            self._tb = SummaryWriter(
-                os.path.join(workdir, TENSORBOARD),
-                purge_step=start + 1,
-                filename_suffix=f".{time.time_ns()}",
-                flush_secs=0,
-            )
+            tb_dir = os.path.join(workdir, TENSORBOARD)
+            os.makedirs(tb_dir, exist_ok=True)
+            self._tb = EventsWriter(os.path.join(tb_dir, "events"), f".{time.time_ns()}")
+            # A session start at step start + 1: TensorBoard drops what earlier files hold of that
+            # step and later ones, which this run trains again.
+            self._tb.write_event(self._event(step=start + 1, session_log=SessionLog(status=SessionLog.START)))
+            self._tb.flush()
 
     def write(self, step: int, metrics: dict) -> None:
         """Records `metrics` for `step`. A None or non-finite value goes to JSON only, as null."""
@@ -189,10 +196,15 @@ class MetricsWriter:
         self._to_tensorboard(step, metrics)
 
     def _to_tensorboard(self, step: int, metrics: dict) -> None:
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self._tb.add_scalar(key, value, int(step))
-        self._tb.flush()
+        values = [
+            self._summary.Value(tag=key, simple_value=value)
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and math.isfinite(value)
+        ]
+        if values:
+            summary = self._summary(value=values)
+            self._tb.write_event(self._event(wall_time=time.time(), step=int(step), summary=summary))
+            self._tb.flush()
 
     def close(self) -> None:
         """Flushes and closes the files."""

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import struct
+import threading
 import time
 
 import flax.linen as nn
@@ -73,7 +74,7 @@ def test_mfu_is_none_without_a_peak_or_throughput():
 def read_scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
     """{tag: [(step, value)]} from every TFRecord event file under `tb_dir`, as TensorBoard reads
     them: a session start at step N (a writer's purge_step) drops the values of steps >= N before it."""
-    metrics._summary_writer()  # tensorboardX as the trainer imports it: without torch, seconds faster
+    metrics._event_protos()  # tensorboardX as the trainer imports it: without torch, seconds faster
     from tensorboardX.proto import event_pb2
 
     scalars: dict[str, list[tuple[int, float]]] = {}
@@ -112,6 +113,18 @@ def test_metrics_writer_jsonl_and_tensorboard(tmp_path):
     assert scalars["tokens_per_sec"] == [(10, 1000.0), (20, 1200.0)]
     assert scalars["mfu"] == [(20, 0.25)]  # None is in JSON only
     assert "grad_norm" not in scalars  # and so is NaN
+
+
+def test_tensorboard_events_are_on_disk_once_written_and_no_thread_writes_them(tmp_path):
+    """What a killed run leaves: each step's values, readable before close. They are written in
+    the caller's thread (a writer thread polling its queue would keep a core busy all run long)."""
+    before = threading.enumerate()
+    writer = metrics.MetricsWriter(str(tmp_path), enabled=True)
+    writer.write(1, {"loss": 3.0})
+    writer.write(2, {"loss": 2.0, "lr": 0.5})
+    assert threading.enumerate() == before
+    assert read_scalars(tmp_path / "tensorboard") == {"loss": [(1, 3.0), (2, 2.0)], "lr": [(2, 0.5)]}
+    writer.close()
 
 
 def test_metrics_writer_appends_on_resume(tmp_path):
