@@ -8,6 +8,7 @@ out_shardings, so no device ever holds the whole model.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import flax
@@ -48,8 +49,11 @@ def _init_fn(model: Transformer, tx: optax.GradientTransformation, seq_len: int)
     return init
 
 
+@functools.lru_cache(maxsize=16)
 def logical_specs(model_cfg: ModelConfig, tx: optax.GradientTransformation, seq_len: int):
-    """(abstract state with boxed leaves, tree of logical PartitionSpecs), computed without FLOPs."""
+    """(abstract state with boxed leaves, tree of logical PartitionSpecs), computed without FLOPs.
+    Traced once per (model, optimizer, length): a run's setup, its first state and plan's analysis
+    all ask. Shared between callers: read it, do not change it."""
     boxed = jax.eval_shape(_init_fn(Transformer(model_cfg), tx, seq_len), jax.random.key(0))
     return boxed, nn.get_partition_spec(boxed)
 
