@@ -259,7 +259,14 @@ class StopSignal:
         if self._signum or (self._deliveries is not None and len(self._deliveries.take()) > 1):
             # The user (or the scheduler) insists: no checkpoint, the shell's exit code.
             _exit(f"received {name} again: exiting at once without saving", 128 + signum)
-        self._signum, self.stopped_by = signum, name
+        self._signum = signum
+        if self._agreed:  # the job already stops on a peer's signal, which stays the reason
+            self._log(
+                f"received {name}: already stopping at the next step boundary, by {self.stopped_by} "
+                "(send again to exit at once)"
+            )
+            return
+        self.stopped_by = name
         if self._finishing:
             self._log(
                 f"received {name} while the run finishes: it exits once its last checkpoint is written "

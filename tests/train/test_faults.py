@@ -18,7 +18,7 @@ from conftest import child_env, small_config
 from test_train_cli import ROOT, SMALL
 
 from gspmd_tp.checkpoint import step_dirs, store, tool
-from gspmd_tp.job import output_paths, signals
+from gspmd_tp.job import distributed, output_paths, signals
 from gspmd_tp.job.errors import JobError, UserError
 from gspmd_tp.train import faults, loop, optimizer
 
@@ -76,6 +76,24 @@ def test_in_a_multi_process_job_every_process_reads_the_signals_one_check_later(
         assert stop.requested()
         assert stop.stopped_by == "SIGTERM on process 0"
         assert stop.requested()  # and stays stopped, sharing nothing more
+
+
+def test_a_signal_after_the_job_agreed_on_a_peers_stop_keeps_the_peers_reason(monkeypatch):
+    """Process 1's SIGTERM is read at a check, then this process gets a SIGINT before the step
+    boundary (a preemption signals every host): the run stops as agreed, named by the signal that
+    stopped it on every process, and says so; before, the SIGINT renamed the stop on this process."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed, "read", lambda shared: np.array([[0], [int(signal.SIGTERM)]]))
+    logged = []
+    with signals.StopSignal(logged.append) as stop:
+        assert not stop.requested()  # nothing shared before
+        assert stop.requested() and stop.stopped_by == "SIGTERM on process 1"
+        signal.raise_signal(signal.SIGINT)
+        assert stop.stopped_by == "SIGTERM on process 1"
+        assert logged == [
+            "received SIGINT: already stopping at the next step boundary, by SIGTERM on process 1 "
+            "(send again to exit at once)"
+        ]
 
 
 # The main thread inside one long call into C (as in a step or a save): Python runs the handler once,
