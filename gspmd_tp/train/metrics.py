@@ -120,7 +120,7 @@ def has_value(workdir: str, step: int, key: str) -> bool:
 def _event_protos():
     """tensorboardX's event writer and protocol buffers (EventsWriter, Event, SessionLog, Summary),
     imported without torch. Where torch is installed (the hf extra) tensorboardX imports it, only to
-    accept torch tensors, which this module never passes: 1.1-1.4 s of process 0's start."""
+    accept torch tensors, which this module never passes, and torch takes seconds to import."""
 
     def load():
         from tensorboardX.event_file_writer import EventsWriter
