@@ -66,6 +66,15 @@ from gspmd_tp.train import run_setup
 from gspmd_tp.train import step as step_lib
 
 
+class DoesNotFit(UserError):
+    """The compiler ran out of the target's device memory for the step (the TPU compiler says so
+    while it compiles); `reason` is its words. --compare reports it as that combination's row."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 def plan(
     config,
     dump_hlo: str | None = None,
@@ -92,11 +101,22 @@ def plan(
     if cal is not None:
         cal.check_kind(s.mesh.devices.flat[0].device_kind)  # before anything compiles
     rows = analysis.leaf_table(s)
-    with hardware.no_cache_writes() if target else contextlib.nullcontext():
-        compiled = step_lib.compile_train_step(s)
-    text = compiled.as_text()
     mesh = mesh_string(s.mesh)  # resolved: dp=-1 shows as the size it stands for
     label = label or short_names([s.rules.source])[s.rules.source]
+    try:
+        with hardware.no_cache_writes() if target else contextlib.nullcontext():
+            compiled = step_lib.compile_train_step(s)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        reason = str(e).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0].rstrip(".")
+        raise DoesNotFit(
+            f"{label} on mesh {mesh} does not fit {s.mesh.devices.flat[0].device_kind}: the compiler "
+            f"stopped: {reason} (a smaller batch or sequence, config.grad_accum, model.remat, or "
+            "another rule file or mesh: --compare ranks them)",
+            reason,
+        ) from None
+    text = compiled.as_text()
     if dump_hlo:
         os.makedirs(dump_hlo, exist_ok=True)
         name = f"{label}_{mesh_file_name(mesh)}{'_' + s.config.overlap if name_overlap else ''}.hlo.txt"
@@ -376,22 +396,29 @@ def compare(
                     prepared.append((rules, {**row, "overlap": overlap, "error": str(e)}, None))
     if all(s is None for _, _, s in prepared):
         raise UserError(f"no rule file x mesh of --compare fits this model; first: {prepared[0][1]['error']}")
-    return [
-        plan(
-            c,
-            dump_hlo,
-            target,
-            slices,
-            s=s,
-            label=labels[rules],
-            network_gbps=network_gbps,
-            cal=cal,
-            name_overlap=len(overlaps) > 1,
-        )
-        if s is not None
-        else c
-        for rules, c, s in prepared
-    ]
+    results = []
+    for rules, c, s in prepared:
+        if s is None:
+            results.append(c)
+            continue
+        try:
+            results.append(
+                plan(
+                    c,
+                    dump_hlo,
+                    target,
+                    slices,
+                    s=s,
+                    label=labels[rules],
+                    network_gbps=network_gbps,
+                    cal=cal,
+                    name_overlap=len(overlaps) > 1,
+                )
+            )
+        except DoesNotFit as e:  # a row of its own: the compiler's reason, no figures
+            row = {"rules": s.rules.source, "label": labels[rules], "mesh": mesh_string(s.mesh)}
+            results.append({**row, "overlap": c.overlap, "error": f"does not fit: {e.reason}"})
+    return results
 
 
 def _several_overlaps(results: list[dict]) -> bool:

@@ -213,3 +213,26 @@ def test_planning_for_a_slice_prints_no_libtpu_warning_and_json_with_json(tmp_pa
     p = json.loads(out.stdout)
     assert p["mesh"] == "dp=2,mp=4" and p["target"] == TARGET and p["backend"] == "tpu"
     assert [f.name for f in (tmp_path / "hlo").iterdir()] == ["megatron_2d_dp2_mp4.hlo.txt"]
+
+
+# Per device 128 sequences of 2,048 tokens: their attention scores alone need some 130 GB of a v5e's 16.
+TOO_LARGE = {"batch_size": 1024, "seq_len": 2048}
+
+
+def test_a_step_the_tpu_compiler_finds_too_large_is_one_line():
+    """The TPU compiler itself refuses a step that cannot fit its chips' HBM: one line naming the rule
+    file, the mesh, the chip and the compiler's reason, not its traceback."""
+    with pytest.raises(UserError) as caught:
+        planner.plan(small_config(rules="dp", mesh="dp=8,mp=1", **TOO_LARGE), target=TARGET)
+    message = str(caught.value)
+    assert message.startswith("dp on mesh dp=8,mp=1 does not fit TPU v5 lite: the compiler stopped: Ran out ")
+    assert "exceeds available HBM (15.75G)" in message and "\n" not in message
+
+
+def test_compare_reports_a_combination_that_does_not_fit_as_its_row():
+    rows = planner.compare(small_config(**TOO_LARGE), ["dp", "fsdp"], ["dp=8,mp=1"], TARGET)
+    assert [(r["label"], r["mesh"]) for r in rows] == [("dp", "dp=8,mp=1"), ("fsdp", "dp=8,mp=1")]
+    assert all(r["error"].startswith("does not fit: Ran out of memory on HBM") for r in rows)
+    lines = planner.format_compare(rows).splitlines()
+    assert all("does not fit: Ran out of memory on HBM" in line for line in lines[1:3])
+    assert "<- best" not in "\n".join(lines)
