@@ -379,6 +379,12 @@ def compare(
                 f"{labels[rules]}: no mesh given names its mesh_axes {list(a)} "
                 f"(add one, e.g. {','.join(f'{x}=N' for x in a)})"
             )
+
+    def failed(rules: str, mesh: str, overlap: str, error: str) -> dict:
+        """The row of a combination that has no figures: which it is, and why."""
+        row = {"rules": str(resolve_path(rules)), "label": labels[rules], "mesh": mesh}
+        return {**row, "overlap": overlap, "error": error}
+
     prepared = []
     for rules in rules_list:
         for mesh in meshes:
@@ -392,8 +398,7 @@ def compare(
                     prepared.append((rules, c, run_setup.setup(c, devices)))
                 except IndivisibleError as e:
                     resolved = ",".join(f"{k}={v}" for k, v in sizes.items())
-                    row = {"rules": str(resolve_path(rules)), "label": labels[rules], "mesh": resolved}
-                    prepared.append((rules, {**row, "overlap": overlap, "error": str(e)}, None))
+                    prepared.append((rules, failed(rules, resolved, overlap, str(e)), None))
     if all(s is None for _, _, s in prepared):
         raise UserError(f"no rule file x mesh of --compare fits this model; first: {prepared[0][1]['error']}")
     results = []
@@ -416,8 +421,7 @@ def compare(
                 )
             )
         except DoesNotFit as e:  # a row of its own: the compiler's reason, no figures
-            row = {"rules": s.rules.source, "label": labels[rules], "mesh": mesh_string(s.mesh)}
-            results.append({**row, "overlap": c.overlap, "error": f"does not fit: {e.reason}"})
+            results.append(failed(rules, mesh_string(s.mesh), c.overlap, f"does not fit: {e.reason}"))
     return results
 
 
