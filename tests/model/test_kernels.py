@@ -13,6 +13,7 @@ from conftest import small_config
 from jax._src.ad_checkpoint import saved_residuals  # jax.ad_checkpoint.print_saved_residuals' list
 from jax.sharding import NamedSharding
 from test_model import CFG, TOKENS, init
+from test_model import apply as logits_of
 
 from gspmd_tp.model import kernels
 from gspmd_tp.model.kernels import fused_mlp, swiglu
@@ -27,7 +28,7 @@ def _assert_same_model(cfg, other, grad_rtol):
 
     def logits_and_grads(c):
         f = lambda p: Transformer(c).apply({"params": p}, TOKENS)
-        return f(params), jax.grad(lambda p: (f(p) ** 2).mean())(params)
+        return jax.jit(lambda p: (f(p), jax.grad(lambda q: (f(q) ** 2).mean())(p)))(params)
 
     (l0, g0), (l1, g1) = logits_and_grads(cfg), logits_and_grads(other)
     np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-5)
@@ -99,8 +100,7 @@ def test_auto_attention_on_cpu_is_the_einsum_path():
     assert auto.validate() == []
     params = init(CFG)
     np.testing.assert_array_equal(
-        Transformer(auto).apply({"params": params}, TOKENS),
-        Transformer(ModelConfig(**{**CFG.__dict__, "attention_block": 4})).apply({"params": params}, TOKENS),
+        logits_of(auto, params), logits_of(ModelConfig(**{**CFG.__dict__, "attention_block": 4}), params)
     )
 
 
@@ -131,7 +131,7 @@ def test_fused_mlp_gradient_equals_autodiffs(remat):
     params = init(unrolled)
     apply = lambda c: lambda p: Transformer(c).apply({"params": p}, TOKENS).mean()
     cfgs = {g: ModelConfig(**{**unrolled.__dict__, "mlp_grad": g}) for g in ("xla", "one_pass", "fused")}
-    grads = {g: jax.grad(apply(c))(params) for g, c in cfgs.items()}
+    grads = {g: jax.jit(jax.grad(apply(c)))(params) for g, c in cfgs.items()}
     for g in ("one_pass", "fused"):
         for a, b in zip(jax.tree.leaves(grads["xla"]), jax.tree.leaves(grads[g]), strict=True):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-8)

@@ -2,6 +2,8 @@
 formula, written out here: with a random output cotangent (a uniform one, as a .mean() loss gives,
 could hide a gate/up mix-up), in float32 and bfloat16, under remat, and sharded over 8 devices."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,11 +17,12 @@ from gspmd_tp.train import run_setup
 from gspmd_tp.train import state as state_lib
 
 SETTINGS = [g for g in kernels.MLP_GRADS if g != "auto"]  # auto picks one of these by platform
-KEYS = jax.random.split(jax.random.key(0), 4)
-X = jax.random.normal(KEYS[0], (8, 16, 64))  # (batch, length, embed)
-W_IN = jax.random.normal(KEYS[1], (64, 2, 128)) / 8  # (embed, gate/up, mlp): unit-scale products
-W_OUT = jax.random.normal(KEYS[2], (128, 64)) / 11  # (mlp, embed)
-DY = jax.random.normal(KEYS[3], (8, 16, 64))
+# numpy, so that collecting this module (in every pytest process) starts no JAX backend
+_RNG = np.random.default_rng(0)
+X = _RNG.standard_normal((8, 16, 64), np.float32)  # (batch, length, embed)
+W_IN = _RNG.standard_normal((64, 2, 128), np.float32) / 8  # (embed, gate/up, mlp): unit-scale products
+W_OUT = _RNG.standard_normal((128, 64), np.float32) / 11  # (mlp, embed)
+DY = _RNG.standard_normal((8, 16, 64), np.float32)
 
 
 def plain_mlp(x, w_in, w_out):
@@ -40,7 +43,10 @@ def _max_relative(got, want) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-WANT_Y, WANT = value_and_vjp(plain_mlp, X, W_IN, W_OUT)
+@functools.cache
+def _want():
+    """The plain formula's output and gradients: (y, (dx, dw_in, dw_out))."""
+    return value_and_vjp(plain_mlp, X, W_IN, W_OUT)
 
 
 def test_the_settings_are_the_ones_the_tests_below_cover():
@@ -53,8 +59,9 @@ def test_each_mlp_gradient_equals_autodiff_of_the_plain_formula_in_float32(mlp_g
     cfg = ModelConfig(mlp_grad=mlp_grad)
     f = lambda *a: kernels.mlp(cfg, *a)
     y, grads = value_and_vjp(jax.checkpoint(f) if remat else f, X, W_IN, W_OUT)
-    np.testing.assert_allclose(y, WANT_Y, rtol=1e-5, atol=1e-6)
-    for name, got, want in zip(("x", "w_in", "w_out"), grads, WANT, strict=True):
+    want_y, wants = _want()
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6)
+    for name, got, want in zip(("x", "w_in", "w_out"), grads, wants, strict=True):
         assert got.shape == want.shape and got.dtype == jnp.float32, name
         assert _max_relative(got, want) < 1e-5, name
 
@@ -80,7 +87,8 @@ def test_swiglus_gradient_is_finite_and_right_where_the_sigmoid_saturates(mlp_gr
     """Gates of +-40: silu's derivative is 1 and 0 there, its formula's terms cancel at large |gate|
     (gate * sigmoid * (1 - sigmoid)), and no NaN may come of it."""
     cfg = ModelConfig(mlp_grad=mlp_grad)
-    w_in = W_IN.at[:, 0].multiply(40.0)
+    w_in = W_IN.copy()
+    w_in[:, 0] *= 40.0
     y, grads = value_and_vjp(lambda *a: kernels.mlp(cfg, *a), X, w_in, W_OUT)
     want_y, want = value_and_vjp(plain_mlp, X, w_in, W_OUT)
     assert all(bool(jnp.isfinite(g).all()) for g in grads)
@@ -105,6 +113,7 @@ def test_each_mlp_gradient_sharded_over_eight_devices_equals_the_unsharded_one(m
         y, grads = f(*args)
     # The weights really are split: a device holds a quarter (mp=4) or an eighth (dp=8) of each.
     assert all(a.addressable_shards[0].data.size <= a.size // 4 for a in args[1:])
-    np.testing.assert_allclose(y, WANT_Y, rtol=1e-5, atol=1e-5)
-    for name, got, want in zip(("x", "w_in", "w_out"), grads, WANT, strict=True):
+    want_y, wants = _want()
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    for name, got, want in zip(("x", "w_in", "w_out"), grads, wants, strict=True):
         assert _max_relative(got, want) < 1e-5, name

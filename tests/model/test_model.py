@@ -16,19 +16,32 @@ from gspmd_tp.model.transformer import ModelConfig, Transformer, rotary
 CFG = ModelConfig(
     vocab_size=256, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64
 )
-TOKENS = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
+# numpy, so that collecting this module (in every pytest process) starts no JAX backend
+TOKENS = np.random.default_rng(1).integers(0, 256, (2, 12), dtype=np.int32)
 
 
 def init(cfg):
-    return nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), TOKENS)["params"])
+    """cfg's initial parameters, unboxed."""
+    return nn.meta.unbox(jax.jit(lambda: Transformer(cfg).init(jax.random.key(0), TOKENS)["params"])())
+
+
+def apply(cfg, params, tokens=TOKENS):
+    """The logits of `tokens`, jit-compiled (one program, not one dispatch per operation)."""
+    return jax.jit(lambda p, t: Transformer(cfg).apply({"params": p}, t))(params, tokens)
+
+
+def mean_logit_grad(cfg, params):
+    """The gradient of the mean logit, jit-compiled."""
+    return jax.jit(jax.grad(lambda p: Transformer(cfg).apply({"params": p}, TOKENS).mean()))(params)
 
 
 def test_logits_shape_and_causality():
     params = init(CFG)
-    logits = Transformer(CFG).apply({"params": params}, TOKENS)
+    logits = apply(CFG, params)
     assert logits.shape == (2, 12, 256) and logits.dtype == jnp.float32
-    changed = TOKENS.at[:, 7].set((TOKENS[:, 7] + 1) % 256)
-    logits2 = Transformer(CFG).apply({"params": params}, changed)
+    changed = TOKENS.copy()
+    changed[:, 7] = (TOKENS[:, 7] + 1) % 256
+    logits2 = apply(CFG, params, changed)
     np.testing.assert_allclose(logits2[:, :7], logits[:, :7], atol=1e-6)  # the past is unaffected
     assert not np.allclose(logits2[:, 7:], logits[:, 7:])
 
@@ -77,8 +90,8 @@ def test_scan_equals_unrolled_layers():
     unrolled = {k: v for k, v in scanned.items() if k != "layers"}
     for i in range(CFG.num_layers):
         unrolled[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], scanned["layers"])
-    a = Transformer(CFG).apply({"params": scanned}, TOKENS)
-    b = Transformer(unrolled_cfg).apply({"params": unrolled}, TOKENS)
+    a = apply(CFG, scanned)
+    b = apply(unrolled_cfg, unrolled)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -89,10 +102,8 @@ def test_remat_policies_give_the_same_gradients(policy):
     params = init(CFG)
     remat_cfg = ModelConfig(**{**CFG.__dict__, "remat": policy})
 
-    def loss(cfg):
-        return jax.grad(lambda p: Transformer(cfg).apply({"params": p}, TOKENS).mean())(params)
-
-    for g0, g1 in zip(jax.tree.leaves(loss(CFG)), jax.tree.leaves(loss(remat_cfg)), strict=True):
+    grads = lambda cfg: jax.tree.leaves(mean_logit_grad(cfg, params))  # noqa: E731
+    for g0, g1 in zip(grads(CFG), grads(remat_cfg), strict=True):
         np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-8)
 
 
@@ -104,18 +115,18 @@ def test_remat_save_keeps_its_names_and_changes_no_gradient(policy, saved):
     unrolled = ModelConfig(**{**CFG.__dict__, "scan_layers": False})  # names stay visible outside a scan
     params = init(unrolled)
     cfg = ModelConfig(**{**unrolled.__dict__, "remat": policy, "remat_save": saved})
-    apply = lambda c: lambda p: Transformer(c).apply({"params": p}, TOKENS).mean()
+    mean_logit = lambda c: lambda p: Transformer(c).apply({"params": p}, TOKENS).mean()
     kept = lambda c: {
         name
-        for _, where in saved_residuals(apply(c), params)
+        for _, where in saved_residuals(mean_logit(c), params)
         for name in transformer.SAVEABLE_NAMES
         if f"named '{name}'" in where
     }
     assert kept(cfg) == set(saved.split(","))
     assert not kept(ModelConfig(**{**cfg.__dict__, "remat_save": ""}))  # the policy alone keeps none
     for g0, g1 in zip(
-        jax.tree.leaves(jax.grad(apply(unrolled))(params)),
-        jax.tree.leaves(jax.grad(apply(cfg))(params)),
+        jax.tree.leaves(mean_logit_grad(unrolled, params)),
+        jax.tree.leaves(mean_logit_grad(cfg, params)),
         strict=True,
     ):
         np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-8)
@@ -145,7 +156,7 @@ def test_bfloat16_compute_keeps_float32_params():
     cfg = ModelConfig(**{**CFG.__dict__, "dtype": "bfloat16"})
     params = init(cfg)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
-    logits = Transformer(cfg).apply({"params": params}, TOKENS)
+    logits = apply(cfg, params)
     assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
 
 
