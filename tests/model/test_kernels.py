@@ -12,8 +12,7 @@ import pytest
 from conftest import small_config
 from jax._src.ad_checkpoint import saved_residuals  # jax.ad_checkpoint.print_saved_residuals' list
 from jax.sharding import NamedSharding
-from test_model import CFG, TOKENS, init
-from test_model import apply as logits_of
+from test_model import CFG, TOKENS, init, logits_of, mean_logit, mean_logit_grad
 
 from gspmd_tp.model import kernels
 from gspmd_tp.model.kernels import fused_mlp, swiglu
@@ -129,14 +128,13 @@ def test_blocked_causal_attention_equals_the_whole_square(block):
 def test_fused_mlp_gradient_equals_autodiffs(remat):
     unrolled = ModelConfig(**{**CFG.__dict__, "scan_layers": False, "remat": remat})
     params = init(unrolled)
-    apply = lambda c: lambda p: Transformer(c).apply({"params": p}, TOKENS).mean()
     cfgs = {g: ModelConfig(**{**unrolled.__dict__, "mlp_grad": g}) for g in ("xla", "one_pass", "fused")}
-    grads = {g: jax.jit(jax.grad(apply(c)))(params) for g, c in cfgs.items()}
+    grads = {g: mean_logit_grad(c, params) for g, c in cfgs.items()}
     for g in ("one_pass", "fused"):
         for a, b in zip(jax.tree.leaves(grads["xla"]), jax.tree.leaves(grads[g]), strict=True):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-8)
     if remat != "none":  # the fused backward keeps what autodiff keeps (the gate_up product), no more
-        kept = lambda c: sorted(a.str_short() for a, _ in saved_residuals(apply(c), params))
+        kept = lambda c: sorted(a.str_short() for a, _ in saved_residuals(mean_logit(c), params))
         assert kept(cfgs["fused"]) == kept(cfgs["xla"])
 
 

@@ -25,23 +25,28 @@ def init(cfg):
     return nn.meta.unbox(jax.jit(lambda: Transformer(cfg).init(jax.random.key(0), TOKENS)["params"])())
 
 
-def apply(cfg, params, tokens=TOKENS):
+def logits_of(cfg, params, tokens=TOKENS):
     """The logits of `tokens`, jit-compiled (one program, not one dispatch per operation)."""
     return jax.jit(lambda p, t: Transformer(cfg).apply({"params": p}, t))(params, tokens)
 
 
+def mean_logit(cfg):
+    """params -> the mean logit of TOKENS: the loss the gradient checks differentiate."""
+    return lambda p: Transformer(cfg).apply({"params": p}, TOKENS).mean()
+
+
 def mean_logit_grad(cfg, params):
     """The gradient of the mean logit, jit-compiled."""
-    return jax.jit(jax.grad(lambda p: Transformer(cfg).apply({"params": p}, TOKENS).mean()))(params)
+    return jax.jit(jax.grad(mean_logit(cfg)))(params)
 
 
 def test_logits_shape_and_causality():
     params = init(CFG)
-    logits = apply(CFG, params)
+    logits = logits_of(CFG, params)
     assert logits.shape == (2, 12, 256) and logits.dtype == jnp.float32
     changed = TOKENS.copy()
     changed[:, 7] = (TOKENS[:, 7] + 1) % 256
-    logits2 = apply(CFG, params, changed)
+    logits2 = logits_of(CFG, params, changed)
     np.testing.assert_allclose(logits2[:, :7], logits[:, :7], atol=1e-6)  # the past is unaffected
     assert not np.allclose(logits2[:, 7:], logits[:, 7:])
 
@@ -90,8 +95,8 @@ def test_scan_equals_unrolled_layers():
     unrolled = {k: v for k, v in scanned.items() if k != "layers"}
     for i in range(CFG.num_layers):
         unrolled[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], scanned["layers"])
-    a = apply(CFG, scanned)
-    b = apply(unrolled_cfg, unrolled)
+    a = logits_of(CFG, scanned)
+    b = logits_of(unrolled_cfg, unrolled)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -115,7 +120,6 @@ def test_remat_save_keeps_its_names_and_changes_no_gradient(policy, saved):
     unrolled = ModelConfig(**{**CFG.__dict__, "scan_layers": False})  # names stay visible outside a scan
     params = init(unrolled)
     cfg = ModelConfig(**{**unrolled.__dict__, "remat": policy, "remat_save": saved})
-    mean_logit = lambda c: lambda p: Transformer(c).apply({"params": p}, TOKENS).mean()
     kept = lambda c: {
         name
         for _, where in saved_residuals(mean_logit(c), params)
@@ -139,9 +143,7 @@ def test_dots_no_batch_keeps_the_weight_products():
 
     def dots(remat):
         cfg = ModelConfig(**{**CFG.__dict__, "remat": remat})
-        jaxpr = jax.make_jaxpr(jax.grad(lambda p: Transformer(cfg).apply({"params": p}, TOKENS).mean()))(
-            params
-        )
+        jaxpr = jax.make_jaxpr(jax.grad(mean_logit(cfg)))(params)
         return str(jaxpr).count("dot_general")
 
     assert dots("dots_no_batch") < dots("full")
@@ -156,7 +158,7 @@ def test_bfloat16_compute_keeps_float32_params():
     cfg = ModelConfig(**{**CFG.__dict__, "dtype": "bfloat16"})
     params = init(cfg)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
-    logits = apply(cfg, params)
+    logits = logits_of(cfg, params)
     assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
 
 
