@@ -1,15 +1,18 @@
 """plan's predicted step times against bench.py's measured ones: the table, Spearman's rank
 correlation and the median relative error (docs/plan.md, "Checked against measurement").
-docs/plan_check.sh runs the commands below, one bench run per rule file.
+docs/plan_check.sh runs the commands below, one bench run per rule file and round; a point timed in
+several bench files (rounds) is measured by the mean of their medians.
 
     RULES=dp,fsdp,megatron_1d,megatron_1d_sp,megatron_2d
     MESHES="dp=8,mp=1 dp=4,mp=2 dp=2,mp=4 dp=1,mp=8"
     python -m gspmd_tp.plan calibrate --out=/tmp/calibration.json
-    python bench.py --config=configs/bench_cpu.py --rules=$RULES --meshes="$MESHES" --steps=5 --warmup=5 \
-        --json_out=/tmp/bench.json
+    for round in 1 2; do
+      python bench.py --config=configs/bench_cpu.py --rules=$RULES --meshes="$MESHES" --steps=5 --warmup=3 \
+          --json_out=/tmp/bench_$round.json
+    done
     python -m gspmd_tp.plan --config=configs/bench_cpu.py --compare=$RULES --meshes="$MESHES" \
         --calibration=/tmp/calibration.json --json > /tmp/plan.json
-    python docs/plan_check.py /tmp/plan.json /tmp/bench.json
+    python docs/plan_check.py /tmp/plan.json /tmp/bench_1.json /tmp/bench_2.json
 """
 
 from __future__ import annotations
@@ -39,20 +42,23 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def rows(plan: dict, bench: dict) -> list[dict]:
-    """One row per rule file x mesh timed by both: predicted and measured step seconds."""
+    """One row per rule file x mesh timed by both: predicted step seconds, and measured ones (the
+    mean of the point's median step over the bench files that time it, each a round)."""
     predicted = {
         (Path(r["rules"]).stem, r["mesh"]): r["estimate"]
         for r in plan["results"]
         if "error" not in r and r.get("estimate")
     }
-    out = []
+    rounds: dict[tuple[str, str], list[float]] = {}  # each point's median step, one per bench round
     for r in bench["results"]:
-        key = (Path(r["rules"]).stem, r["mesh"])
+        rounds.setdefault((Path(r["rules"]).stem, r["mesh"]), []).append(r["step_s"])
+    out = []
+    for key, times in rounds.items():
         if key in predicted:
             e = predicted[key]
             out.append({
-                "rules": key[0], "mesh": key[1], "measured": r["step_s"], "predicted": e["step_s_estimate"],
-                "compute": e["compute_s"], "comm": e["comm_exposed_s"],
+                "rules": key[0], "mesh": key[1], "measured": statistics.mean(times), "rounds": times,
+                "predicted": e["step_s_estimate"], "compute": e["compute_s"], "comm": e["comm_exposed_s"],
             })  # fmt: skip
     return out
 
@@ -68,7 +74,8 @@ def variant_rows(plan_dir: str, bench_dir: str) -> list[dict]:
             continue
         r = json.loads(bench.read_text())["results"][0]
         out.append({
-            "rules": path.stem, "mesh": r["mesh"], "measured": r["step_s"], "predicted": e["step_s_estimate"],
+            "rules": path.stem, "mesh": r["mesh"], "measured": r["step_s"], "rounds": [r["step_s"]],
+            "predicted": e["step_s_estimate"],
             "compute": e["compute_s"], "comm": e["comm_exposed_s"],
         })  # fmt: skip
     return out
@@ -78,7 +85,7 @@ def main() -> None:
     """Print the table and the two figures."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("plan", help="plan --compare --calibration --json output (a folder with --variants)")
-    ap.add_argument("bench", nargs="+", help="bench.py --json_out files (their results together)")
+    ap.add_argument("bench", nargs="+", help="bench.py --json_out files (a point in several: its rounds)")
     ap.add_argument("--variants", action="store_true", help="plan and bench are folders of NAME.json")
     a = ap.parse_args()
     if a.variants:
@@ -101,6 +108,13 @@ def main() -> None:
     best_measured = min(table, key=lambda r: r["measured"])
     best_predicted = min(table, key=lambda r: r["predicted"])
     above = best_predicted["measured"] / best_measured["measured"] - 1
+    spread = [(max(r["rounds"]) - min(r["rounds"])) / r["measured"] for r in table if len(r["rounds"]) > 1]
+    if spread:
+        n = len(table[0]["rounds"])
+        print(
+            f"\nmeasured: the mean of {n} bench rounds' medians; the rounds of a point differ by "
+            f"{100 * statistics.median(spread):.0f}% (median), {100 * max(spread):.0f}% at most"
+        )
     print(f"\n{len(table)} points: Spearman {spearman(predicted, measured):.2f}, median |error| "
           f"{100 * statistics.median(errors):.0f}%; the predicted best ({best_predicted['rules']} "
           f"{best_predicted['mesh']}) measures {100 * above:.0f}% above the measured best "

@@ -215,3 +215,47 @@ def test_the_calibrate_command_is_a_plan_subcommand_with_one_line_errors(tmp_pat
     )  # fmt: skip
     assert run.returncode == 1 and not out.exists()
     assert run.stderr.strip().splitlines()[-1] == "error: mesh 'dp=3,mp=2' has 6 devices but 8 are available"
+
+
+def test_plan_check_averages_each_points_rounds_and_ranks_by_the_mean(tmp_path):
+    """docs/plan_check.py, on the files docs/plan_check.sh writes: a point timed in two bench rounds is
+    measured by the mean of their medians, and the ranking, errors and best are taken from that mean."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_check", ROOT / "docs" / "plan_check.py")
+    plan_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_check)
+
+    def estimate(s):
+        return {"estimate": {"step_s_estimate": s, "compute_s": s, "comm_exposed_s": 0.0}}
+
+    plan = {"results": [
+        {"rules": "rules/dp.yaml", "mesh": "dp=8,mp=1", **estimate(1.0)},
+        {"rules": "rules/fsdp.yaml", "mesh": "dp=8,mp=1", **estimate(2.0)},
+        {"rules": "rules/megatron_1d.yaml", "mesh": "dp=1,mp=8", **estimate(3.0)},
+    ]}  # fmt: skip
+    # Round 1 alone ranks dp last; the second round's times put it first, by the mean.
+    round1 = [("dp", 2.6), ("fsdp", 2.0), ("megatron_1d", 3.0)]
+    round2 = [("dp", 0.4), ("fsdp", 2.2), ("megatron_1d", 3.4)]
+    mesh = {"dp": "dp=8,mp=1", "fsdp": "dp=8,mp=1", "megatron_1d": "dp=1,mp=8"}
+    files = []
+    for i, times in enumerate((round1, round2)):
+        files.append(tmp_path / f"bench_{i + 1}.json")
+        results = [{"rules": f"rules/{r}.yaml", "mesh": mesh[r], "step_s": t} for r, t in times]
+        files[-1].write_text(json.dumps({"results": results}))
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    table = plan_check.rows(
+        plan, {"results": [r for f in files for r in json.loads(f.read_text())["results"]]}
+    )
+    assert {r["rules"]: r["measured"] for r in table} == pytest.approx(
+        {"dp": 1.5, "fsdp": 2.1, "megatron_1d": 3.2}
+    )
+    assert plan_check.spearman([1.0, 2.0, 3.0], [1.5, 2.1, 3.2]) == pytest.approx(1.0)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "plan_check.py"), str(tmp_path / "plan.json"), *map(str, files)],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert "| dp | dp=8,mp=1 | 1,000 (1,000 + 0) | 1,500 | -33% |" in out
+    assert "the mean of 2 bench rounds' medians" in out
+    assert "3 points: Spearman 1.00" in out
+    assert "the predicted best (dp dp=8,mp=1) measures 0% above the measured best (dp dp=8,mp=1)" in out
