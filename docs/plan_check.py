@@ -75,8 +75,7 @@ def variant_rows(plan_dir: str, bench_dir: str) -> list[dict]:
         r = json.loads(bench.read_text())["results"][0]
         out.append({
             "rules": path.stem, "mesh": r["mesh"], "measured": r["step_s"], "rounds": [r["step_s"]],
-            "predicted": e["step_s_estimate"],
-            "compute": e["compute_s"], "comm": e["comm_exposed_s"],
+            "predicted": e["step_s_estimate"], "compute": e["compute_s"], "comm": e["comm_exposed_s"],
         })  # fmt: skip
     return out
 
@@ -110,7 +109,7 @@ def main() -> None:
     above = best_predicted["measured"] / best_measured["measured"] - 1
     spread = [(max(r["rounds"]) - min(r["rounds"])) / r["measured"] for r in table if len(r["rounds"]) > 1]
     if spread:
-        n = len(table[0]["rounds"])
+        n = max(len(r["rounds"]) for r in table)
         print(
             f"\nmeasured: the mean of {n} bench rounds' medians; the rounds of a point differ by "
             f"{100 * statistics.median(spread):.0f}% (median), {100 * max(spread):.0f}% at most"
