@@ -156,16 +156,30 @@ def test_replicated_leaves_are_flagged_under_dp():
 def test_remat_that_keeps_collective_outputs_repeats_no_communication(rules):
     """dots_no_batch recomputes the sublayer inputs in the backward pass, and with them their
     all-gathers; dots_no_batch_comm keeps what the collectives produced and moves the bytes of no
-    remat at all."""
+    remat at all. The analysis counts the repeated gathers: each plan stays at the ratio of the
+    plan without remat."""
 
-    def sent(remat):
-        return planned(rules, "dp=2,mp=4", **{"model.remat": remat})["bytes_per_device"]
+    def plan(remat):
+        return planned(rules, "dp=2,mp=4", **{"model.remat": remat})
 
     # small_config's remat is none: the plan other tests of this process may have made already.
     assert small_config().model.remat == "none"
-    none = planned(rules, "dp=2,mp=4")["bytes_per_device"]
-    assert sent("dots_no_batch") > 1.05 * none
-    assert sent("dots_no_batch_comm") == pytest.approx(none, rel=0.01)
+    none = planned(rules, "dp=2,mp=4")
+    assert plan("dots_no_batch")["bytes_per_device"] > 1.05 * none["bytes_per_device"]
+    assert plan("dots_no_batch_comm")["bytes_per_device"] == pytest.approx(none["bytes_per_device"], rel=0.01)
+    for remat in ("dots_no_batch", "dots_no_batch_comm"):
+        assert plan(remat)["ratio"] == pytest.approx(none["ratio"], abs=0.01), remat
+
+
+@pytest.mark.parametrize("rules", ["megatron_1d", "megatron_1d_sp"])
+def test_full_remat_repeats_the_attention_outputs_reduction_as_analysed(rules):
+    """remat=full recomputes the whole block: the attention output's reduction runs again in the
+    backward pass (and under sequence parallelism the sublayer inputs' gathers too); the analysis
+    counts them, so the ratio stays that of no remat."""
+    none = planned(rules, "dp=2,mp=4")
+    full = planned(rules, "dp=2,mp=4", **{"model.remat": "full"})
+    assert full["bytes_per_device"] > 1.1 * none["bytes_per_device"]
+    assert full["ratio"] == pytest.approx(none["ratio"], abs=0.01)
 
 
 @pytest.mark.parametrize("rules", ["fsdp", "megatron_1d_sp", "megatron_2d"])
