@@ -49,6 +49,8 @@ COLLECTIVE_OUTPUTS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 SAVEABLE_NAMES = (*COLLECTIVE_OUTPUTS, "query", "key", "mlp_hidden", "weights")
 
 _dots_no_batch = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+# The named activations a policy keeps on top of its products (plan's analysis reads them too).
+POLICY_NAMES = {"dots_no_batch_comm": COLLECTIVE_OUTPUTS}
 REMAT_POLICIES = {
     "none": None,  # no rematerialization
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
@@ -61,7 +63,7 @@ REMAT_POLICIES = {
     ),
     # dots_no_batch, plus the collective outputs: the backward pass repeats no communication.
     "dots_no_batch_comm": jax.checkpoint_policies.save_from_both_policies(
-        _dots_no_batch, jax.checkpoint_policies.save_only_these_names(*COLLECTIVE_OUTPUTS)
+        _dots_no_batch, jax.checkpoint_policies.save_only_these_names(*POLICY_NAMES["dots_no_batch_comm"])
     ),
 }
 
@@ -124,6 +126,11 @@ class ModelConfig:
     def saved_names(self) -> tuple[str, ...]:
         """model.remat_save as a tuple of names."""
         return tuple(n.strip() for n in self.remat_save.split(",") if n.strip())
+
+    @property
+    def kept_names(self) -> set[str]:
+        """The named activations the remat policy keeps: its own and model.remat_save's."""
+        return set(POLICY_NAMES.get(self.remat, ())) | set(self.saved_names)
 
     @property
     def group(self) -> int:

@@ -10,7 +10,6 @@ import jax
 import numpy as np
 
 from gspmd_tp.model.params import path_str
-from gspmd_tp.model.transformer import COLLECTIVE_OUTPUTS
 from gspmd_tp.sharding import axes
 from gspmd_tp.sharding.rules import axes_of
 from gspmd_tp.train import run_setup
@@ -83,7 +82,7 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     weights and the all-gather half of a sequence-parallel or 2D pair count 2 bytes an element (a
     bf16 model's float32 weights it gathers whole and casts after). The GPU compiler gathers a
     weight after its cast to the compute dtype and reduce-scatters its gradient in that dtype.
-    A remat policy's recomputation adds the collectives it runs again (_recomputed).
+    A remat policy's recomputation adds the collectives it runs again.
     `unmodelled` lists shardings the analysis does not cover (head_dim, layers, length, norm_length
     on an axis of its own): there the total is not what the rule file needs.
     """
@@ -137,7 +136,23 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
             k * n * 2 * (ways(a) - 1) / ways(a) * activation * (1 + f * gather + (1 - f)) / 2
             for (n, a), f in zip(reductions, operands, strict=True)
         )
-    tensor_parallel += _recomputed(s, scattered, activation, gather, backend, hidden_axes, ways)
+    # A remat policy's recomputation, as the compiled HLO shows it (XLA:CPU and the TPU compiler
+    # alike): under sequence parallelism and 2D every policy but `none` recomputes the sublayer
+    # inputs and with them their all-gathers, unless it keeps them (attn_in, mlp_in); `full` also
+    # recomputes the attention's output and its reduction, unless it keeps attn_out. The MLP's
+    # output is the block's, which the layer boundary keeps.
+    kept = cfg.kept_names
+    recomputed = (
+        [("attn_in", axes.KV_HEADS), ("mlp_in", axes.MLP)] if scattered and cfg.remat != "none" else []
+    )
+    for name, logical in recomputed:
+        if name not in kept:
+            w = ways(hidden_axes(logical))
+            tensor_parallel += k * cfg.num_layers * (w - 1) / w * activation * gather
+    if cfg.remat == "full" and "attn_out" not in kept:
+        w = ways(hidden_axes(axes.HEADS))
+        reduce_scatter = scattered and backend != "cpu"  # XLA:CPU lowers it as a whole all-reduce
+        tensor_parallel += k * cfg.num_layers * (1 if reduce_scatter else 2) * (w - 1) / w * activation
     # Shardings the analysis has no term for: the rest of the total is still right, but not the total.
     unmodelled = {
         (name, tuple(axes_of(e)))
@@ -222,32 +237,3 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
         "total": tensor_parallel + data_parallel + fsdp_gather + fsdp_reduce,
         "unmodelled": sorted(f"{name}->{','.join(mesh_axes)}" for name, mesh_axes in unmodelled),
     }
-
-
-def _recomputed(
-    s: run_setup.Setup, scattered: bool, activation: float, gather: float, backend: str, hidden_axes, ways
-):
-    """Tensor-parallel bytes per device the remat policy runs again in the backward pass, as the
-    compiled HLO shows them (XLA:CPU and the TPU compiler alike). Under sequence parallelism and 2D,
-    every policy but `none` recomputes the sublayer inputs, and with them their all-gathers, unless
-    it keeps them (dots_no_batch_comm, or attn_in and mlp_in in model.remat_save). `full` recomputes
-    the attention's output as well (its reduction: an all-reduce, or a reduce-scatter under
-    sequence parallelism) unless attn_out is kept; the MLP's output is the block's, which the layer
-    boundary keeps."""
-    c, cfg = s.config, s.model_cfg
-    if cfg.remat == "none":
-        return 0.0
-    saved = set(cfg.saved_names)
-    if cfg.remat == "dots_no_batch_comm":
-        saved |= set(COLLECTIVE_OUTPUTS)
-    per_layer = 0.0
-    if scattered:
-        for name, logical in (("attn_in", axes.KV_HEADS), ("mlp_in", axes.MLP)):
-            w = ways(hidden_axes(logical))
-            if name not in saved:
-                per_layer += (w - 1) / w * activation * gather
-    if cfg.remat == "full" and "attn_out" not in saved:
-        w = ways(hidden_axes(axes.HEADS))
-        reduce_scatter = scattered and backend != "cpu"  # XLA:CPU lowers it as a whole all-reduce
-        per_layer += (1 if reduce_scatter else 2) * (w - 1) / w * activation
-    return c.grad_accum * cfg.num_layers * per_layer
