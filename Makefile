@@ -29,15 +29,16 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Two workers for most of the suite; the multi-process tests after them, two at a time and beside
-# nothing else (they start process groups of their own and time how fast a dead peer is noticed).
+# Two workers for most of the suite; the multi-process tests after them (their one file collected),
+# two at a time and beside nothing else (they start process groups of their own and time how fast a
+# dead peer is noticed).
 # One compilation cache serves both. Python writes its bytecode caches even where the environment
 # says not to (PYTHONDONTWRITEBYTECODE): each of the suite's hundreds of processes then reads the
 # project's modules and the tests' rewritten asserts compiled, instead of compiling them again.
 test: lint
 	cache=$$(mktemp -d) && export JAX_COMPILATION_CACHE_DIR=$$cache PYTHONDONTWRITEBYTECODE= && \
 	$(PY) -m pytest -n 2 --dist loadgroup -m "not multiprocess" && \
-	$(PY) -m pytest -n 2 --dist loadgroup -m multiprocess; \
+	$(PY) -m pytest -n 2 --dist loadgroup -m multiprocess tests/job/test_multiprocess.py; \
 	status=$$?; rm -rf $$cache; exit $$status
 
 clean:

@@ -29,15 +29,21 @@ def param_axes(model_cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple
 
 
 @functools.cache
-def _param_axes(model_cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
-    # Traced once per model config: a setup asks several times (checks, specs, plan's tables).
-    boxed = jax.eval_shape(
+def abstract_params(model_cfg: ModelConfig):
+    """The parameters as ShapeDtypeStructs boxed with their logical names (nn.LogicallyPartitioned),
+    traced once per model config: a setup, its state's specs, the checks and plan's tables all ask.
+    Shared between callers: read it, do not change it."""
+    return jax.eval_shape(
         lambda r: Transformer(model_cfg).init(r, jnp.zeros((1, 8), jnp.int32))["params"],
         jax.random.key(0),
     )
+
+
+@functools.cache
+def _param_axes(model_cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
     out = {}
     leaves = jax.tree_util.tree_flatten_with_path(
-        boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
+        abstract_params(model_cfg), is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
     )[0]
     for path, leaf in leaves:
         out[path_str(path)] = (tuple(leaf.value.shape), tuple(leaf.names))

@@ -24,7 +24,7 @@ def leaf_table(s: run_setup.Setup, threshold: int = REPLICATED_FLAG_BYTES) -> li
 
     `replicated_over` lists the mesh axes that could shard a leaf of `threshold` bytes or more.
     """
-    boxed, _ = logical_specs(s.model_cfg, s.tx, s.config.seq_len)
+    boxed, _ = logical_specs(s.model_cfg, s.tx)
     mesh_shape = dict(s.mesh.shape)
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
     boxes = jax.tree_util.tree_flatten_with_path(boxed, is_leaf=is_box)[0]

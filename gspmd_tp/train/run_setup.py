@@ -192,7 +192,7 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
             "(as written, every step shuffles the weight between devices and reduces its gradient whole)"
         )
     tx, schedule = optimizer.make_optimizer(config.optim, config.steps)
-    abstract, shardings = state_lib.state_shardings(model_cfg, tx, mesh, rules, config.seq_len)
+    abstract, shardings = state_lib.state_shardings(model_cfg, tx, mesh, rules)
     s = Setup(
         config=config,
         model_cfg=model_cfg,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gspmd_tp.model.params import param_axes
+from gspmd_tp.model.params import abstract_params, param_axes
 from gspmd_tp.model.transformer import ModelConfig, Transformer
 from gspmd_tp.sharding import axes
 from gspmd_tp.sharding.rules import Rules, axes_of, check_coverage, check_divisible
@@ -50,11 +50,15 @@ def _init_fn(model: Transformer, tx: optax.GradientTransformation, seq_len: int)
 
 
 @functools.lru_cache(maxsize=16)
-def logical_specs(model_cfg: ModelConfig, tx: optax.GradientTransformation, seq_len: int):
-    """(abstract state with boxed leaves, tree of logical PartitionSpecs), computed without FLOPs.
-    Traced once per (model, optimizer, length): a run's setup, its first state and plan's analysis
-    all ask. Shared between callers: read it, do not change it."""
-    boxed = jax.eval_shape(_init_fn(Transformer(model_cfg), tx, seq_len), jax.random.key(0))
+def logical_specs(model_cfg: ModelConfig, tx: optax.GradientTransformation):
+    """(abstract state with boxed leaves, tree of logical PartitionSpecs), computed without FLOPs:
+    the optimizer's state traced over the model's abstract parameters (params.abstract_params, the
+    model traced once per config). Shared between callers: read it, do not change it."""
+
+    def state(params):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    boxed = jax.eval_shape(state, abstract_params(model_cfg))
     return boxed, nn.get_partition_spec(boxed)
 
 
@@ -162,9 +166,9 @@ def _tensors(model_cfg: ModelConfig, micro_batch: int, seq_len: int):
     return {**{f"params/{k}": v for k, v in params.items()}, **activations}
 
 
-def state_shardings(model_cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seq_len: int):
+def state_shardings(model_cfg: ModelConfig, tx, mesh: Mesh, rules: Rules):
     """(abstract unboxed state as ShapeDtypeStructs carrying NamedShardings, sharding tree)."""
-    boxed, specs = logical_specs(model_cfg, tx, seq_len)
+    boxed, specs = logical_specs(model_cfg, tx)
     shardings = nn.logical_to_mesh_sharding(specs, mesh, rules.rules)
     abstract = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -176,7 +180,7 @@ def state_shardings(model_cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seq_le
 
 def init_state(model_cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seq_len: int, seed: int):
     """A freshly initialized TrainState, every leaf created directly in its sharding."""
-    _, shardings = state_shardings(model_cfg, tx, mesh, rules, seq_len)
+    _, shardings = state_shardings(model_cfg, tx, mesh, rules)
     init = _init_fn(Transformer(model_cfg), tx, seq_len)
     with sharding_context(mesh, rules):
         return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(jax.random.key(seed))
