@@ -29,7 +29,7 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Two workers for most of the suite; the multi-process tests after them (their one file collected),
+# Two workers for most of the suite; the multi-process tests after them (their two files collected),
 # two at a time and beside nothing else (they start process groups of their own and time how fast a
 # dead peer is noticed).
 # One compilation cache serves both. Python writes its bytecode caches even where the environment
@@ -38,7 +38,7 @@ lint: $(VENV)/.installed-test
 test: lint
 	cache=$$(mktemp -d) && export JAX_COMPILATION_CACHE_DIR=$$cache PYTHONDONTWRITEBYTECODE= && \
 	$(PY) -m pytest -n 2 --dist loadgroup -m "not multiprocess" && \
-	$(PY) -m pytest -n 2 --dist loadgroup -m multiprocess tests/job/test_multiprocess.py; \
+	$(PY) -m pytest -n 2 --dist loadgroup -m multiprocess tests/job/test_multiprocess.py tests/train/test_profiling.py; \
 	status=$$?; rm -rf $$cache; exit $$status
 
 clean:

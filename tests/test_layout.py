@@ -1,6 +1,7 @@
 """The package layout: imports point one way, from the tools down to the job plumbing, never back up."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,19 @@ def test_every_module_lives_in_a_package():
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert not loose
     assert packages == set(LAYERS + TOOLS)
+
+
+def test_make_test_collects_every_file_of_multiprocess_tests():
+    """The Makefile's second pass collects only the files it names: a test marked multiprocess in
+    any other file would run in neither pass."""
+    root = PACKAGE.parent
+    marked = {
+        str(p.relative_to(root))
+        for p in (root / "tests").rglob("test_*.py")
+        if re.search(
+            r"^(@pytest\.mark\.multiprocess|pytestmark = pytest\.mark\.multiprocess)", p.read_text(), re.M
+        )
+    }
+    (command,) = [line for line in (root / "Makefile").read_text().splitlines() if "-m multiprocess" in line]
+    named = {word.rstrip(";") for word in command.split() if word.startswith("tests/")}
+    assert marked == named
