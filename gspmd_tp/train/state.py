@@ -40,11 +40,15 @@ def sharding_context(mesh: Mesh, rules: Rules):
         yield
 
 
+def _fresh_state(params, tx: optax.GradientTransformation) -> TrainState:
+    """Step 0: `params` and the optimizer's initial state of them (boxed params give boxed moments)."""
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
 def _init_fn(model: Transformer, tx: optax.GradientTransformation, seq_len: int):
     def init(rng):
         tokens = jnp.zeros((1, seq_len), jnp.int32)
-        params = model.init(rng, tokens)["params"]  # boxed: leaves carry logical names
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        return _fresh_state(model.init(rng, tokens)["params"], tx)  # boxed: leaves carry logical names
 
     return init
 
@@ -54,11 +58,7 @@ def logical_specs(model_cfg: ModelConfig, tx: optax.GradientTransformation):
     """(abstract state with boxed leaves, tree of logical PartitionSpecs), computed without FLOPs:
     the optimizer's state traced over the model's abstract parameters (params.abstract_params, the
     model traced once per config). Shared between callers: read it, do not change it."""
-
-    def state(params):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-
-    boxed = jax.eval_shape(state, abstract_params(model_cfg))
+    boxed = jax.eval_shape(functools.partial(_fresh_state, tx=tx), abstract_params(model_cfg))
     return boxed, nn.get_partition_spec(boxed)
 
 
