@@ -13,13 +13,19 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 # Compiling is most of the suite's CPU time, spent generating machine code for steps that run a few
-# times at most here. Two flags cut it without changing the optimized HLO (the collectives, fusions
-# and memory analysis the tests read): LLVM at -O0 instead of -O2, and XLA:CPU's elemental emitter
-# for each fusion instead of its MLIR fusion emitters (which set up an MLIR context and pass
-# pipeline per kernel). Results differ by float rounding alone (a train step's loss by about 2e-7,
-# relative), far inside every tolerance here. Subprocesses get them too: those that set their own
-# device count through child_env(). A setting of either already in XLA_FLAGS wins.
-FAST_COMPILE = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+# times at most here. Three flags cut it without changing the optimized HLO (the collectives, fusions
+# and memory analysis the tests read): LLVM at -O0 instead of -O2; XLA:CPU's elemental emitter for
+# each fusion instead of its MLIR fusion emitters (which set up an MLIR context and pass pipeline
+# per kernel); and the machine code generated as one module rather than split for several threads
+# (two workers already keep both cores busy: the split cost a test step's compile about a fifth
+# more CPU). Results differ by float rounding alone (a train step's loss by about 2e-7, relative),
+# far inside every tolerance here. Subprocesses get them too: those that set their own device count
+# through child_env(). A setting of any of them already in XLA_FLAGS wins.
+FAST_COMPILE = [
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
+]
 for flag in FAST_COMPILE:
     if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += f" {flag}"
