@@ -271,28 +271,29 @@ LLAMA = dict(
 
 
 # Modules whose tests share what one process computed (plans cached per process, module-scoped
-# fixtures that train or convert): under `pytest -n 2 --dist loadgroup` each runs on one worker, so
-# that work is done once rather than once per worker. Other tests spread test by test.
+# fixtures that train or convert), by the xdist group they run in: under `pytest -n 2 --dist
+# loadgroup` each group runs on one worker, so that work is done once rather than once per worker.
+# Other tests spread test by test.
 SHARED_WORK = {
-    "test_plan",
-    "test_plan_gpu",
-    "test_plan_tpu",
-    "test_overlap",
-    "test_calibration",
-    "test_convert",
-    "test_faults",
-    "test_resume",
-    "test_trainer",
-    "test_reference",
+    "test_plan": "test_plan",
+    "test_plan_gpu": "test_plan_gpu",
+    "test_plan_tpu": "tpu_plans",  # both read tests/plan/tpu_plans.py's plans
+    "test_overlap": "tpu_plans",
+    "test_calibration": "test_calibration",
+    "test_convert": "test_convert",
+    "test_faults": "test_faults",
+    "test_resume": "test_resume",
+    "test_trainer": "test_trainer",
+    "test_reference": "test_reference",
 }
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the test ids
 def pytest_collection_modifyitems(items):
-    """Marks the tests of SHARED_WORK modules with their module's xdist group."""
+    """Marks the tests of SHARED_WORK modules with their xdist group."""
     for item in items:
         name = item.module.__name__.rpartition(".")[2]
         if name in SHARED_WORK:
-            item.add_marker(pytest.mark.xdist_group(name))
+            item.add_marker(pytest.mark.xdist_group(SHARED_WORK[name]))
         elif "fsdp_job" in getattr(item, "fixturenames", ()):  # one job, damaged and read in order
             item.add_marker(pytest.mark.xdist_group("fsdp_job"))

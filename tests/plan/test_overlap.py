@@ -1,14 +1,13 @@
 """config.overlap: the compiler options it passes, what they do to the TPU compiler's HLO (needs
-libtpu), what the GPU compiler makes of them (needs the CUDA plugin), and what a CPU run is told."""
+libtpu), and what a CPU run is told. (The GPU compiler's: test_plan_gpu's plan command.)"""
 
-import functools
 import importlib.util
 import re
-import tempfile
-from pathlib import Path
 
 import pytest
 from conftest import small_config
+from tpu_plans import OVERLAPS, compared
+from tpu_plans import TARGET as TPU
 
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.plan import hardware, planner
@@ -17,26 +16,13 @@ from gspmd_tp.sharding.mesh import mesh_file_name
 from gspmd_tp.train import run_setup
 from gspmd_tp.train import step as step_lib
 
-TPU = "tpu:v5e:2x4"
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
-OVERLAPS = ["auto", "collective_matmul"]
-
-
-@functools.cache
-def _compared(rules: str) -> tuple[list[dict], dict[str, str]]:
-    """planner.compare of small_config(rules) on dp=2,mp=4 for a v5e slice under overlap auto and
-    collective_matmul (once per test process): its rows and the HLO files it wrote, by name."""
-    with tempfile.TemporaryDirectory() as hlo_dir:
-        rows = planner.compare(
-            small_config(rules=rules), [rules], ["dp=2,mp=4"], TPU, dump_hlo=hlo_dir, overlaps=OVERLAPS
-        )
-        return rows, {p.name: p.read_text() for p in Path(hlo_dir).iterdir()}
 
 
 @needs_libtpu
 @pytest.mark.parametrize("rules", ["megatron_1d_sp", "megatron_2d"])
 def test_collective_matmul_turns_tpu_gathers_and_scatters_into_loops_of_permutes(rules):
-    (base, p), files = _compared(rules)
+    (base, p), files = compared(rules)
     found = hlo.collectives(files[f"{rules}_{mesh_file_name('dp=2,mp=4')}_collective_matmul.hlo.txt"], 8)
     assert p["compiler_options"] == step_lib.OVERLAP_OPTIONS["collective_matmul"]["tpu"]
     assert base["compiler_options"] == {}
@@ -72,17 +58,6 @@ def test_overlap_none_reaches_the_tpu_compiler_and_is_shown_in_the_report():
     )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_cuda13_plugin") is None, reason="needs the CUDA plugin")
-def test_the_gpu_compiler_takes_the_windowed_einsum_flags():
-    config = small_config(rules="megatron_1d_sp", mesh="dp=2,mp=4", overlap="collective_matmul")
-    p = planner.plan(config, target="gpu:h100:8")  # an option it did not know would fail the compile
-    assert p["compiler_options"] == {
-        "xla_gpu_threshold_for_windowed_einsum_mib": 0,
-        "xla_gpu_multi_streamed_windowed_einsum": True,
-    }
-    assert p["collectives"]["all-gather"]["count"] > 0
-
-
 def test_overlap_on_cpu_warns_in_one_line_and_passes_nothing(capsys):
     s = run_setup.setup(small_config(rules="megatron_1d_sp", mesh="dp=2,mp=4", overlap="collective_matmul"))
     warned = [line for line in capsys.readouterr().err.splitlines() if "config.overlap" in line]
@@ -106,7 +81,7 @@ def test_an_unknown_overlap_is_an_error_naming_the_key():
 def test_compare_over_two_overlaps_plans_both_and_names_the_choice_with_its_margin():
     """The compare the collective matmul test above reads, of megatron_1d_sp."""
     overlaps = OVERLAPS
-    rows, files = _compared("megatron_1d_sp")
+    rows, files = compared("megatron_1d_sp")
     assert [r["overlap"] for r in rows] == overlaps
     assert [r["compiler_options"] for r in rows] == [{}, step_lib.OVERLAP_OPTIONS["collective_matmul"]["tpu"]]
     # One HLO file each, the overlap in its name.

@@ -1,7 +1,5 @@
 """plan --target: the real TPU compiler, for a v5e (and a v4) slice that is not attached (needs libtpu)."""
 
-import copy
-import functools
 import json
 import os
 import subprocess
@@ -11,25 +9,13 @@ import warnings
 import jax
 import pytest
 from conftest import ROOT, small_config, step_flops
-from shipped_rules import SHIPPED, mesh_for
+from shipped_rules import SHIPPED
+from tpu_plans import TARGET, tpu_plan
 
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.plan import hardware, planner
 
 pytest.importorskip("libtpu")
-TARGET = "tpu:v5e:2x4"
-
-
-@functools.cache
-def _planned(rules, **overrides):
-    """plan.plan of small_config(rules) on dp=2,mp=4 (2x2x2 for three mesh axes) for TARGET, compiled
-    once per test process (the TPU compiler's executables are not cached); tpu_plan gives each
-    caller its own copy."""
-    return planner.plan(small_config(rules=rules, mesh=mesh_for(rules), **overrides), target=TARGET)
-
-
-def tpu_plan(rules, **overrides):
-    return copy.deepcopy(_planned(rules, **overrides))
 
 
 # The hybrid rule files compile with a wider model: where a weight's shard on the model width is
