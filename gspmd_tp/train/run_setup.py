@@ -209,8 +209,9 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
         why = (
             f"{rules.source} on mesh {mesh_string(mesh)} has no data-parallel axis of more than one device"
             if ways == 1
-            else f"{rules.source} shards parameters over the batch's mesh axes {sizes}, whose gradients "
-            "GSPMD reduce-scatters in float32"
+            else f"{rules.source} shards parameters over the batch's mesh axes {sizes}: GSPMD "
+            "reduce-scatters their gradients in the dtype of the products that make them, the compute dtype "
+            f"(model.dtype={model_cfg.dtype})"
         )
         warn(f"warning: config.optim.grad_reduce_dtype={asked} changes nothing: {why}")
     return s

@@ -146,7 +146,12 @@ def test_the_eval_step_counts_no_padding_row(loss_chunk):
     "rules, mesh, why",
     [
         ("megatron_1d", "dp=1,mp=8", "has no data-parallel axis of more than one device"),
-        ("fsdp", "dp=8,mp=1", "shards parameters over the batch's mesh axes dp=8, mp=1"),
+        (
+            "fsdp",
+            "dp=8,mp=1",
+            "shards parameters over the batch's mesh axes dp=8, mp=1: GSPMD reduce-scatters their "
+            "gradients in the dtype of the products that make them, the compute dtype (model.dtype=float32)",
+        ),
     ],
 )
 def test_a_bfloat16_gradient_reduction_with_nothing_to_reduce_is_a_warning(capsys, rules, mesh, why):
@@ -161,7 +166,7 @@ def test_a_bfloat16_gradient_reduction_with_nothing_to_reduce_is_a_warning(capsy
 def test_a_bfloat16_gradient_reduction_applies_where_no_parameter_is_sharded_over_the_batch(capsys, rules):
     """docs/training.md's list: dp, megatron_1d and megatron_1d_sp sum gradients per batch shard and
     reduce them in bfloat16; the rule files that shard parameters over a batch axis (fsdp, fsdp_tp,
-    megatron_2d, data_fsdp_tensor) reduce-scatter in float32 and say so in one warning."""
+    megatron_2d, data_fsdp_tensor) reduce-scatter in the compute dtype and say so in one warning."""
     s = run_setup.setup(
         small_config(rules=rules, mesh=mesh_for(rules), **{"optim.grad_reduce_dtype": "bfloat16"})
     )
