@@ -6,7 +6,7 @@ import re
 
 import pytest
 from conftest import small_config
-from tpu_plans import OVERLAPS, compared
+from tpu_plans import COMPARED, OVERLAPS, compared
 from tpu_plans import TARGET as TPU
 
 from gspmd_tp.job.errors import UserError
@@ -20,7 +20,7 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, re
 
 
 @needs_libtpu
-@pytest.mark.parametrize("rules", ["megatron_1d_sp", "megatron_2d"])
+@pytest.mark.parametrize("rules", COMPARED)
 def test_collective_matmul_turns_tpu_gathers_and_scatters_into_loops_of_permutes(rules):
     (base, p), files = compared(rules)
     found = hlo.collectives(files[f"{rules}_{mesh_file_name('dp=2,mp=4')}_collective_matmul.hlo.txt"], 8)

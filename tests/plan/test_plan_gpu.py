@@ -293,7 +293,7 @@ def test_plan_cli_for_gpus_prints_the_report():
     counts = dict(re.findall(r"^  ([a-z-]+) \(f32[^)]*\) +(\d+) ", r.stdout, re.MULTILINE))
     assert int(counts["all-gather"]) > 0 and int(counts["reduce-scatter"]) > 0, r.stdout
     (ratio,) = re.findall(r"^measured / analytical: (\S+)$", r.stdout, re.MULTILINE)
-    assert float(ratio) == pytest.approx(1.0, abs=0.05)
+    assert float(ratio) == pytest.approx(1.034, abs=0.01)  # as measured; the windowed einsum changes no byte
 
 
 def test_without_the_cuda_plugin_a_gpu_target_says_what_to_install(monkeypatch):
