@@ -87,7 +87,7 @@ def time_phases(s, step, state, batch, steps: int) -> tuple[dict, object]:
         gradient = (
             jax.jit(
                 lambda p, t: step_lib.accumulated_grads(
-                    model, c.grad_accum, s.shardings.params, p, t, c.loss_chunk
+                    model, c.grad_accum, s.shardings.params, p, t, c.loss_chunk, step_lib.grad_reduce_dtype(s)
                 ),
                 in_shardings=(s.shardings.params, s.batch_sharding),
                 out_shardings=(state_lib.replicated(s.mesh), s.shardings.params),

@@ -5,6 +5,8 @@
 - `mlp` (model.mlp_grad): the SwiGLU MLP with autodiff's gradient, SwiGLU's gradient in one
   elementwise pass, or the whole MLP's backward written out.
 - `embed` (model.dtype): the embedding lookup in the compute dtype with a float32 table gradient.
+- `project` and `spread` (model.grad_dtype): a product with a weight, and a weight copied per batch
+  shard, whose gradients are made in that dtype (config.optim.grad_reduce_dtype).
 
 Each stays for a gain measured on the platform it serves (docs/benchmarks.md, "What was tried").
 Logical axis names only, as in transformer.py: a rule file decides where each operand lives.
@@ -29,6 +31,88 @@ if TYPE_CHECKING:
 
 ATTENTION_IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "auto")
 MLP_GRADS = ("auto", "fused", "one_pass", "xla")
+# The logical axes of the MLP's weights, gate_up (embed, 2, mlp) and down (mlp, embed).
+MLP_IN, MLP_OUT = (EMBED, None, MLP), (MLP, EMBED)
+
+
+# --- the dtype of the weight gradients ---
+#
+# GSPMD reduces a gradient over the batch's devices where the operation that makes it runs, in that
+# operation's dtype. So a bfloat16 data-parallel reduction under float32 compute (and a
+# reduce-scatter onto parameters sharded over the batch axes) is the weight-gradient products, and
+# the embedding's scatter, written in bfloat16: model.grad_dtype, which the train step sets from
+# config.optim.grad_reduce_dtype. Each gradient is cast to its weight's dtype after.
+
+
+def _gradient_dtype(asked: str, natural) -> str | None:
+    """`asked` (model.grad_dtype) where it is set and differs from `natural`, the dtype the gradient
+    would otherwise be made in; else None (nothing to change)."""
+    return asked if asked and jnp.dtype(natural) != jnp.dtype(asked) else None
+
+
+def project(subscripts: str, x, w, names: tuple, grad_dtype: str = ""):
+    """jnp.einsum(subscripts, x, w) of an activation and a weight (in the compute dtype) with the
+    weight's logical axis `names`, each index in two of the three terms. With grad_dtype
+    (model.grad_dtype) w's gradient product writes it, laid out as the weight before the cast to
+    w's dtype (the TPU compiler then reduce-scatters it rather than all-reducing it whole)."""
+    dtype = _gradient_dtype(grad_dtype, w.dtype)
+    if dtype is None:
+        return jnp.einsum(subscripts, x, w)
+    return _project(subscripts, dtype, names, x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _project(subscripts, dtype, names, x, w):
+    return jnp.einsum(subscripts, x, w)
+
+
+def _project_fwd(subscripts, dtype, names, x, w):
+    return jnp.einsum(subscripts, x, w), (x, w)
+
+
+def _project_bwd(subscripts, dtype, names, residuals, dy):
+    x, w = residuals
+    operands, out = subscripts.split("->")
+    a, b = operands.split(",")
+    dx = jnp.einsum(f"{out},{b}->{a}", dy, w)
+    dw = jnp.einsum(f"{a},{out}->{b}", x, dy, preferred_element_type=dtype)
+    return dx, _as_weight(dw, names, w.dtype)
+
+
+def _as_weight(g, names: tuple, dtype):
+    """A weight's gradient g laid out as the weight (logical `names`), then cast to `dtype`."""
+    if not _fully_manual():
+        g = nn.with_logical_constraint(g, names)
+    return g.astype(dtype)
+
+
+_project.defvjp(_project_fwd, _project_bwd)
+
+
+def spread(w, copies: int, names: tuple, grad_dtype: str = ""):
+    """w broadcast to (copies, *w.shape), w's logical axes `names`; with grad_dtype the copies'
+    gradients are summed in it (where each copy lives on its own batch shard, that sum is the
+    reduction)."""
+    dtype = _gradient_dtype(grad_dtype, w.dtype)
+    if dtype is None:
+        return jnp.broadcast_to(w, (copies, *w.shape))
+    return _spread(copies, dtype, names, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _spread(copies, dtype, names, w):
+    return jnp.broadcast_to(w, (copies, *w.shape))
+
+
+def _spread_fwd(copies, dtype, names, w):
+    return _spread(copies, dtype, names, w), None
+
+
+def _spread_bwd(copies, dtype, names, _, g):  # g: w's dtype
+    return (_as_weight(g.astype(dtype).sum(0, dtype=dtype), names, g.dtype),)
+
+
+_spread.defvjp(_spread_fwd, _spread_bwd)
 
 
 # --- attention ---
@@ -139,11 +223,12 @@ def mlp(cfg: ModelConfig, x_ble, w_in, w_out):
     embed), the weights in the compute dtype, its gradient the one mlp_implementation chooses."""
     implementation = mlp_implementation(cfg)
     if implementation == "fused":
-        return fused_mlp(x_ble, w_in, w_out)
-    gate_up = nn.with_logical_constraint(jnp.tensordot(x_ble, w_in, axes=1), (BATCH, LENGTH, None, MLP))
+        return fused_mlp(x_ble, w_in, w_out, _gradient_dtype(cfg.grad_dtype, w_in.dtype))
+    gate_up = project("ble,etm->bltm", x_ble, w_in, MLP_IN, cfg.grad_dtype)
+    gate_up = nn.with_logical_constraint(gate_up, (BATCH, LENGTH, None, MLP))
     hidden = swiglu(gate_up, one_pass_gradient=implementation == "one_pass")
     hidden = checkpoint_name(nn.with_logical_constraint(hidden, (BATCH, LENGTH, MLP)), "mlp_hidden")
-    return jnp.tensordot(hidden, w_out, axes=1)
+    return project("blm,me->ble", hidden, w_out, MLP_OUT, cfg.grad_dtype)
 
 
 def swiglu(gate_up, one_pass_gradient: bool = False):
@@ -194,33 +279,37 @@ def _mlp_forward(x_ble, w_in, w_out):
     return jnp.tensordot(hidden, w_out, axes=1), gate_up
 
 
-@jax.custom_vjp
-def fused_mlp(x_ble, w_in, w_out):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def fused_mlp(x_ble, w_in, w_out, grad_dtype=None):
     """down(silu(gate) * up) of x (batch, length, embed), w_in (embed, 2, mlp), w_out (mlp, embed),
     with its backward written out: SwiGLU's output, which the down projection's weight gradient
     needs, is recomputed in the same elementwise pass that computes SwiGLU's gradient (both read
     gate_up and write three arrays of one shape), where autodiff under remat recomputes it in a pass
     of its own; the gate and up gradients stay apart, so the input gradient is two products
     accumulated and the weight gradient two products stacked. Under remat the residuals are what
-    autodiff keeps: the input, the weights and the gate_up product."""
+    autodiff keeps: the input, the weights and the gate_up product. grad_dtype: the dtype the weight
+    gradient products write (model.grad_dtype), None for the weights' own."""
     return _mlp_forward(x_ble, w_in, w_out)[0]
 
 
-def _fused_mlp_fwd(x_ble, w_in, w_out):
+def _fused_mlp_fwd(x_ble, w_in, w_out, grad_dtype):
     y, gate_up = _mlp_forward(x_ble, w_in, w_out)
     return y, (x_ble, w_in, w_out, gate_up)
 
 
-def _fused_mlp_bwd(res, dy):
+def _fused_mlp_bwd(grad_dtype, res, dy):
     x_ble, w_in, w_out, gate_up = res
     names = (BATCH, LENGTH, MLP)
     d_hidden = nn.with_logical_constraint(jnp.einsum("ble,me->blm", dy, w_out), names)
     hidden = nn.with_logical_constraint(_swiglu(gate_up), names)
     d_gate, d_up = (nn.with_logical_constraint(d, names) for d in _swiglu_grads(gate_up, d_hidden))
     dx = jnp.einsum("blm,em->ble", d_gate, w_in[:, 0]) + jnp.einsum("blm,em->ble", d_up, w_in[:, 1])
-    d_w_in = jnp.stack([jnp.einsum("ble,blm->em", x_ble, d) for d in (d_gate, d_up)], axis=1)
-    d_w_out = jnp.einsum("blm,ble->me", hidden, dy)
-    return dx, d_w_in, d_w_out
+    product = functools.partial(jnp.einsum, preferred_element_type=grad_dtype)
+    d_w_in = jnp.stack([product("ble,blm->em", x_ble, d) for d in (d_gate, d_up)], axis=1)
+    d_w_out = product("blm,ble->me", hidden, dy)
+    if grad_dtype is None:
+        return dx, d_w_in, d_w_out
+    return dx, _as_weight(d_w_in, MLP_IN, w_in.dtype), _as_weight(d_w_out, MLP_OUT, w_out.dtype)
 
 
 fused_mlp.defvjp(_fused_mlp_fwd, _fused_mlp_bwd)
@@ -235,16 +324,16 @@ def embed(cfg: ModelConfig, table_ve, tokens_bl):
     In float32 with the vocabulary whole, a plain lookup. Otherwise the table is cast before the
     lookup, so where a rule file splits the vocabulary the all-reduce that assembles the rows moves
     compute-dtype bytes (each row is non-zero on one device only, so the sum is exact in any dtype);
-    the gradient adds every position's row gradient into the table in float32, one vocabulary shard
-    at a time (embed_lookup).
+    the gradient adds every position's row gradient into the table in float32 (or model.grad_dtype),
+    one vocabulary shard at a time (embed_lookup).
     """
-    dtype = jnp.dtype(cfg.dtype)
-    if dtype == table_ve.dtype and _table_shards(table_ve.shape)[0] == 1:
+    dtype, grad_dtype = jnp.dtype(cfg.dtype), _gradient_dtype(cfg.grad_dtype, table_ve.dtype)
+    if dtype == table_ve.dtype and _table_shards(table_ve.shape)[0] == 1 and grad_dtype is None:
         # Autodiff's gradient scatters with the lookup's own indices: where the batch is split they
         # are gathered once for both (embed_lookup's backward gathers them again).
         rows_ble = jnp.take(table_ve, tokens_bl, axis=0)
     else:
-        rows_ble = embed_lookup(table_ve, tokens_bl, dtype)
+        rows_ble = embed_lookup(table_ve, tokens_bl, dtype, grad_dtype)
     # The rows where the table lies, split on embed as it is, the batch left to GSPMD; the caller
     # then constrains them to the residual stream's layout, an all-to-all. Where embed's mesh axis
     # is also one of the batch's (data_fsdp_tensor: batch over data and fsdp, the table's embed over
@@ -279,25 +368,30 @@ def _table_shards(shape: tuple[int, int]) -> tuple[int, int]:
     return tuple(w if n % w == 0 else 1 for w, n in zip(ways, shape, strict=True))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def embed_lookup(table, tokens, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def embed_lookup(table, tokens, dtype, grad_dtype=None):
     """jnp.take(table.astype(dtype), tokens, axis=0), whose gradient adds the rows' gradients into
-    the table in table's dtype, as autodiff of take-then-cast does, rather than in `dtype`."""
+    the table in table's dtype, as autodiff of take-then-cast does, rather than in `dtype`; or in
+    grad_dtype where given (model.grad_dtype)."""
     return jnp.take(table.astype(dtype), tokens, axis=0)
 
 
-def _embed_lookup_fwd(table, tokens, dtype):
+def _embed_lookup_fwd(table, tokens, dtype, grad_dtype):
     # The table's shape rides along in an empty (vocab, 0) array of its dtype.
-    return embed_lookup(table, tokens, dtype), (tokens, jnp.zeros((table.shape[0], 0), table.dtype))
+    rows = embed_lookup(table, tokens, dtype, grad_dtype)
+    return rows, (tokens, jnp.zeros((table.shape[0], 0), table.dtype))
 
 
-def _embed_lookup_bwd(dtype, residuals, g_ble):
+def _embed_lookup_bwd(dtype, grad_dtype, residuals, g_ble):
     tokens_bl, empty = residuals
-    g_ble = g_ble.astype(empty.dtype)
+    table_dtype = empty.dtype
+    add_dtype = grad_dtype or table_dtype
+    g_ble = g_ble.astype(add_dtype)
     vocab, width = empty.shape[0], g_ble.shape[-1]
     t, f = _table_shards((vocab, width))
     if t == 1:
-        return jnp.zeros((vocab, width), empty.dtype).at[tokens_bl].add(g_ble), None
+        g_ve = jnp.zeros((vocab, width), add_dtype).at[tokens_bl].add(g_ble)
+        return (g_ve if grad_dtype is None else _as_weight(g_ve, (VOCAB, EMBED), table_dtype)), None
     # Scattered into the whole table, a vocabulary-split gradient is one GSPMD partitions on the
     # batch alone: each device adds its tokens' rows into every row (data_fsdp_tensor: all-reduced
     # over the vocabulary's mesh axes as well as the batch's). Scattered into a stack of the table's
@@ -315,12 +409,13 @@ def _embed_lookup_bwd(dtype, residuals, g_ble):
     g_tfblc = jnp.broadcast_to(g_fblc, (t, f, b, length, cols))
     g_tfblc = nn.with_logical_constraint(g_tfblc, names)
     shards_tfrc = nn.with_logical_constraint(
-        jnp.zeros((t, f, rows, cols), empty.dtype), (VOCAB, EMBED, None, None)
+        jnp.zeros((t, f, rows, cols), add_dtype), (VOCAB, EMBED, None, None)
     )
     add = lambda z_rc, i_bl, u_blc: z_rc.at[i_bl].add(u_blc, mode="drop")  # noqa: E731
     shards_tfrc = jax.vmap(jax.vmap(add))(shards_tfrc, local_tfbl, g_tfblc)
     shards_tfrc = nn.with_logical_constraint(shards_tfrc, (VOCAB, EMBED, None, None))
-    return jnp.swapaxes(shards_tfrc, 1, 2).reshape(vocab, width), None
+    g_ve = jnp.swapaxes(shards_tfrc, 1, 2).reshape(vocab, width)
+    return (g_ve if grad_dtype is None else _as_weight(g_ve, (VOCAB, EMBED), table_dtype)), None
 
 
 embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)

@@ -34,7 +34,6 @@ from gspmd_tp.sharding.axes import (
     KV_HEADS,
     LAYERS,
     LENGTH,
-    MLP,
     NORM_LENGTH,
     VOCAB,
 )
@@ -121,6 +120,11 @@ class ModelConfig:
     # on GPU where no mesh axis splits `mlp` (and mlp_hidden is not in remat_save), one_pass on GPU
     # otherwise, xla elsewhere (kernels.mlp_implementation).
     mlp_grad: str = "auto"
+    # The dtype the products that make the weights' gradients (and the embedding's scatter) write,
+    # then cast to float32; "": autodiff's, the compute dtype. Not a config.model key: the train
+    # step sets it from config.optim.grad_reduce_dtype where GSPMD places the data-parallel
+    # reduction (kernels.project).
+    grad_dtype: str = ""
 
     @property
     def saved_names(self) -> tuple[str, ...]:
@@ -173,6 +177,8 @@ class ModelConfig:
             )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             problems.append(f"model.dtype {self.dtype!r} is not float32, bfloat16 or float16")
+        if self.grad_dtype not in ("", "float32", "bfloat16", "float16"):
+            problems.append(f"model.grad_dtype {self.grad_dtype!r} is not '', float32, bfloat16 or float16")
         if self.attention_block < 0:
             problems.append(f"model.attention_block must be 0 (off) or positive, got {self.attention_block}")
         if self.mlp_grad not in kernels.MLP_GRADS:
@@ -239,6 +245,12 @@ def _weight(w, dtype):
     """A float32 weight in the compute dtype, named "weights" (model.remat_save may keep it)."""
     return checkpoint_name(w.astype(dtype), "weights")
 
+
+# The logical axes of the projections' weights (the MLP's are kernels.MLP_IN and MLP_OUT); the
+# output projection's, tied to the embedding or not.
+QKV_AXES = (EMBED, KV_HEADS, None, HEAD_DIM)
+OUT_AXES = (HEADS, HEAD_DIM, EMBED)
+HEAD_AXES = (EMBED, VOCAB)
 
 # The key/value cache of one layer: logical names only, so a rule file decides where it lives.
 CACHE_AXES = (BATCH, LENGTH, KV_HEADS, HEAD_DIM)
@@ -333,11 +345,11 @@ class Attention(nn.Module):
             positions = decoding.positions  # (batch, length)
         b, length, _ = x_ble.shape
         qkv_shape = (cfg.d_model, cfg.num_kv_heads, group + 2, hd)
-        w_qkv = _param(self, "qkv", _INIT, qkv_shape, (EMBED, KV_HEADS, None, HEAD_DIM))
+        w_qkv = _param(self, "qkv", _INIT, qkv_shape, QKV_AXES)
         out_shape = (cfg.num_heads, hd, cfg.d_model)
-        w_out = _param(self, "out", _out_init(cfg), out_shape, (HEADS, HEAD_DIM, EMBED))
+        w_out = _param(self, "out", _out_init(cfg), out_shape, OUT_AXES)
 
-        qkv_blkgd = jnp.einsum("ble,ekgd->blkgd", x_ble, _weight(w_qkv, dtype))
+        qkv_blkgd = kernels.project("ble,ekgd->blkgd", x_ble, _weight(w_qkv, dtype), QKV_AXES, cfg.grad_dtype)
         qkv_blkgd = _constrain(qkv_blkgd, (BATCH, LENGTH, KV_HEADS, None, HEAD_DIM))
         q_blhd = qkv_blkgd[:, :, :, :group].reshape(b, length, cfg.num_heads, hd)
         q_blhd = rotary(q_blhd, positions, cfg.rope_theta) * hd**-0.5  # scaled once, here
@@ -351,7 +363,7 @@ class Attention(nn.Module):
             k_blkd, v_blkd, mask = _extend_cache(self, k_blkd, v_blkd, decoding)
         out_blhd = kernels.attention(cfg, q_blhd, k_blkd, v_blkd, mask)
         out_blhd = _constrain(out_blhd, (BATCH, LENGTH, HEADS, HEAD_DIM))
-        y_ble = jnp.einsum("blhd,hde->ble", out_blhd, _weight(w_out, dtype))
+        y_ble = kernels.project("blhd,hde->ble", out_blhd, _weight(w_out, dtype), OUT_AXES, cfg.grad_dtype)
         # No _constrain_cotangent here (see there): XLA:CPU then gathers this gradient once per
         # consumer under 2D, one extra all-gather per layer that the TPU compiler does not make.
         return _constrain(y_ble, (BATCH, NORM_LENGTH, EMBED))
@@ -365,8 +377,8 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x_ble):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        w_in = _param(self, "gate_up", _INIT, (cfg.d_model, 2, cfg.mlp_dim), (EMBED, None, MLP))
-        w_out = _param(self, "down", _out_init(cfg), (cfg.mlp_dim, cfg.d_model), (MLP, EMBED))
+        w_in = _param(self, "gate_up", _INIT, (cfg.d_model, 2, cfg.mlp_dim), kernels.MLP_IN)
+        w_out = _param(self, "down", _out_init(cfg), (cfg.mlp_dim, cfg.d_model), kernels.MLP_OUT)
         y_ble = kernels.mlp(cfg, x_ble, _weight(w_in, dtype), _weight(w_out, dtype))
         return _constrain(_constrain_cotangent(y_ble, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))
 
@@ -434,10 +446,10 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             head_ev = embedding.T
         else:
-            head_ev = _param(self, "lm_head", _INIT, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
+            head_ev = _param(self, "lm_head", _INIT, (cfg.d_model, cfg.vocab_size), HEAD_AXES)
         if return_hidden:
             return x_ble, head_ev
-        logits_blv = jnp.einsum("ble,ev->blv", x_ble, head_ev.astype(dtype))
+        logits_blv = kernels.project("ble,ev->blv", x_ble, head_ev.astype(dtype), HEAD_AXES, cfg.grad_dtype)
         logits_blv = mask_vocab_padding(logits_blv.astype(jnp.float32), cfg.vocab_tokens)
         return _constrain(logits_blv, (BATCH, LENGTH, VOCAB))
 

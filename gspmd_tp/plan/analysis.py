@@ -74,7 +74,8 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     sharding these become all-gathers plus reduce-scatters of the same bytes. Data parallelism:
     each gradient all-reduced over the batch axes that do not shard it, once per step or, where
     parameters are sharded over those axes, once per microbatch; in bfloat16 with
-    config.optim.grad_reduce_dtype (but float32 on XLA:CPU, which promotes it). FSDP (a parameter sharded
+    config.optim.grad_reduce_dtype (all but the norm scales' where parameters are sharded over the
+    batch axes; float32 on XLA:CPU, which promotes it). FSDP (a parameter sharded
     over a batch axis): gathered forward and backward per microbatch, its gradient
     reduce-scattered. XLA:CPU lowers reduce-scatter as all-reduce plus slice, so on the CPU
     backend a reduce-scatter costs an all-reduce. On the TPU backend a float32 model's products
@@ -196,9 +197,12 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     # sums them per batch shard, else once per microbatch (onto parameters sharded over those axes).
     once = k == 1 or step_lib.sums_per_batch_shard(tuple(batch_axes), s.shardings.params, c.batch_size // k)
     dp_reductions = 1 if once else k
-    # config.optim.grad_reduce_dtype=bfloat16 (where the step sums per batch shard): every gradient
-    # crosses the batch axes in bfloat16, which XLA:CPU promotes to float32 like every bf16 all-reduce.
+    # config.optim.grad_reduce_dtype=bfloat16: where the step sums per batch shard every gradient
+    # crosses the batch axes in bfloat16; elsewhere every gradient a product or the embedding's
+    # scatter makes (kernels.gradient_products), the norm scales' in float32. XLA:CPU promotes each
+    # bf16 reduction to float32.
     bf16_reduce = step_lib.grad_reduce_dtype(s) == "bfloat16"
+    per_shard = step_lib.sums_per_batch_shard(tuple(batch_axes), s.shardings.params, c.batch_size // k)
     data_parallel = fsdp_gather = fsdp_reduce = 0.0
     for row in rows:
         if row["kind"] != "params":
@@ -210,7 +214,7 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
         matrix = len(row["shape"]) > 1
         if g > 1:
             dtype_factor = gradient if matrix else 1
-            if bf16_reduce:
+            if bf16_reduce and (matrix or per_shard):
                 dtype_factor = 1.0 if backend == "cpu" else 0.5
             per_reduction = 2 * (g - 1) / g * local * dtype_factor
             data_parallel += dp_reductions * per_reduction
@@ -228,6 +232,8 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
             gathers = 2 if row["path"].startswith("params/layers") else 1
             fsdp_gather += k * gathers * (f - 1) / f * gathered * (weight_gather if matrix else 1)
             reduced = {"cpu": 2, "gpu": gradient if matrix else 1}.get(backend, 1)
+            if bf16_reduce and matrix and backend != "cpu":
+                reduced = 0.5
             fsdp_reduce += k * (f - 1) / f * gathered * reduced
     return {
         "tensor_parallel": tensor_parallel,

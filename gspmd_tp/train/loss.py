@@ -24,7 +24,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from gspmd_tp.model.transformer import mask_vocab_padding
+from gspmd_tp.model import kernels
+from gspmd_tp.model.transformer import HEAD_AXES, mask_vocab_padding
 from gspmd_tp.sharding.axes import BATCH, LENGTH, VOCAB
 from gspmd_tp.sharding.rules import batch_mesh_axes
 
@@ -52,12 +53,15 @@ def batch_shards(batch: int) -> int:
     return shards if batch % shards == 0 else 1
 
 
-def chunked_cross_entropy_sums(hidden_ble, head_ev, targets_bl, chunk: int, valid_bl=None, vocab_tokens=0):
+def chunked_cross_entropy_sums(
+    hidden_ble, head_ev, targets_bl, chunk: int, valid_bl=None, vocab_tokens=0, grad_dtype=""
+):
     """cross_entropy_sums(hidden @ head, targets, valid), `chunk` positions at a time.
 
     hidden_ble: final-normed hidden states (batch, length, embed); head_ev: the output projection
     (embed, vocab). The length must divide by `chunk`. vocab_tokens > 0: the ids from there on are
-    vocabulary padding, masked out as the model masks them (mask_vocab_padding).
+    vocabulary padding, masked out as the model masks them (mask_vocab_padding). grad_dtype: the
+    dtype the projection's gradient is reduced over the batch in (model.grad_dtype).
     """
     b, length, e = hidden_ble.shape
     if length % chunk:
@@ -73,7 +77,7 @@ def chunked_cross_entropy_sums(hidden_ble, head_ev, targets_bl, chunk: int, vali
     valid_csbl = None if valid_bl is None else blocks(valid_bl)
     # One copy of the projection per batch shard, each on its own shard's devices (see the module
     # docstring): the gradient the loop carries is then split over the batch like the rows.
-    head_sev = jnp.broadcast_to(head_ev, (s, *head_ev.shape))
+    head_sev = kernels.spread(head_ev, s, HEAD_AXES, grad_dtype)
     head_sev = nn.with_logical_constraint(head_sev, (BATCH, None, VOCAB))
 
     @jax.checkpoint  # recompute each block's logits in the backward pass instead of saving them

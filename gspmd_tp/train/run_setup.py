@@ -35,6 +35,10 @@ def model_config(config) -> ModelConfig:
         named = ours(unknown[0])
         hint = f"gspmd_tp calls it {named}" if named else f"known: {', '.join(sorted(fields))}"
         raise UserError(f"config.model has unknown key {unknown[0]!r} ({hint})")
+    if "grad_dtype" in config.model:
+        raise UserError(
+            "config.model.grad_dtype is the train step's, set from config.optim.grad_reduce_dtype: set that"
+        )
     cfg = ModelConfig(**config.model.to_dict())
     tok = tokenizer.load(config.data.tokenizer)
     if cfg.vocab_size == 0:
@@ -206,13 +210,7 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     )
     asked = config.optim.grad_reduce_dtype
     if asked != step_lib.grad_reduce_dtype(s):
-        why = (
-            f"{rules.source} on mesh {mesh_string(mesh)} has no data-parallel axis of more than one device"
-            if ways == 1
-            else f"{rules.source} shards parameters over the batch's mesh axes {sizes}: GSPMD "
-            "reduce-scatters their gradients in the dtype of the products that make them, the compute dtype "
-            f"(model.dtype={model_cfg.dtype})"
-        )
+        why = f"{rules.source} on mesh {mesh_string(mesh)} has no data-parallel axis of more than one device"
         warn(f"warning: config.optim.grad_reduce_dtype={asked} changes nothing: {why}")
     return s
 

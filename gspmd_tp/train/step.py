@@ -5,6 +5,7 @@ AdamW with the state donated.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import flax.linen as nn
@@ -37,7 +38,7 @@ def _loss_sums(model: Transformer, params, tokens, loss_chunk: int = 0, padded: 
     if loss_chunk:
         hidden, head = model.apply({"params": params}, inputs, return_hidden=True)
         return loss_lib.chunked_cross_entropy_sums(
-            hidden, head, targets, loss_chunk, valid, vocab_tokens=model.cfg.vocab_tokens
+            hidden, head, targets, loss_chunk, valid, model.cfg.vocab_tokens, model.cfg.grad_dtype
         )
     return loss_lib.cross_entropy_sums(model.apply({"params": params}, inputs), targets, valid)
 
@@ -62,26 +63,44 @@ def accumulated_grads(
     step instead of once per microbatch. Where parameters are (FSDP, 2D), each microbatch's
     gradient is reduce-scattered onto them, as a sharded parameter needs.
 
-    reduce_dtype "bfloat16": the per-shard sums cross the batch axes in bfloat16 and come back as
-    the parameters' dtype (where the step sums per batch shard; elsewhere it changes nothing).
+    reduce_dtype "bfloat16": the gradients cross the batch axes in bfloat16 and come back as the
+    parameters' dtype. Where the step sums per batch shard, each shard's sum is rounded once and
+    all-reduced; elsewhere the products that make the gradients write bfloat16 (model.grad_dtype),
+    so that the reductions GSPMD places on them run in it (norm scales' gradients, a few floats per
+    layer, stay float32).
     """
     b, t = tokens.shape
     count = b * (t - 1)
+    batch_axes = batch_mesh_axes()
+    if sums_per_batch_shard(batch_axes, param_shardings, b // accum):
+        if accum > 1 or reduce_dtype != "float32":
+            micro = _microbatches(tokens, accum)
+            return _shard_partial_sums(
+                model, micro, count, batch_axes, params, param_shardings, loss_chunk, reduce_dtype
+            )
+    elif reduce_dtype != "float32":
+        # GSPMD reduces each gradient where the backward pass makes it, in the dtype it is made in.
+        model = Transformer(dataclasses.replace(model.cfg, grad_dtype=reduce_dtype))
 
     def loss_and_grad(tokens_i):
         return jax.value_and_grad(lambda p: _loss_sums(model, p, tokens_i, loss_chunk)[0] / count)(params)
 
-    batch_axes = batch_mesh_axes()
-    per_shard = sums_per_batch_shard(batch_axes, param_shardings, b // accum)
-    if accum == 1 and not (per_shard and reduce_dtype != "float32"):
-        return loss_and_grad(tokens)  # GSPMD reduces each gradient where the backward pass makes it
-    # Microbatch i takes rows i, i + accum, ...: each stays spread over the batch axes.
+    if accum == 1:
+        return loss_and_grad(tokens)
+    return _summed_over_microbatches(loss_and_grad, _microbatches(tokens, accum), params, param_shardings)
+
+
+def _microbatches(tokens, accum: int):
+    """(accum, batch / accum, seq_len + 1): microbatch i takes rows i, i + accum, ..., so that each
+    stays spread over the batch axes."""
+    b, t = tokens.shape
     micro = tokens.reshape(b // accum, accum, t).swapaxes(0, 1)
-    micro = nn.with_logical_constraint(micro, (None, axes.BATCH, None))
-    if per_shard:
-        return _shard_partial_sums(
-            model, micro, count, batch_axes, params, param_shardings, loss_chunk, reduce_dtype
-        )
+    return nn.with_logical_constraint(micro, (None, axes.BATCH, None))
+
+
+def _summed_over_microbatches(loss_and_grad, micro, params, param_shardings):
+    """loss_and_grad's (loss, gradients) summed over the microbatches, the sum laid out as the
+    parameters are."""
 
     def body(carry, tokens_i):
         grads_acc, loss_acc = carry
@@ -107,10 +126,9 @@ def sums_per_batch_shard(batch_axes: tuple, param_shardings, micro_batch: int) -
 
 def grad_reduce_dtype(s: Setup) -> str:
     """The dtype the step reduces gradients over data parallelism in: config.optim.grad_reduce_dtype
-    where it sums them per batch shard (sums_per_batch_shard), else float32 (nothing to reduce, or
-    reduce-scatters onto parameters sharded over the batch axes, which GSPMD places)."""
-    per_shard = sums_per_batch_shard(s.rules.batch_axes(), s.shardings.params, s.micro_batch)
-    return s.config.optim.grad_reduce_dtype if per_shard else "float32"
+    where the batch is split over more than one device, else float32 (nothing to reduce)."""
+    shards, _ = mesh_ways(s.mesh.shape, s.rules.batch_axes())
+    return s.config.optim.grad_reduce_dtype if shards > 1 else "float32"
 
 
 def _shard_partial_sums(
@@ -180,7 +198,7 @@ def make_train_step(s: Setup):
             state.params,
             tokens,
             s.config.loss_chunk,
-            s.config.optim.grad_reduce_dtype,
+            grad_reduce_dtype(s),
         )
         grad_norm = optax.global_norm(grads)
         updates, opt_state = s.tx.update(grads, state.opt_state, state.params)

@@ -6,6 +6,7 @@ import re
 
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -213,3 +214,59 @@ def test_embed_gradient_sharded_over_eight_devices_is_autodiffs_of_the_lookup(ru
     assert args[0].addressable_shards[0].data.size <= table.size // 2  # the table really is split
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+# --- the dtype of the weight gradients (kernels.gradient_products) ---
+
+
+def _outputs(jaxpr, primitive: str) -> list:
+    """The output avals of every `primitive` equation in `jaxpr` and the jaxprs inside it."""
+    found = [v.aval for eqn in jaxpr.eqns if eqn.primitive.name == primitive for v in eqn.outvars]
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+        found += _outputs(sub, primitive)
+    return found
+
+
+@pytest.mark.parametrize("mlp_grad", ["xla", "fused"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_grad_dtype_makes_every_weight_gradient_in_it(mlp_grad, tied):
+    """model.grad_dtype=bfloat16 under float32 compute: the product that makes each weight's
+    gradient writes bf16 (the qkv, output, MLP and output-head weights, each of its weight's shape)
+    and the embedding's rows are added in bf16; the gradients come back float32, within bf16's
+    rounding of autodiff's, and the logits are the same. Without it nothing is bf16."""
+    cfg = ModelConfig(**{**vars(CFG), "mlp_grad": mlp_grad, "tie_embeddings": tied})
+    bf16 = ModelConfig(**{**vars(cfg), "grad_dtype": "bfloat16"})
+    params = init(cfg)
+
+    def bf16_shapes(c, primitive):
+        jaxpr = jax.make_jaxpr(jax.grad(mean_logit(c)))(params).jaxpr
+        return sorted({a.shape for a in _outputs(jaxpr, primitive) if a.dtype == jnp.bfloat16})
+
+    assert bf16_shapes(cfg, "dot_general") == bf16_shapes(cfg, "scatter-add") == []
+    layer = params["layers"]
+    weights = {layer["attn"][n].shape[1:] for n in ("qkv", "out")} | {layer["mlp"]["down"].shape[1:]}
+    e, _, m = layer["mlp"]["gate_up"].shape[1:]
+    weights |= {(e, m)} if mlp_grad == "fused" else {(e, 2, m)}  # fused: gate and up apart, stacked
+    weights |= {params["embedding"].shape[::-1] if tied else params["lm_head"].shape}
+    assert bf16_shapes(bf16, "dot_general") == sorted(weights)
+    assert bf16_shapes(bf16, "scatter-add") == [params["embedding"].shape]
+    np.testing.assert_array_equal(logits_of(bf16, params), logits_of(cfg, params))
+    g, g0 = mean_logit_grad(bf16, params), mean_logit_grad(cfg, params)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0), strict=True):
+        assert a.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * float(jnp.abs(b).max()))
+
+
+def test_spread_sums_its_copies_gradients_in_grad_dtype():
+    w = jax.random.normal(jax.random.key(0), (8, 16), jnp.float32)
+    weights = jax.random.normal(jax.random.key(1), (4, 8, 16), jnp.float32)
+
+    def grad(grad_dtype):
+        loss = lambda w: jnp.sum(kernels.spread(w, 4, (None, None), grad_dtype) * weights)  # noqa: E731
+        sums = _outputs(jax.make_jaxpr(jax.grad(loss))(w).jaxpr, "reduce_sum")
+        return jax.grad(loss)(w), [a for a in sums if a.shape == w.shape]  # the copies' sum
+
+    (g0, (total0,)), (g, (total,)) = grad(""), grad("bfloat16")
+    np.testing.assert_allclose(g0, weights.sum(0), rtol=1e-6)
+    assert total0.dtype == g0.dtype == g.dtype == jnp.float32 and total.dtype == jnp.bfloat16
+    np.testing.assert_allclose(g, g0, rtol=2e-2, atol=2e-2)

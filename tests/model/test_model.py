@@ -178,9 +178,10 @@ def test_model_code_names_no_mesh_axis():
 
 def test_the_forward_path_calls_each_kernel_by_one_name():
     """transformer.py holds no platform kernel: attention, the MLP and the embedding lookup are each
-    one call into kernels.py, which picks the implementation the config asks for."""
+    one call into kernels.py, which picks the implementation the config asks for; the projections
+    are kernels.project (its gradient's dtype model.grad_dtype's)."""
     source = Path(transformer.__file__).read_text()
-    assert set(re.findall(r"kernels\.([a-z_]+)\(", source)) == {"attention", "mlp", "embed"}
+    assert set(re.findall(r"kernels\.([a-z_]+)\(", source)) == {"attention", "mlp", "embed", "project"}
     assert "dot_product_attention(" not in source and "default_backend" not in source
 
 

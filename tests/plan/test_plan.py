@@ -213,6 +213,17 @@ def test_a_bfloat16_gradient_reduction_halves_the_data_parallel_bytes():
     assert "bf16->f32" in planner.format_plan(p)
 
 
+def test_a_bfloat16_gradient_reduction_under_fsdp_asks_for_bf16_where_gspmd_reduces():
+    """Under fsdp the reductions GSPMD places (XLA:CPU: all-reduces) ask for bf16, all but the norm
+    scales'; XLA:CPU runs them in f32, so what moves is float32's, as the analysis has it."""
+    f32 = planned("fsdp", "dp=8,mp=1")
+    p = planned("fsdp", "dp=8,mp=1", **{"optim.grad_reduce_dtype": "bfloat16"})
+    assert p["collectives"]["all-reduce"]["dtypes"] == ["bf16", "f32"]
+    reduced = f32["bytes_per_device_by_type"]["all-reduce"]
+    assert p["program_bytes_per_device"] < p["bytes_per_device"] - 0.45 * reduced
+    assert p["ratio"] == pytest.approx(1.0, abs=0.01) and f32["ratio"] == pytest.approx(1.0, abs=0.01)
+
+
 def test_unrolled_fsdp_layers_within_10_percent_of_the_analysis():
     """Unrolled under a remat policy, each layer's weights are gathered forward and again backward,
     as the analysis has them. With no remat every forward value is kept, the gathered weights too,

@@ -158,6 +158,20 @@ def test_fsdp_on_gpus_gathers_and_reduce_scatters_as_analysed():
     assert p["ratio"] == pytest.approx(1.0, abs=0.01)
 
 
+def test_fsdp_in_float32_reduce_scatters_in_bfloat16_when_asked():
+    """optim.grad_reduce_dtype=bfloat16 under fsdp with float32 compute: the weights' gradients are
+    made in bf16 where GSPMD reduce-scatters them, so the reduce-scatters move the bytes a bf16 model
+    moves (half of float32's), as the analysis has it; the gathers stay float32."""
+    p = gpu_plan(rules="fsdp", mesh="dp=2,mp=4", **{"optim.grad_reduce_dtype": "bfloat16"})
+    bf16_model = gpu_plan(rules="fsdp", mesh="dp=2,mp=4", **BF16)
+    scattered = p["bytes_per_device_by_type"]["reduce-scatter"]
+    assert "bf16" in p["collectives"]["reduce-scatter"]["dtypes"]
+    assert scattered == pytest.approx(bf16_model["bytes_per_device_by_type"]["reduce-scatter"], rel=0.01)
+    assert scattered == pytest.approx(p["analytical"]["fsdp_reduce"], rel=0.01)
+    assert p["collectives"]["all-gather"]["dtypes"][0] == "f32"
+    assert p["ratio"] == pytest.approx(1.0, abs=0.01)
+
+
 def test_across_two_hosts_only_the_data_parallel_reduction_crosses_the_network():
     """On two hosts of eight, dp=2,mp=8 keeps tensor parallelism inside each host (the mesh's last
     axis runs over a host's GPUs) and sends the gradients' all-reduce between the hosts: one GPU of

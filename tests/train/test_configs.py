@@ -30,6 +30,13 @@ def test_a_model_key_under_another_trainers_name_is_named_with_ours():
         run_setup.model_config(config)
 
 
+def test_the_train_steps_gradient_dtype_is_not_a_model_key():
+    config = importlib.import_module("configs.tiny").get_config()
+    config.model.grad_dtype = "bfloat16"
+    with pytest.raises(UserError, match=r"^config.model.grad_dtype is the train step's, .*grad_reduce_dtype"):
+        run_setup.model_config(config)
+
+
 def test_every_name_of_another_trainer_points_to_a_key_we_have():
     from gspmd_tp.job import config_keys
 
