@@ -35,7 +35,7 @@ def model_config(config) -> ModelConfig:
         named = ours(unknown[0])
         hint = f"gspmd_tp calls it {named}" if named else f"known: {', '.join(sorted(fields))}"
         raise UserError(f"config.model has unknown key {unknown[0]!r} ({hint})")
-    if "grad_dtype" in config.model:
+    if config.model.get("grad_dtype"):  # a saved run's model config holds it empty
         raise UserError(
             "config.model.grad_dtype is the train step's, set from config.optim.grad_reduce_dtype: set that"
         )
