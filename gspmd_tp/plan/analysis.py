@@ -83,7 +83,8 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     weights and the all-gather half of a sequence-parallel or 2D pair count 2 bytes an element (a
     bf16 model's float32 weights it gathers whole and casts after). The GPU compiler gathers a
     weight after its cast to the compute dtype and reduce-scatters its gradient in that dtype.
-    A remat policy's recomputation adds the collectives it runs again.
+    The embedding's gradient is float32 whatever the compute dtype (its lookup adds into a float32
+    table). A remat policy's recomputation adds the collectives it runs again.
     `unmodelled` lists shardings the analysis does not cover (head_dim, layers, length, norm_length
     on an axis of its own): there the total is not what the rule file needs.
     """
@@ -214,6 +215,8 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
         matrix = len(row["shape"]) > 1
         if g > 1:
             dtype_factor = gradient if matrix else 1
+            if row["path"] == "params/embedding" and not cfg.tie_embeddings:
+                dtype_factor = 1  # the lookup's scatter adds its gradient in float32 (kernels.embed)
             if bf16_reduce and (matrix or per_shard):
                 dtype_factor = 1.0 if backend == "cpu" else 0.5
             per_reduction = 2 * (g - 1) / g * local * dtype_factor

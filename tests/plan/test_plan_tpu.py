@@ -71,6 +71,18 @@ def test_megatron_1d_on_tpu_only_all_reduces_as_analysed():
     assert p["ratio"] == pytest.approx(1.0, abs=0.05)
 
 
+def test_a_bfloat16_model_on_tpu_reduces_the_embeddings_gradient_in_float32_as_analysed():
+    """Under bf16 compute the products' gradients are all-reduced in bf16, the embedding's in f32
+    (its lookup adds the rows' gradients into a float32 table, kernels.embed): the analysis counts
+    each in its dtype."""
+    config = small_config(rules="megatron_1d", mesh="dp=8,mp=1", **{"model.dtype": "bfloat16"})
+    p = planner.plan(config, target=TARGET)
+    assert p["collectives"]["all-reduce"]["dtypes"] == ["bf16", "f32"]
+    table = config.model.vocab_size * config.model.d_model * 4  # bytes
+    assert p["analytical"]["data_parallel"] > 2 * 7 / 8 * table
+    assert p["ratio"] == pytest.approx(1.0, abs=0.01)
+
+
 def test_scan_and_unrolled_layers_give_the_same_totals_on_tpu():
     scanned = tpu_plan("megatron_1d")
     unrolled = tpu_plan("megatron_1d", **{"model.scan_layers": False})
