@@ -198,12 +198,14 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     # sums them per batch shard, else once per microbatch (onto parameters sharded over those axes).
     once = k == 1 or step_lib.sums_per_batch_shard(tuple(batch_axes), s.shardings.params, c.batch_size // k)
     dp_reductions = 1 if once else k
-    # config.optim.grad_reduce_dtype=bfloat16: where the step sums per batch shard every gradient
-    # crosses the batch axes in bfloat16; elsewhere every gradient a product or the embedding's
+    # config.optim.grad_reduce_dtype=bfloat16: where the step sums microbatches per batch shard every
+    # gradient crosses the batch axes in bfloat16; elsewhere every gradient a product or the embedding's
     # scatter makes (kernels.gradient_products), the norm scales' in float32. XLA:CPU promotes each
     # bf16 reduction to float32.
     bf16_reduce = step_lib.grad_reduce_dtype(s) == "bfloat16"
-    per_shard = step_lib.sums_per_batch_shard(tuple(batch_axes), s.shardings.params, c.batch_size // k)
+    per_shard = k > 1 and step_lib.sums_per_batch_shard(
+        tuple(batch_axes), s.shardings.params, c.batch_size // k
+    )
     data_parallel = fsdp_gather = fsdp_reduce = 0.0
     for row in rows:
         if row["kind"] != "params":
