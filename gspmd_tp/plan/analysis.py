@@ -74,8 +74,8 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     sharding these become all-gathers plus reduce-scatters of the same bytes. Data parallelism:
     each gradient all-reduced over the batch axes that do not shard it, once per step or, where
     parameters are sharded over those axes, once per microbatch; in bfloat16 with
-    config.optim.grad_reduce_dtype (all but the norm scales' where parameters are sharded over the
-    batch axes; float32 on XLA:CPU, which promotes it). FSDP (a parameter sharded
+    config.optim.grad_reduce_dtype (all but the norm scales' unless microbatches are summed per
+    batch shard; float32 on XLA:CPU, which promotes it). FSDP (a parameter sharded
     over a batch axis): gathered forward and backward per microbatch, its gradient
     reduce-scattered. XLA:CPU lowers reduce-scatter as all-reduce plus slice, so on the CPU
     backend a reduce-scatter costs an all-reduce. On the TPU backend a float32 model's products
@@ -200,8 +200,8 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     dp_reductions = 1 if once else k
     # config.optim.grad_reduce_dtype=bfloat16: where the step sums microbatches per batch shard every
     # gradient crosses the batch axes in bfloat16; elsewhere every gradient a product or the embedding's
-    # scatter makes (kernels.gradient_products), the norm scales' in float32. XLA:CPU promotes each
-    # bf16 reduction to float32.
+    # scatter makes (model.grad_dtype), the norm scales' in float32. XLA:CPU promotes each bf16
+    # reduction to float32.
     bf16_reduce = step_lib.grad_reduce_dtype(s) == "bfloat16"
     per_shard = k > 1 and step_lib.sums_per_batch_shard(
         tuple(batch_axes), s.shardings.params, c.batch_size // k

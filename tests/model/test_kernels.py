@@ -216,7 +216,7 @@ def test_embed_gradient_sharded_over_eight_devices_is_autodiffs_of_the_lookup(ru
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-# --- the dtype of the weight gradients (kernels.gradient_products) ---
+# --- the dtype of the weight gradients (model.grad_dtype) ---
 
 
 def _outputs(jaxpr, primitive: str) -> list:
