@@ -155,9 +155,10 @@ def test_a_bfloat16_gradient_reduction_with_nothing_to_reduce_is_a_warning(capsy
 
 @pytest.mark.parametrize("rules", SHIPPED)
 def test_a_bfloat16_gradient_reduction_applies_under_every_shipped_rule_file(capsys, rules):
-    """docs/training.md's list: dp, megatron_1d and megatron_1d_sp sum gradients per batch shard and
-    all-reduce the sums in bfloat16; the rule files that shard parameters over a batch axis (fsdp,
-    fsdp_tp, megatron_2d, data_fsdp_tensor) make the gradients in bfloat16 where GSPMD reduces them."""
+    """docs/training.md: with several microbatches dp, megatron_1d and megatron_1d_sp sum them per
+    batch shard and all-reduce the sums in bfloat16; otherwise, and under the rule files that shard
+    parameters over a batch axis, the step makes the gradients in bfloat16 where GSPMD reduces them:
+    every shipped rule file applies it, with no warning."""
     s = run_setup.setup(
         small_config(rules=rules, mesh=mesh_for(rules), **{"optim.grad_reduce_dtype": "bfloat16"})
     )
