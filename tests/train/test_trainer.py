@@ -58,6 +58,7 @@ def test_fused_mlp_gradient_sharded_equals_single_device(reference):
     "rules, mesh, overrides",
     [
         ("dp", "dp=8,mp=1", {}),
+        ("megatron_1d", "dp=4,mp=2", {"grad_accum": 2}),  # microbatches summed per batch shard
         ("fsdp", "dp=8,mp=1", {}),
         ("megatron_2d", "dp=4,mp=2", {"model.mlp_grad": "fused", "loss_chunk": 16, "grad_accum": 2}),
     ],
@@ -67,8 +68,9 @@ def test_a_bfloat16_gradient_reduction_trains_close_to_one_device_with_float32_s
 ):
     """optim.grad_reduce_dtype=bfloat16 rounds only what crosses the batch axes: the losses and
     gradient norms within bfloat16's rounding of one device's, and the parameters and both moments
-    stay float32. dp sums per batch shard and all-reduces the sums; fsdp and megatron_2d make the
-    gradients in bfloat16 where GSPMD reduces them (the fused MLP's, the chunked loss's head)."""
+    stay float32. megatron_1d with two microbatches sums them per batch shard and all-reduces the
+    sums; the others make the gradients in bfloat16 where GSPMD reduces them (megatron_2d: the
+    fused MLP's, the chunked loss's head)."""
     c = small_config(rules=rules, mesh=mesh, **{"optim.grad_reduce_dtype": "bfloat16"}, **overrides)
     state, history = run_steps(c, batches(c))
     np.testing.assert_allclose(np.array(history), np.array(reference), rtol=2e-3)
