@@ -54,7 +54,7 @@ def project(subscripts: str, x, w, names: tuple, grad_dtype: str = ""):
     """jnp.einsum(subscripts, x, w) of an activation and a weight (in the compute dtype) with the
     weight's logical axis `names`, each index in two of the three terms. With grad_dtype
     (model.grad_dtype) w's gradient product writes it, laid out as the weight before the cast to
-    w's dtype (the TPU compiler then reduce-scatters it rather than all-reducing it whole)."""
+    w's dtype, so that the reduction onto the weight's shards runs in grad_dtype."""
     dtype = _gradient_dtype(grad_dtype, w.dtype)
     if dtype is None:
         return jnp.einsum(subscripts, x, w)
