@@ -80,7 +80,10 @@ def _project_bwd(subscripts, dtype, names, residuals, dy):
 
 
 def _as_weight(g, names: tuple, dtype):
-    """A weight's gradient g laid out as the weight (logical `names`), then cast to `dtype`."""
+    """A weight's gradient g made in another dtype laid out as the weight (logical `names`), then
+    cast to the weight's `dtype`; g as it is where it is made in that dtype already."""
+    if g.dtype == dtype:
+        return g
     if not _fully_manual():
         g = nn.with_logical_constraint(g, names)
     return g.astype(dtype)
@@ -307,8 +310,6 @@ def _fused_mlp_bwd(grad_dtype, res, dy):
     product = functools.partial(jnp.einsum, preferred_element_type=grad_dtype)
     d_w_in = jnp.stack([product("ble,blm->em", x_ble, d) for d in (d_gate, d_up)], axis=1)
     d_w_out = product("blm,ble->me", hidden, dy)
-    if grad_dtype is None:
-        return dx, d_w_in, d_w_out
     return dx, _as_weight(d_w_in, MLP_IN, w_in.dtype), _as_weight(d_w_out, MLP_OUT, w_out.dtype)
 
 
@@ -391,7 +392,7 @@ def _embed_lookup_bwd(dtype, grad_dtype, residuals, g_ble):
     t, f = _table_shards((vocab, width))
     if t == 1:
         g_ve = jnp.zeros((vocab, width), add_dtype).at[tokens_bl].add(g_ble)
-        return (g_ve if grad_dtype is None else _as_weight(g_ve, (VOCAB, EMBED), table_dtype)), None
+        return _as_weight(g_ve, (VOCAB, EMBED), table_dtype), None
     # Scattered into the whole table, a vocabulary-split gradient is one GSPMD partitions on the
     # batch alone: each device adds its tokens' rows into every row (data_fsdp_tensor: all-reduced
     # over the vocabulary's mesh axes as well as the batch's). Scattered into a stack of the table's
@@ -415,7 +416,7 @@ def _embed_lookup_bwd(dtype, grad_dtype, residuals, g_ble):
     shards_tfrc = jax.vmap(jax.vmap(add))(shards_tfrc, local_tfbl, g_tfblc)
     shards_tfrc = nn.with_logical_constraint(shards_tfrc, (VOCAB, EMBED, None, None))
     g_ve = jnp.swapaxes(shards_tfrc, 1, 2).reshape(vocab, width)
-    return (g_ve if grad_dtype is None else _as_weight(g_ve, (VOCAB, EMBED), table_dtype)), None
+    return _as_weight(g_ve, (VOCAB, EMBED), table_dtype), None
 
 
 embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)

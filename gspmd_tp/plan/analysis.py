@@ -196,16 +196,15 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
 
     # With microbatches, gradients are reduced over the batch axes once per step where the trainer
     # sums them per batch shard, else once per microbatch (onto parameters sharded over those axes).
-    once = k == 1 or step_lib.sums_per_batch_shard(tuple(batch_axes), s.shardings.params, c.batch_size // k)
-    dp_reductions = 1 if once else k
+    per_shard = k > 1 and step_lib.sums_per_batch_shard(
+        tuple(batch_axes), s.shardings.params, c.batch_size // k
+    )
+    dp_reductions = 1 if k == 1 or per_shard else k
     # config.optim.grad_reduce_dtype=bfloat16: where the step sums microbatches per batch shard every
     # gradient crosses the batch axes in bfloat16; elsewhere every gradient a product or the embedding's
     # scatter makes (model.grad_dtype), the norm scales' in float32. XLA:CPU promotes each bf16
     # reduction to float32.
     bf16_reduce = step_lib.grad_reduce_dtype(s) == "bfloat16"
-    per_shard = k > 1 and step_lib.sums_per_batch_shard(
-        tuple(batch_axes), s.shardings.params, c.batch_size // k
-    )
     data_parallel = fsdp_gather = fsdp_reduce = 0.0
     for row in rows:
         if row["kind"] != "params":
