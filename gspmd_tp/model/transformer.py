@@ -241,9 +241,18 @@ def _param(module, name, init, shape, names):
     return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
 
 
-def _weight(w, dtype):
-    """A float32 weight in the compute dtype, named "weights" (model.remat_save may keep it)."""
-    return checkpoint_name(w.astype(dtype), "weights")
+def cast_weight(w, dtype, names: tuple):
+    """A float32 weight with logical axes `names` in the compute dtype. The cast runs where the
+    weight lies, so a weight split over devices (FSDP, 2D) is gathered in the compute dtype: half
+    float32's bytes in bfloat16, and its gradient reduce-scattered in it."""
+    if w.dtype == dtype:
+        return w
+    return _constrain(w.astype(dtype), names)
+
+
+def _weight(w, dtype, names: tuple):
+    """cast_weight, named "weights" (model.remat_save may keep it)."""
+    return checkpoint_name(cast_weight(w, dtype, names), "weights")
 
 
 # The logical axes of the projections' weights (the MLP's are kernels.MLP_IN and MLP_OUT); the
@@ -349,7 +358,9 @@ class Attention(nn.Module):
         out_shape = (cfg.num_heads, hd, cfg.d_model)
         w_out = _param(self, "out", _out_init(cfg), out_shape, OUT_AXES)
 
-        qkv_blkgd = kernels.project("ble,ekgd->blkgd", x_ble, _weight(w_qkv, dtype), QKV_AXES, cfg.grad_dtype)
+        qkv_blkgd = kernels.project(
+            "ble,ekgd->blkgd", x_ble, _weight(w_qkv, dtype, QKV_AXES), QKV_AXES, cfg.grad_dtype
+        )
         qkv_blkgd = _constrain(qkv_blkgd, (BATCH, LENGTH, KV_HEADS, None, HEAD_DIM))
         q_blhd = qkv_blkgd[:, :, :, :group].reshape(b, length, cfg.num_heads, hd)
         q_blhd = rotary(q_blhd, positions, cfg.rope_theta) * hd**-0.5  # scaled once, here
@@ -363,7 +374,9 @@ class Attention(nn.Module):
             k_blkd, v_blkd, mask = _extend_cache(self, k_blkd, v_blkd, decoding)
         out_blhd = kernels.attention(cfg, q_blhd, k_blkd, v_blkd, mask)
         out_blhd = _constrain(out_blhd, (BATCH, LENGTH, HEADS, HEAD_DIM))
-        y_ble = kernels.project("blhd,hde->ble", out_blhd, _weight(w_out, dtype), OUT_AXES, cfg.grad_dtype)
+        y_ble = kernels.project(
+            "blhd,hde->ble", out_blhd, _weight(w_out, dtype, OUT_AXES), OUT_AXES, cfg.grad_dtype
+        )
         # No _constrain_cotangent here (see there): XLA:CPU then gathers this gradient once per
         # consumer under 2D, one extra all-gather per layer that the TPU compiler does not make.
         return _constrain(y_ble, (BATCH, NORM_LENGTH, EMBED))
@@ -379,7 +392,9 @@ class FeedForward(nn.Module):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         w_in = _param(self, "gate_up", _INIT, (cfg.d_model, 2, cfg.mlp_dim), kernels.MLP_IN)
         w_out = _param(self, "down", _out_init(cfg), (cfg.mlp_dim, cfg.d_model), kernels.MLP_OUT)
-        y_ble = kernels.mlp(cfg, x_ble, _weight(w_in, dtype), _weight(w_out, dtype))
+        y_ble = kernels.mlp(
+            cfg, x_ble, _weight(w_in, dtype, kernels.MLP_IN), _weight(w_out, dtype, kernels.MLP_OUT)
+        )
         return _constrain(_constrain_cotangent(y_ble, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))
 
 
@@ -449,7 +464,9 @@ class Transformer(nn.Module):
             head_ev = _param(self, "lm_head", _INIT, (cfg.d_model, cfg.vocab_size), HEAD_AXES)
         if return_hidden:
             return x_ble, head_ev
-        logits_blv = kernels.project("ble,ev->blv", x_ble, head_ev.astype(dtype), HEAD_AXES, cfg.grad_dtype)
+        logits_blv = kernels.project(
+            "ble,ev->blv", x_ble, cast_weight(head_ev, dtype, HEAD_AXES), HEAD_AXES, cfg.grad_dtype
+        )
         logits_blv = mask_vocab_padding(logits_blv.astype(jnp.float32), cfg.vocab_tokens)
         return _constrain(logits_blv, (BATCH, LENGTH, VOCAB))
 

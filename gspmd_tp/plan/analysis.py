@@ -80,9 +80,9 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     reduce-scattered. XLA:CPU lowers reduce-scatter as all-reduce plus slice, so on the CPU
     backend a reduce-scatter costs an all-reduce. On the TPU backend a float32 model's products
     read bf16 operands (JAX's default precision) and the compiler gathers them after the cast:
-    weights and the all-gather half of a sequence-parallel or 2D pair count 2 bytes an element (a
-    bf16 model's float32 weights it gathers whole and casts after). The GPU compiler gathers a
-    weight after its cast to the compute dtype and reduce-scatters its gradient in that dtype.
+    weights and the all-gather half of a sequence-parallel or 2D pair count 2 bytes an element.
+    A bf16 model casts each weight where it lies, so the TPU and GPU compilers gather it in bf16 and
+    reduce-scatter its gradient in bf16.
     The embedding's gradient is float32 whatever the compute dtype (its lookup adds into a float32
     table). A remat policy's recomputation adds the collectives it runs again.
     `unmodelled` lists shardings the analysis does not cover (head_dim, layers, length, norm_length
@@ -106,12 +106,12 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     # What an all-gather moves per byte of a product's operand: the TPU compiler rounds float32
     # operands to bfloat16 (JAX's default precision) and gathers them after the cast.
     gather = 2 / act_bytes if backend == "tpu" else 1.0
-    # And per byte of a float32 weight: on the TPU as above (measured on v5p: a bf16 model's
-    # weights are gathered in float32), on the GPU after the cast to the compute dtype.
-    weight_gather = {"tpu": gather, "gpu": act_bytes / 4}.get(backend, 1.0)
-    # A weight used in products gets its gradient in the compute dtype, all-reduced in it before
-    # the float32 update (seen in TPU and GPU HLO; XLA:CPU promotes the all-reduce to float32);
-    # the GPU compiler reduce-scatters an FSDP gradient in it too, the TPU compiler in float32.
+    # And per byte of a float32 weight: the model casts a weight to the compute dtype where it lies
+    # (transformer.cast_weight), so it is gathered in that dtype; on the TPU a float32 model's in
+    # bfloat16 too, as above.
+    weight_gather = {"tpu": 0.5, "gpu": act_bytes / 4}.get(backend, 1.0)
+    # A weight used in products gets its gradient in the compute dtype, all-reduced or
+    # reduce-scattered in it before the float32 update (XLA:CPU promotes the all-reduce to float32).
     gradient = act_bytes / 4
     activation = (c.batch_size // k // d_ways) * c.seq_len * cfg.d_model * act_bytes
     # (all-reduces per microbatch, the mesh axes they run over), one entry per kind.
@@ -235,7 +235,7 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
             # every layer's gathered copy); the output projection's gathered copy is kept.
             gathers = 2 if row["path"].startswith("params/layers") else 1
             fsdp_gather += k * gathers * (f - 1) / f * gathered * (weight_gather if matrix else 1)
-            reduced = {"cpu": 2, "gpu": gradient if matrix else 1}.get(backend, 1)
+            reduced = 2 if backend == "cpu" else (gradient if matrix else 1)
             if bf16_reduce and matrix and backend != "cpu":
                 reduced = 0.5
             fsdp_reduce += k * (f - 1) / f * gathered * reduced

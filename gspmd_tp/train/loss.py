@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from gspmd_tp.model import kernels
-from gspmd_tp.model.transformer import HEAD_AXES, mask_vocab_padding
+from gspmd_tp.model.transformer import HEAD_AXES, cast_weight, mask_vocab_padding
 from gspmd_tp.sharding.axes import BATCH, LENGTH, VOCAB
 from gspmd_tp.sharding.rules import batch_mesh_axes
 
@@ -77,13 +77,14 @@ def chunked_cross_entropy_sums(
     valid_csbl = None if valid_bl is None else blocks(valid_bl)
     # One copy of the projection per batch shard, each on its own shard's devices (see the module
     # docstring): the gradient the loop carries is then split over the batch like the rows.
+    head_ev = cast_weight(head_ev, hidden_ble.dtype, HEAD_AXES)
     head_sev = kernels.spread(head_ev, s, HEAD_AXES, grad_dtype)
     head_sev = nn.with_logical_constraint(head_sev, (BATCH, None, VOCAB))
 
     @jax.checkpoint  # recompute each block's logits in the backward pass instead of saving them
     def block(hidden, targets, valid):
         hidden = nn.with_logical_constraint(hidden, (BATCH, None, LENGTH, None))
-        logits = jnp.einsum("sble,sev->sblv", hidden, head_sev.astype(hidden.dtype))
+        logits = jnp.einsum("sble,sev->sblv", hidden, head_sev)
         logits = mask_vocab_padding(logits.astype(jnp.float32), vocab_tokens)
         logits = nn.with_logical_constraint(logits, (BATCH, None, LENGTH, VOCAB))
         # Per shard, (shards,): the running total stays split over the batch too.

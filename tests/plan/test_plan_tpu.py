@@ -83,6 +83,21 @@ def test_a_bfloat16_model_on_tpu_reduces_the_embeddings_gradient_in_float32_as_a
     assert p["ratio"] == pytest.approx(1.0, abs=0.01)
 
 
+def test_a_bfloat16_model_gathers_its_weights_in_bfloat16_as_analysed():
+    """Under bf16 compute each weight is cast where it lies (transformer.cast_weight), so FSDP gathers
+    the layers' weights in bf16, and the analysis counts its gathers so (0.49 of it when it counted
+    float32). Their gradients are reduced in bf16 too; which of them this small model's compiler
+    reduce-scatters and which it all-reduces whole is its choice (see WIDE), so only the gathers
+    are held to the analysis here."""
+    p = tpu_plan("fsdp", **{"model.dtype": "bfloat16"})
+    layers = small_config().model.num_layers
+    weights = [c for c in p["largest_collectives"] if c["kind"] == "all-gather" and c["executions"] == layers]
+    assert weights and {c["dtype"] for c in weights} == {"bf16"}, weights
+    assert set(p["collectives"]["reduce-scatter"]["dtypes"]) == {"bf16"}
+    gathered = p["bytes_per_device_by_type"]["all-gather"]
+    assert gathered == pytest.approx(p["analytical"]["fsdp_gather"], rel=0.05)
+
+
 def test_scan_and_unrolled_layers_give_the_same_totals_on_tpu():
     scanned = tpu_plan("megatron_1d")
     unrolled = tpu_plan("megatron_1d", **{"model.scan_layers": False})
