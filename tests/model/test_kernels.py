@@ -270,3 +270,22 @@ def test_spread_sums_its_copies_gradients_in_grad_dtype():
     np.testing.assert_allclose(g0, weights.sum(0), rtol=1e-6)
     assert total0.dtype == g0.dtype == g.dtype == jnp.float32 and total.dtype == jnp.bfloat16
     np.testing.assert_allclose(g, g0, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_bfloat16_model_casts_each_weight_where_it_lies(dtype):
+    """Under bf16 compute every matrix's bf16 copy is constrained to the weight's own layout
+    (transformer.cast_weight), so a weight split over devices is gathered in bf16 whatever dtype
+    the compiler would pick; in float32 the weights are used as they are."""
+    s = run_setup.setup(small_config(rules="fsdp", mesh="dp=8,mp=1"))
+    cfg = ModelConfig(**{**vars(CFG), "dtype": dtype, "tie_embeddings": False})
+    params = init(cfg)
+    with state_lib.sharding_context(s.mesh, s.rules):
+        jaxpr = jax.make_jaxpr(mean_logit(cfg))(params).jaxpr
+    constrained = {(a.shape, a.dtype) for a in _outputs(jaxpr, "sharding_constraint")}
+    layer = params["layers"] if cfg.scan_layers else params["layers_0"]
+    matrices = [w.shape[1:] if cfg.scan_layers else w.shape for w in jax.tree.leaves(layer) if w.ndim > 2]
+    matrices.append(params["lm_head"].shape)
+    assert len(matrices) == 5  # qkv, out, gate_up, down, the output head
+    bf16 = {shape for shape in matrices if (shape, jnp.dtype(jnp.bfloat16)) in constrained}
+    assert bf16 == (set(matrices) if dtype == "bfloat16" else set())
