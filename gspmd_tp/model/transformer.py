@@ -37,6 +37,7 @@ from gspmd_tp.sharding.axes import (
     NORM_LENGTH,
     VOCAB,
 )
+from gspmd_tp.sharding.rules import axes_of
 
 # Activations that a rule file may make a collective produce: each sublayer's input once it is
 # whole-width (an all-gather under sequence parallelism and 2D) and its output once reduced to the
@@ -210,10 +211,12 @@ def _constrain_cotangent(x, names):
     """Identity forward; in the backward pass the incoming gradient is constrained to `names`.
 
     A projection's output gradient feeds two matmuls (the input gradient and the weight gradient).
-    When both need it gathered, GSPMD gathers it once per consumer; constraining it once here makes
-    a single gathered copy that both read. Used on the MLP output only: on the attention output the
-    TPU compiler already gathers the gradient once, in bf16 after its own cast, and this constraint
-    would pin the gather to float32 before that cast.
+    When both need it gathered, GSPMD may gather it once per consumer; constraining it once here
+    makes a single gathered copy that both read. Used on the MLP output, and on the attention output
+    where the residual stream is split on the model width (_width_split), where the GPU compiler and
+    XLA:CPU gather it once per consumer. Elsewhere the compilers gather the attention's once, and in
+    a float32 model the TPU compiler gathers it in bf16 after its own cast for the products (JAX's
+    default precision), where this constraint would gather it in float32 (as it does under 2D).
     """
 
     @jax.custom_vjp
@@ -228,6 +231,11 @@ def _constrain_cotangent(x, names):
 
     identity.defvjp(fwd, bwd)
     return identity(x)
+
+
+def _width_split() -> bool:
+    """Whether the logical axis rules split the residual stream on the model width (2D sharding)."""
+    return bool(axes_of(nn.logical_to_mesh_axes((BATCH, NORM_LENGTH, EMBED))[-1]))
 
 
 # The inputs of the projections and the output-projection gradients: whole per position, never split
@@ -377,8 +385,8 @@ class Attention(nn.Module):
         y_ble = kernels.project(
             "blhd,hde->ble", out_blhd, _weight(w_out, dtype, OUT_AXES), OUT_AXES, cfg.grad_dtype
         )
-        # No _constrain_cotangent here (see there): XLA:CPU then gathers this gradient once per
-        # consumer under 2D, one extra all-gather per layer that the TPU compiler does not make.
+        if _width_split():
+            y_ble = _constrain_cotangent(y_ble, _WHOLE_WIDTH)
         return _constrain(y_ble, (BATCH, NORM_LENGTH, EMBED))
 
 

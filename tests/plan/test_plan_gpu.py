@@ -16,6 +16,7 @@ from configs import llama_1b
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.model.params import flops_per_token
 from gspmd_tp.plan import hardware, planner
+from gspmd_tp.sharding import hlo
 from gspmd_tp.train import run_setup
 
 H100 = hardware.GPU_CHIPS["h100"]
@@ -121,6 +122,28 @@ def test_megatron_1d_on_eight_gpus_all_reduces_as_analysed():
     assert p["backend"] == "gpu" and p["devices"] == 8 and p["device_kind"] == H100["name"]
     assert {k for k, v in p["collectives"].items() if v["count"]} == {"all-reduce"}
     assert p["ratio"] == pytest.approx(1.0, abs=0.02)
+
+
+def test_2d_on_gpus_gathers_each_sublayer_output_gradient_once(tmp_path):
+    """Under 2D sharding both products of a sublayer's backward pass read its output gradient
+    gathered over mp; the GPU compiler gathers it once per product unless the model constrains it
+    once (transformer._constrain_cotangent): one all-gather per sublayer and layer."""
+    c = small_config(rules="megatron_2d", mesh="dp=2,mp=4", **BF16)
+    planner.plan(c, dump_hlo=str(tmp_path), target="gpu:h100:8")
+    (path,) = tmp_path.iterdir()
+    activation = (c.batch_size // 2) * c.seq_len * c.model.d_model * 2  # bf16, whole width
+
+    def gathers(where):
+        found = hlo.collectives(path.read_text(), 8)
+        return sum(
+            x.executions
+            for x in found
+            if x.kind == "all-gather" and x.result_bytes == activation and where in x.op_name
+        )
+
+    layers = c.model.num_layers
+    for sublayer in ("attn", "mlp"):
+        assert gathers(f"transpose(jvp(Transformer))/while/body/closed_call/layers/{sublayer}/") == layers
 
 
 def test_on_one_host_every_collective_runs_at_nvlink_bandwidth():

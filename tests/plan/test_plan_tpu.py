@@ -107,12 +107,17 @@ def test_scan_and_unrolled_layers_give_the_same_totals_on_tpu():
     )
 
 
-def test_megatron_2d_on_tpu_within_15_percent_of_the_analysis():
-    """The TPU compiler gathers each output gradient once (in bf16, after its own cast). What it moves
-    beyond the analysis (1.13 here, measured): it all-reduces the attention weights' gradients over
-    dp where a reduce-scatter would do, and the embedding's output over mp likewise."""
+def test_megatron_2d_on_tpu_moves_what_the_analysis_and_its_float32_gather_say():
+    """What a float32 model moves beyond the analysis on the TPU (1.16 here, measured; a bf16 model's
+    1.14): the compiler all-reduces the attention weights' gradients over dp where a reduce-scatter
+    would do (this model's shards are narrower than the TPU's lanes, see WIDE), and the embedding's
+    output over mp likewise; and the attention's output gradient, constrained once for both of its
+    products (transformer._constrain_cotangent), is gathered in float32 where the analysis counts
+    the bf16 the products read."""
     p = tpu_plan("megatron_2d")
-    assert p["ratio"] == pytest.approx(1.07, abs=0.08)
+    assert p["ratio"] == pytest.approx(1.16, abs=0.03)
+    attention = "transpose(jvp(Transformer))/while/body/closed_call/layers/attn/sharding_constraint"
+    assert {c["dtype"] for c in p["largest_collectives"] if c["op_name"].endswith(attention)} == {"f32"}
 
 
 def test_fsdp_on_tpu_counts_each_gathered_weight_once():
