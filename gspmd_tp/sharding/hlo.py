@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 
@@ -397,7 +397,8 @@ def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]
 
     One collective, one entry: the TPU compiler splits an asynchronous collective into a start
     fusion and continuation fusions (async_collective_fusion) that each hold a copy of the
-    instruction with the same channel_id; one copy is counted, the most executed. `island_of`
+    instruction with the same channel_id; one copy is counted, the most executed. Other collectives
+    of a channel_id (a shard_map's share one) are counted each. `island_of`
     maps a partition id to its island (a GPU's host) where the devices sit in several; a
     multi-slice TPU program's DCN transfers are counted across its slices whatever it is.
     """
@@ -448,20 +449,30 @@ def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]
                 dtype=dtype,
                 promoted=promoted,
             )
+            # Copies of one collective (the TPU's async fusions) share its channel_id and chain_id and
+            # are alike; distinct collectives may share a channel_id too (a shard_map's all do).
             channel = re.search(r"\bchannel_id=(\d+)", rest)
-            found.append((c, channel.group(1) if channel else None))
+            chain = re.search(r'\bchain_id="(\d+)"', rest)
+            key = (channel.group(1), chain and chain.group(1), kind, size, str(groups), c.op_name)
+            found.append((c, key if channel else None))
     windows = _windows(comps, found)
     found = [
         (dataclasses.replace(c, scheduled_in=windows[c.computation, c.name][0],
                              window=windows[c.computation, c.name][1]), channel)
         for c, channel in found
     ]  # fmt: skip
-    kept = {}  # channel -> the copy counted
-    for c, channel in found:
-        if channel is not None and (channel not in kept or c.executions > kept[channel].executions):
-            kept[channel] = c
+    # Copies sit in different computations (start, continuation and done fusions): of a channel's
+    # alike collectives, as many are counted as one computation holds, the most executed.
+    alike: dict[tuple, list[Collective]] = defaultdict(list)
+    for c, key in found:
+        if key is not None:
+            alike[key].append(c)
+    kept = set()
+    for group in alike.values():
+        most = max(Counter(c.computation for c in group).values())
+        kept |= {id(c) for c in sorted(group, key=lambda c: -c.executions)[:most]}
     dcn = [c for comp, lines in comps.items() for c in _megascale(comp, lines, runs)]
-    return [c for c, channel in found if channel is None or kept[channel] is c] + dcn
+    return [c for c, key in found if key is None or id(c) in kept] + dcn
 
 
 def as_asked(found: list[Collective]) -> list[Collective]:

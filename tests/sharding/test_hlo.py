@@ -135,6 +135,29 @@ def test_an_async_collective_split_into_start_continuation_and_done_counts_once(
     assert hlo.summarize([found])["all-gather"]["count"] == 1
 
 
+def test_a_shard_maps_collectives_count_one_by_one():
+    """XLA gives a shard_map's collectives one channel_id (XLA:CPU and the TPU compiler alike): two
+    all-gathers of one shape, one after the other, and a reduce-scatter are three collectives (the
+    reader had counted one per channel_id, as for the TPU's copies above)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("x",), (jax.sharding.AxisType.Auto,))
+
+    def f(a):
+        b = jax.lax.all_gather(a, "x", tiled=True)
+        c = jax.lax.all_gather(jnp.sin(b[:1]), "x", tiled=True)
+        return jax.lax.psum_scatter(c, "x", tiled=True)
+
+    mapped = jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+    x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("x")))
+    text = jax.jit(mapped).lower(x).compile().as_text()
+    found = hlo.collectives(text, 8)
+    assert sorted(c.kind for c in found) == ["all-gather", "all-gather", "reduce-scatter"], text
+
+
 def test_gpu_async_collectives_count_the_results_their_done_returns():
     """XLA's GPU compiler returns a combined start's operands beside its results,
     ((operands...), (results...)); the done instruction returns the results alone. Counting the
