@@ -231,6 +231,16 @@ def step_flops(config) -> float:
     return (6 * weights + attention) * config.batch_size * config.seq_len
 
 
+def activation_gathers(found, result_bytes: int, where: str) -> int:
+    """Runs per step of the all-gathers among `found` (hlo.collectives) that produce `result_bytes`
+    and come from a jax op whose name contains `where`."""
+    return sum(
+        c.executions
+        for c in found
+        if c.kind == "all-gather" and c.result_bytes == result_bytes and where in c.op_name
+    )
+
+
 @pytest.fixture(scope="session")
 def trained_workdir(tmp_path_factory):
     """A workdir trained 4 steps with small_config() (megatron_2d on dp=2,mp=4): checkpoints at

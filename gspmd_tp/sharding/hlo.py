@@ -323,12 +323,12 @@ def operands(rest: str) -> list[str]:
     return re.findall(r"%([\w.\-]+)", rest[:end])
 
 
-def _windows(comps: dict[str, list[str]], found: list[tuple[Collective, str | None]]) -> dict:
+def _windows(comps: dict[str, list[str]], found: list[tuple[Collective, tuple | None]]) -> dict:
     """{(computation, name) of a collective: (computation it is scheduled in, compute instructions
     between its start and its done)}. A collective's anchors are its own instruction where it
     stands in a scheduled computation, else the instructions there that call a computation holding
-    it or a copy of it (one channel_id: the TPU's start, continuation and done fusions, an
-    async-start's wrapped computation); a -done instruction taking an anchor joins them. What lies
+    it or a copy of it (one key of collectives(): the TPU's start, continuation and done fusions,
+    an async-start's wrapped computation); a -done instruction taking an anchor joins them. What lies
     between the first and last anchor and does work is the window."""
     parsed = {
         c: [(m.group(1), m.group(3), m.group(4)) for line in lines if (m := INSTRUCTION.match(line))]
@@ -340,10 +340,10 @@ def _windows(comps: dict[str, list[str]], found: list[tuple[Collective, str | No
             m = re.search(r"\bcalls=%?([\w.\-]+)", rest)
             if m:
                 called.setdefault(m.group(1), []).append((c, i))
-    by_channel: dict[str, set[str]] = defaultdict(set)
-    for c, channel in found:
-        if channel is not None:
-            by_channel[channel].add(c.computation)
+    by_key: dict[tuple, set[str]] = defaultdict(set)
+    for c, key in found:
+        if key is not None:
+            by_key[key].add(c.computation)
     # Every instruction that starts, continues or ends some collective: not compute.
     transfer = {(c.computation, c.name) for c, _ in found}
     transfer |= {
@@ -353,8 +353,8 @@ def _windows(comps: dict[str, list[str]], found: list[tuple[Collective, str | No
         for comp, i in called.get(c.computation, [])
     }
     out = {}
-    for c, channel in found:
-        holders = by_channel[channel] if channel is not None else {c.computation}
+    for c, key in found:
+        holders = by_key[key] if key is not None else {c.computation}
         if c.computation not in called:  # it stands in a scheduled computation itself
             sched = c.computation
             anchors = {i for i, (name, _, _) in enumerate(parsed[sched]) if name == c.name}
@@ -404,7 +404,7 @@ def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]
     """
     comps, _ = computations(text)
     runs = executions(text)
-    found: list[tuple[Collective, str | None]] = []
+    found: list[tuple[Collective, tuple | None]] = []
     for comp, lines in comps.items():
         # An asynchronous collective's start returns its operands beside its results; the done
         # instruction returns the results alone, so its type is what the collective produces.
@@ -458,8 +458,8 @@ def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]
     windows = _windows(comps, found)
     found = [
         (dataclasses.replace(c, scheduled_in=windows[c.computation, c.name][0],
-                             window=windows[c.computation, c.name][1]), channel)
-        for c, channel in found
+                             window=windows[c.computation, c.name][1]), key)
+        for c, key in found
     ]  # fmt: skip
     # Copies sit in different computations (start, continuation and done fusions): of a channel's
     # alike collectives, as many are counted as one computation holds, the most executed.

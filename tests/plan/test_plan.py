@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import small_config
+from conftest import activation_gathers, small_config
 
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.plan import analysis, planner
@@ -98,11 +98,7 @@ def test_2d_gathers_each_activation_once_and_each_output_gradient_once():
     activation = (c.batch_size // 2) * c.seq_len * c.model.d_model * 4
 
     def gathers(where):
-        return sum(
-            x.executions
-            for x in found
-            if x.kind == "all-gather" and x.result_bytes == activation and where in x.op_name
-        )
+        return activation_gathers(found, activation, where)
 
     layers = c.model.num_layers
     assert gathers("jvp(Transformer)/while/body/closed_call/layers/sharding_constraint") == 2 * layers

@@ -10,7 +10,7 @@ import warnings
 
 import jax
 import pytest
-from conftest import ROOT, small_config, step_flops
+from conftest import ROOT, activation_gathers, small_config, step_flops
 
 from configs import llama_1b
 from gspmd_tp.job.errors import UserError
@@ -131,19 +131,11 @@ def test_2d_on_gpus_gathers_each_sublayer_output_gradient_once(tmp_path):
     c = small_config(rules="megatron_2d", mesh="dp=2,mp=4", **BF16)
     planner.plan(c, dump_hlo=str(tmp_path), target="gpu:h100:8")
     (path,) = tmp_path.iterdir()
+    found = hlo.collectives(path.read_text(), 8)
     activation = (c.batch_size // 2) * c.seq_len * c.model.d_model * 2  # bf16, whole width
-
-    def gathers(where):
-        found = hlo.collectives(path.read_text(), 8)
-        return sum(
-            x.executions
-            for x in found
-            if x.kind == "all-gather" and x.result_bytes == activation and where in x.op_name
-        )
-
-    layers = c.model.num_layers
     for sublayer in ("attn", "mlp"):
-        assert gathers(f"transpose(jvp(Transformer))/while/body/closed_call/layers/{sublayer}/") == layers
+        where = f"transpose(jvp(Transformer))/while/body/closed_call/layers/{sublayer}/"
+        assert activation_gathers(found, activation, where) == c.model.num_layers, sublayer
 
 
 def test_on_one_host_every_collective_runs_at_nvlink_bandwidth():
