@@ -150,7 +150,8 @@ def plan(
         "rules": s.rules.source,
         "label": label,  # the rule file's name, or its short_names label in a --compare
         "mesh": mesh,
-        # config.overlap and the compiler options it passed for this backend (docs/plan.md#overlap)
+        # config.overlap, and the compiler options passed for this backend: the platform's own
+        # (step.PLATFORM_OPTIONS) and config.overlap's (docs/plan.md#overlap)
         "overlap": s.config.overlap,
         "compiler_options": step_lib.compiler_options(s),
         "devices": n,
@@ -268,11 +269,14 @@ def format_plan(p: dict) -> str:
     rules = os.path.relpath(p["rules"])  # rules/x.yaml when run from the repository
     rules = p["rules"] if rules.startswith("..") else rules
     lines = [f"plan: rules {rules} | mesh {p['mesh']} | {where} devices", ""]
-    if p["overlap"] != "auto":
+    if p["overlap"] != "auto" or p["compiler_options"]:
         flags = {k: str(v).lower() if isinstance(v, bool) else v for k, v in p["compiler_options"].items()}
         options = " ".join(f"--{k}={v}" for k, v in flags.items()) or "none on this backend"
-        lines[0] += f" | overlap {p['overlap']}"
-        lines.insert(1, f"compiler options (config.overlap={p['overlap']}): {options}")
+        asked = ""
+        if p["overlap"] != "auto":
+            lines[0] += f" | overlap {p['overlap']}"
+            asked = f" (config.overlap={p['overlap']})"
+        lines.insert(1, f"compiler options{asked}: {options}")
     lines.append(f"{'parameter':<26} {'shape':<20} {'logical':<44} {'spec':<28} {'per device':>12}")
     for r in p["params"]:
         logical = "(" + ", ".join(str(x) for x in r["logical"]) + ")"

@@ -285,6 +285,21 @@ OVERLAP_OPTIONS = {
 }
 
 
+# Passed on every compile for the platform, whatever config.overlap.
+PLATFORM_OPTIONS = {
+    "tpu": {
+        # A gradient is reduce-scattered onto its parameter's shards over groups of 2 devices too:
+        # by default the TPU compiler relayouts the gradient (so that the split dimension is the
+        # major one) only for larger groups, and over 2 devices, where the split falls on the minor
+        # dimension, all-reduces it whole and slices it instead, twice the bytes (FSDP over 2, as in
+        # data_fsdp_tensor on 2x2x2: docs/plan.md, "The analytical model").
+        "xla_tpu_relayout_group_size_threshold_for_reduce_scatter": 2,
+    },
+}
+
+
 def compiler_options(s: Setup) -> dict:
-    """The compiler options config.overlap asks for on the platform the setup's mesh compiles for."""
-    return OVERLAP_OPTIONS[s.config.overlap].get(s.mesh.devices.flat[0].platform, {})
+    """The compiler options for the platform the setup's mesh compiles for: PLATFORM_OPTIONS', and
+    those config.overlap asks for."""
+    platform = s.mesh.devices.flat[0].platform
+    return {**PLATFORM_OPTIONS.get(platform, {}), **OVERLAP_OPTIONS[s.config.overlap].get(platform, {})}

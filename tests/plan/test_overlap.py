@@ -24,8 +24,9 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, re
 def test_collective_matmul_turns_tpu_gathers_and_scatters_into_loops_of_permutes(rules):
     (base, p), files = compared(rules)
     found = hlo.collectives(files[f"{rules}_{mesh_file_name('dp=2,mp=4')}_collective_matmul.hlo.txt"], 8)
-    assert p["compiler_options"] == step_lib.OVERLAP_OPTIONS["collective_matmul"]["tpu"]
-    assert base["compiler_options"] == {}
+    tpu = step_lib.PLATFORM_OPTIONS["tpu"]
+    assert p["compiler_options"] == {**tpu, **step_lib.OVERLAP_OPTIONS["collective_matmul"]["tpu"]}
+    assert base["compiler_options"] == tpu
     # At this size the compiler's own choice decomposes nothing: every product's all-gather and
     # reduce-scatter is whole, and exposed.
     assert base["collectives"]["collective-permute"]["count"] <= 3
@@ -47,13 +48,16 @@ def test_overlap_none_reaches_the_tpu_compiler_and_is_shown_in_the_report():
     config = small_config(rules="megatron_1d_sp", mesh="dp=2,mp=4", overlap="none")
     s = run_setup.setup(config, hardware.target_devices(TPU))
     assert step_lib.compiler_options(s) == {
+        "xla_tpu_relayout_group_size_threshold_for_reduce_scatter": 2,
         "xla_tpu_enable_windowed_einsum_for_all_gather": False,
         "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
     }
     report = planner.format_plan(planner.plan(config, target=TPU, s=s))
     assert report.splitlines()[0].endswith("| overlap none")
     assert report.splitlines()[1] == (
-        "compiler options (config.overlap=none): --xla_tpu_enable_windowed_einsum_for_all_gather=false "
+        "compiler options (config.overlap=none): "
+        "--xla_tpu_relayout_group_size_threshold_for_reduce_scatter=2 "
+        "--xla_tpu_enable_windowed_einsum_for_all_gather=false "
         "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false"
     )
 
@@ -83,7 +87,11 @@ def test_compare_over_two_overlaps_plans_both_and_names_the_choice_with_its_marg
     overlaps = OVERLAPS
     rows, files = compared("megatron_1d_sp")
     assert [r["overlap"] for r in rows] == overlaps
-    assert [r["compiler_options"] for r in rows] == [{}, step_lib.OVERLAP_OPTIONS["collective_matmul"]["tpu"]]
+    tpu = step_lib.PLATFORM_OPTIONS["tpu"]
+    assert [r["compiler_options"] for r in rows] == [
+        tpu,
+        {**tpu, **step_lib.OVERLAP_OPTIONS["collective_matmul"]["tpu"]},
+    ]
     # One HLO file each, the overlap in its name.
     mesh = mesh_file_name("dp=2,mp=4")
     assert sorted(files) == [f"megatron_1d_sp_{mesh}_{o}.hlo.txt" for o in overlaps]
