@@ -83,6 +83,10 @@ def get_config() -> ConfigDict:
     # auto | fused | one_pass | xla: the SwiGLU MLP's gradient (auto: fused on GPU where mlp is not
     # split over a mesh axis, one_pass on other GPU runs, xla elsewhere)
     c.model.mlp_grad = "auto"
+    # > 1: where the rule file splits the MLP's weights on the model width (megatron_2d, fsdp_tp,
+    # fsdp), gather them in this many slices of the mlp dimension, each beside the products of the
+    # one before (docs/plan.md#overlap). 1: whole gathers, GSPMD's.
+    c.model.mlp_slices = 1
 
     c.optim = ConfigDict()
     c.optim.lr = 3e-3  # small model, short run: a high peak rate

@@ -2,8 +2,9 @@
 
 - `attention` (model.attention, model.attention_block): cuDNN's fused attention on GPU in 16 bits,
   or the attention written out, its causal square in query blocks where model.attention_block asks.
-- `mlp` (model.mlp_grad): the SwiGLU MLP with autodiff's gradient, SwiGLU's gradient in one
-  elementwise pass, or the whole MLP's backward written out.
+- `mlp` (model.mlp_grad, model.mlp_slices): the SwiGLU MLP with autodiff's gradient, SwiGLU's
+  gradient in one elementwise pass, or the whole MLP's backward written out; or, where the rules
+  split its weights on the model width, with their gathers in slices overlapped with the products.
 - `embed` (model.dtype): the embedding lookup in the compute dtype with a float32 table gradient.
 - `project` and `spread` (model.grad_dtype): a product with a weight, and a weight copied per batch
   shard, whose gradients are made in that dtype (config.optim.grad_reduce_dtype).
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from gspmd_tp.sharding.axes import BATCH, EMBED, HEADS, KV_HEADS, LENGTH, MLP, VOCAB
+from gspmd_tp.sharding.axes import BATCH, EMBED, HEADS, KV_HEADS, LENGTH, MLP, NORM_LENGTH, VOCAB
 from gspmd_tp.sharding.rules import UNCONSTRAINED, axes_of
 
 if TYPE_CHECKING:
@@ -210,21 +211,25 @@ def fused_attention_saveable(prim, *_, **__) -> bool:
 def mlp_implementation(cfg: ModelConfig, platform: str | None = None) -> str:
     """The MLP gradient config.model.mlp_grad means on `platform` (by default JAX's default backend)
     under the current logical axis rules: "auto" is fused on GPU where no mesh axis splits `mlp`
-    (its input gradient is two products, which would take two all-reduces there) and mlp_hidden is
-    not kept by remat_save (the fused backward recomputes it), one_pass elsewhere on GPU, xla on
-    other platforms."""
+    (its input gradient is two products, which would take two all-reduces there), mlp_hidden is
+    not kept by remat_save (the fused backward recomputes it) and model.mlp_slices is 1, one_pass
+    elsewhere on GPU, xla on other platforms."""
     if cfg.mlp_grad != "auto":
         return cfg.mlp_grad
     if (platform or jax.default_backend()) != "gpu":
         return "xla"
     split = axes_of(nn.logical_to_mesh_axes((MLP,))[0])
-    return "one_pass" if split or "mlp_hidden" in cfg.saved_names else "fused"
+    return "one_pass" if split or "mlp_hidden" in cfg.saved_names or cfg.mlp_slices > 1 else "fused"
 
 
 def mlp(cfg: ModelConfig, x_ble, w_in, w_out):
     """down(silu(gate) * up) of x (batch, length, embed) with w_in (embed, 2, mlp) and w_out (mlp,
-    embed), the weights in the compute dtype, its gradient the one mlp_implementation chooses."""
+    embed), the weights in the compute dtype, its gradient the one mlp_implementation chooses; with
+    model.mlp_slices > 1, where sliced_mlp_layout finds weights to gather, sliced_mlp."""
     implementation = mlp_implementation(cfg)
+    layout = sliced_mlp_layout() if cfg.mlp_slices > 1 else None
+    if layout is not None and _divides(layout, cfg.mlp_slices, x_ble.shape, w_in.shape):
+        return sliced_mlp(cfg, layout, x_ble, w_in, w_out, one_pass_gradient=implementation == "one_pass")
     if implementation == "fused":
         return fused_mlp(x_ble, w_in, w_out, _gradient_dtype(cfg.grad_dtype, w_in.dtype))
     gate_up = project("ble,etm->bltm", x_ble, w_in, MLP_IN, cfg.grad_dtype)
@@ -314,6 +319,109 @@ def _fused_mlp_bwd(grad_dtype, res, dy):
 
 
 fused_mlp.defvjp(_fused_mlp_fwd, _fused_mlp_bwd)
+
+
+# --- the MLP with its weights gathered in slices (model.mlp_slices) ---
+#
+# Where the rules split the MLP's weights on the model width (megatron_2d, fsdp_tp, fsdp and
+# data_fsdp_tensor), GSPMD gathers each weight whole before its product; the TPU compiler's
+# collective matmul decomposes the activations' collectives, not these gathers over the batch
+# axes. MeshSlice's sliced GeMM, written as a shard_map: each device's share of the mlp dimension in
+# K slices, each slice's gate/up and down weights gathered, multiplied and added to the output in
+# turn, so that the compiler may run the next slice's gathers beside this slice's products. The
+# same products and sums; the output's sum over the mlp axes after the last slice. Whether the
+# schedule gains is the compiler's: plan --compare --mlp_slices ranks it.
+
+
+def sliced_mlp_layout() -> dict | None:
+    """The mesh axes the sliced MLP works over, under the current logical axis rules: `batch` and
+    `length` (the input's), `gather` (the weights' model width, gathered in slices), `mlp` (the
+    hidden width), `scatter` (whether the output's model width lies over the mlp axes, as in 2D
+    sharding: its sum is then a reduce-scatter, otherwise an all-reduce). None where nothing splits
+    the weights on the model width (nothing to gather), or where the two weights or the input place
+    their axes otherwise than this MLP can take."""
+    g_in, _, m_in = (axes_of(a) for a in nn.logical_to_mesh_axes(MLP_IN))
+    m_out, g_out = (axes_of(a) for a in nn.logical_to_mesh_axes(MLP_OUT))
+    batch, length = (axes_of(a) for a in nn.logical_to_mesh_axes((BATCH, LENGTH)))
+    if not g_in or (g_in, m_in) != (g_out, m_out) or set(m_in) & set(batch + length + g_in):
+        return None
+    residual = axes_of(nn.logical_to_mesh_axes((BATCH, NORM_LENGTH, EMBED))[-1])
+    return {
+        "batch": batch,
+        "length": length,
+        "gather": g_in,
+        "mlp": m_in,
+        "scatter": bool(m_in) and residual == m_in,
+    }
+
+
+def _divides(layout: dict, slices: int, x_shape: tuple, w_in_shape: tuple) -> bool:
+    """Whether the current mesh splits the input (batch, length, embed) and gate_up weight (embed, 2,
+    mlp) evenly as `layout` places them, each device's mlp share into `slices` (False with no mesh,
+    inside another shard_map, or for a batch of one row at initialisation: GSPMD's path then)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or jax.sharding.AxisType.Manual in mesh.axis_types:
+        return False
+    ways = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+    return (
+        x_shape[0] % ways(layout["batch"]) == 0
+        and x_shape[1] % ways(layout["length"]) == 0
+        and w_in_shape[0] % ways(layout["gather"]) == 0
+        and w_in_shape[-1] % (ways(layout["mlp"]) * slices) == 0
+    )
+
+
+def sliced_mlp(cfg: ModelConfig, layout: dict, x_ble, w_in, w_out, one_pass_gradient: bool = False):
+    """The MLP of `mlp` as a shard_map over the mesh, in model.mlp_slices slices of each device's
+    share of the mlp dimension (`layout`: sliced_mlp_layout's). The input arrives whole on the model
+    width; the output leaves split on it over the mlp axes where layout["scatter"], else whole. Each
+    weight gradient is reduce-scattered slice by slice, in model.grad_dtype where it is set."""
+    k, gather, hidden_axes = cfg.mlp_slices, layout["gather"], layout["mlp"]
+    grad_dtype = _gradient_dtype(cfg.grad_dtype, w_in.dtype)
+
+    def body(x, wi, wo):
+        width = wi.shape[-1] // k
+        y = None
+        for s in range(k):
+            part = slice(s * width, (s + 1) * width)
+            gate_up = jnp.einsum("ble,etm->bltm", x, _gather(wi[..., part], gather, 0, grad_dtype))
+            hidden = checkpoint_name(swiglu(gate_up, one_pass_gradient), "mlp_hidden")
+            wo_s = _gather(wo[part], gather, 1, grad_dtype)
+            p = jnp.einsum("blm,me->ble", hidden, wo_s, preferred_element_type=jnp.float32)
+            y = p if y is None else y + p
+        y = y.astype(x.dtype)
+        if layout["scatter"]:
+            return jax.lax.psum_scatter(y, hidden_axes, scatter_dimension=2, tiled=True)
+        return jax.lax.psum(y, hidden_axes) if hidden_axes else y
+
+    # The specs from the logical axis rules, as sliced_mlp_layout read them.
+    whole, out = (BATCH, LENGTH, None), (BATCH, LENGTH, MLP if layout["scatter"] else None)
+    return jax.shard_map(
+        body,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=tuple(nn.logical_to_mesh_axes(names) for names in (whole, MLP_IN, MLP_OUT)),
+        out_specs=nn.logical_to_mesh_axes(out),
+        check_vma=False,
+    )(x_ble, w_in, w_out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather(w, axes: tuple, axis: int, grad_dtype):
+    """w's shards gathered over mesh `axes` on `axis` (inside a shard_map); its gradient
+    reduce-scattered back, in grad_dtype where it is not None."""
+    return jax.lax.all_gather(w, axes, axis=axis, tiled=True)
+
+
+def _gather_fwd(w, axes, axis, grad_dtype):
+    return _gather(w, axes, axis, grad_dtype), None
+
+
+def _gather_bwd(axes, axis, grad_dtype, _, g):
+    sent = g.astype(grad_dtype) if grad_dtype else g
+    return (jax.lax.psum_scatter(sent, axes, scatter_dimension=axis, tiled=True).astype(g.dtype),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 # --- embedding lookup ---

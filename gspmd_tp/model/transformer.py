@@ -121,6 +121,10 @@ class ModelConfig:
     # on GPU where no mesh axis splits `mlp` (and mlp_hidden is not in remat_save), one_pass on GPU
     # otherwise, xla elsewhere (kernels.mlp_implementation).
     mlp_grad: str = "auto"
+    # > 1: where the rules split the MLP's weights on the model width (megatron_2d, fsdp_tp, fsdp),
+    # their gathers run in this many slices of the mlp dimension, each beside the products of the
+    # slice before (MeshSlice's sliced GeMM; kernels.sliced_mlp). The same result, to rounding.
+    mlp_slices: int = 1
     # The dtype the products that make the weights' gradients (and the embedding's scatter) write,
     # then cast to float32; "": autodiff's, the compute dtype. Not a config.model key: the train
     # step sets it from config.optim.grad_reduce_dtype where GSPMD places the data-parallel
@@ -188,6 +192,13 @@ class ModelConfig:
             problems.append(
                 "model.remat_save keeps mlp_hidden, which model.mlp_grad 'fused' never reads (its "
                 "backward recomputes SwiGLU's output beside its gradient): drop one of the two"
+            )
+        if self.mlp_slices < 1:
+            problems.append(f"model.mlp_slices must be 1 (whole gathers) or more, got {self.mlp_slices}")
+        elif self.mlp_slices > 1 and self.mlp_grad == "fused":
+            problems.append(
+                "model.mlp_grad 'fused' writes the whole MLP's backward, which model.mlp_slices "
+                f"{self.mlp_slices} slices: set one of the two"
             )
         if self.attention not in kernels.ATTENTION_IMPLEMENTATIONS:
             problems.append(

@@ -43,6 +43,7 @@ if __name__ == "__main__":  # simulated devices must be requested before jax is 
 
 import contextlib
 import copy
+import itertools
 import json
 import os
 
@@ -85,13 +86,15 @@ def plan(
     network_gbps: float | None = None,
     cal: calibration.Calibration | None = None,
     name_overlap: bool = False,
+    name_slices: bool = False,
 ) -> dict:
     """Everything plan reports for one config (rule file and mesh included), as a JSON-able dict.
 
     With `target` ("tpu:v5p:4x4x4", "gpu:h100:8") the step is compiled for it instead of the local
     devices; `s` is the config's setup where it is already made. With `dump_hlo` the compiled
     step's HLO goes to DIR/LABEL_MESH.hlo.txt, LABEL the rule file's name unless given
-    (DIR/LABEL_MESH_OVERLAP.hlo.txt with `name_overlap`, for a compare of several config.overlap).
+    (DIR/LABEL_MESH_OVERLAP.hlo.txt with `name_overlap`, for a compare of several config.overlap;
+    ..._slicesK.hlo.txt with `name_slices`, for several model.mlp_slices).
     `network_gbps` is the bandwidth between hosts or slices, per chip, for the target's estimate.
     With `cal` (calibration.load) the step time is estimated from its measurements, which must be
     of the plan's device kind, instead of the chip table.
@@ -119,7 +122,8 @@ def plan(
     text = compiled.as_text()
     if dump_hlo:
         os.makedirs(dump_hlo, exist_ok=True)
-        name = f"{label}_{mesh_file_name(mesh)}{'_' + s.config.overlap if name_overlap else ''}.hlo.txt"
+        name = f"{label}_{mesh_file_name(mesh)}{'_' + s.config.overlap if name_overlap else ''}"
+        name += f"_slices{s.model_cfg.mlp_slices}.hlo.txt" if name_slices else ".hlo.txt"
         with open(os.path.join(dump_hlo, name), "w") as f:
             f.write(text)
     n = s.mesh.size
@@ -154,6 +158,7 @@ def plan(
         # (step.PLATFORM_OPTIONS) and config.overlap's (docs/plan.md#overlap)
         "overlap": s.config.overlap,
         "compiler_options": step_lib.compiler_options(s),
+        "mlp_slices": s.model_cfg.mlp_slices,  # the MLP's weight gathers in slices (docs/plan.md#overlap)
         "devices": n,
         "backend": backend,
         "params": [r for r in rows if r["kind"] == "params"],
@@ -357,14 +362,16 @@ def compare(
     network_gbps: float | None = None,
     cal: calibration.Calibration | None = None,
     overlaps: list[str] | None = None,
+    mlp_slices: list[int] | None = None,
 ) -> list[dict]:
     """plan() for every rule file x mesh whose axes are the rule file's mesh_axes (rule files with
-    other axis names compare with meshes in theirs), under each config.overlap of `overlaps`
-    (default: the config's own). Every combination is set up before anything compiles: a rule
-    file, mesh or config the user can fix, a rule file or mesh given twice however spelt, or one
-    paired with nothing, raises UserError; a model size the mesh cannot divide is reported as that
-    combination's row (`error`)."""
+    other axis names compare with meshes in theirs), under each config.overlap of `overlaps` and
+    each model.mlp_slices of `mlp_slices` (default: the config's own). Every combination is set up
+    before anything compiles: a rule file, mesh or config the user can fix, a rule file or mesh
+    given twice however spelt, or one paired with nothing, raises UserError; a model size the mesh
+    cannot divide is reported as that combination's row (`error`)."""
     overlaps = overlaps or [config.overlap]
+    mlp_slices = mlp_slices or [config.model.mlp_slices]
     devices = hardware.target_devices(target, slices) if target else None
     count = len(devices) if devices is not None else jax.device_count()
     check_distinct(rules_list, meshes, count, "--compare", "each rule file x mesh is planned once")
@@ -384,10 +391,10 @@ def compare(
                 f"(add one, e.g. {','.join(f'{x}=N' for x in a)})"
             )
 
-    def failed(rules: str, mesh: str, overlap: str, error: str) -> dict:
+    def failed(rules: str, mesh: str, c, error: str) -> dict:
         """The row of a combination that has no figures: which it is, and why."""
         row = {"rules": str(resolve_path(rules)), "label": labels[rules], "mesh": mesh}
-        return {**row, "overlap": overlap, "error": error}
+        return {**row, "overlap": c.overlap, "mlp_slices": c.model.mlp_slices, "error": error}
 
     prepared = []
     for rules in rules_list:
@@ -395,14 +402,14 @@ def compare(
             sizes = sizes_of[mesh]
             if set(sizes) != set(axes[rules]):
                 continue
-            for overlap in overlaps:
+            for overlap, k in itertools.product(overlaps, mlp_slices):
                 c = copy.deepcopy(config)
-                c.rules, c.mesh, c.overlap = rules, mesh, overlap
+                c.rules, c.mesh, c.overlap, c.model.mlp_slices = rules, mesh, overlap, k
                 try:
                     prepared.append((rules, c, run_setup.setup(c, devices)))
                 except IndivisibleError as e:
                     resolved = ",".join(f"{k}={v}" for k, v in sizes.items())
-                    prepared.append((rules, failed(rules, resolved, overlap, str(e)), None))
+                    prepared.append((rules, failed(rules, resolved, c, str(e)), None))
     if all(s is None for _, _, s in prepared):
         raise UserError(f"no rule file x mesh of --compare fits this model; first: {prepared[0][1]['error']}")
     results = []
@@ -422,10 +429,11 @@ def compare(
                     network_gbps=network_gbps,
                     cal=cal,
                     name_overlap=len(overlaps) > 1,
+                    name_slices=len(mlp_slices) > 1,
                 )
             )
         except DoesNotFit as e:  # a row of its own: the compiler's reason, no figures
-            results.append(failed(rules, mesh_string(s.mesh), c.overlap, f"does not fit: {e.reason}"))
+            results.append(failed(rules, mesh_string(s.mesh), c, f"does not fit: {e.reason}"))
     return results
 
 
@@ -434,15 +442,29 @@ def _several_overlaps(results: list[dict]) -> bool:
     return len({r.get("overlap") for r in results}) > 1
 
 
-def _choice(timed: list[dict], several_overlaps: bool) -> str:
+def _several_slices(results: list[dict]) -> bool:
+    """Whether the rows are of more than one model.mlp_slices (plan --compare --mlp_slices=1,4)."""
+    return len({r.get("mlp_slices") for r in results}) > 1
+
+
+def _variant(r: dict, several_overlaps: bool, several_slices: bool) -> list[str]:
+    """What sets a row apart beside its rule file and mesh: its overlap and its MLP slices, each
+    where the rows compare several."""
+    return [r["overlap"]] * several_overlaps + [f"mlp_slices={r.get('mlp_slices')}"] * several_slices
+
+
+def _choice(timed: list[dict], several_overlaps: bool, several_slices: bool = False) -> str:
     """The line naming the fastest timed row and its margin to the runner-up."""
     best, runner_up = sorted(timed, key=lambda r: r["estimate"]["step_s_estimate"])[:2]
     t0, t1 = (r["estimate"]["step_s_estimate"] for r in (best, runner_up))
     margin = 1 - t0 / t1 if t1 else 0.0  # the share of the runner-up's step time the choice saves
-    overlap = f" with overlap {best['overlap']}" if several_overlaps else ""
-    other = f", {runner_up['overlap']}" if several_overlaps else ""
+    chosen, other = (_variant(r, several_overlaps, several_slices) for r in (best, runner_up))
+    if several_overlaps:
+        chosen[0] = f"overlap {chosen[0]}"
+    chosen = f" with {', '.join(chosen)}" if chosen else ""
+    other = "".join(f", {v}" for v in other)
     return (
-        f"choice: {best['label']} on {best['mesh']}{overlap}: {t0 * 1e3:.2f} ms, {margin:.1%} faster "
+        f"choice: {best['label']} on {best['mesh']}{chosen}: {t0 * 1e3:.2f} ms, {margin:.1%} faster "
         f"than the runner-up ({runner_up['label']} on {runner_up['mesh']}{other}: {t1 * 1e3:.2f} ms)"
     )
 
@@ -453,15 +475,17 @@ def format_compare(results: list[dict]) -> str:
     # Columns as wide as the longest label and mesh (a path's file name, data=2,model=4), at least
     # as wide as the shipped ones need, so that the figures stay under their headings.
     nw, mw = column_widths(results, "label", (14, 12))
-    several = _several_overlaps(results)
+    several, sliced = _several_overlaps(results), _several_slices(results)
     ow = max(len("overlap"), *(len(str(r.get("overlap"))) for r in results))
 
     def place(r: dict) -> str:
-        """The mesh column, and the overlap column where several are compared."""
-        return f"{r['mesh']:<{mw}}" + (f" {r.get('overlap')!s:<{ow}}" if several else "")
+        """The mesh column, and the overlap and slices columns where several are compared."""
+        text = f"{r['mesh']:<{mw}}" + (f" {r.get('overlap')!s:<{ow}}" if several else "")
+        return text + (f" {r.get('mlp_slices')!s:>10}" if sliced else "")
 
     head = (
-        f"{'rules':<{nw}} {place({'mesh': 'mesh', 'overlap': 'overlap'})} {'params+opt/dev':>15} "
+        f"{'rules':<{nw}} {place({'mesh': 'mesh', 'overlap': 'overlap', 'mlp_slices': 'mlp_slices'})} "
+        f"{'params+opt/dev':>15} "
         f"{'temps/dev':>12} {'comm/dev':>12} {'analytical':>12} {'ratio':>6}"
     )
     # Where some bytes cross GPU hosts or TPU slices, a column of those (part of comm/dev).
@@ -498,11 +522,10 @@ def format_compare(results: list[dict]) -> str:
             lines[-1] += "  <- best" if r is best else ""
     for r in results:
         if "error" not in r and r["analytical"]["unmodelled"]:
-            lines.append(
-                f"{r['label']} {r['mesh']}{' ' + r['overlap'] if several else ''}: ratio {_ratio(r)}"
-            )
+            variant = "".join(f" {v}" for v in _variant(r, several, sliced))
+            lines.append(f"{r['label']} {r['mesh']}{variant}: ratio {_ratio(r)}")
     if len(timed) > 1:
-        lines.append(_choice(timed, several))
+        lines.append(_choice(timed, several, sliced))
     return "\n".join(lines)
 
 
@@ -514,8 +537,8 @@ def chart(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in results if "error" not in r]
-    several = _several_overlaps(results)
-    labels = [f"{r['label']}\n{r['mesh']}" + (f"\n{r['overlap']}" if several else "") for r in ok]
+    several, sliced = _several_overlaps(results), _several_slices(results)
+    labels = ["\n".join([r["label"], r["mesh"], *_variant(r, several, sliced)]) for r in ok]
     x = np.arange(len(ok))
     timed = [r for r in ok if (r.get("estimate") or {}).get("step_s_estimate")]
     panels = 3 if timed else 2
@@ -560,16 +583,21 @@ def check_flags(
     slices: int,
     network: float | None,
     overlaps: str = "",
-) -> tuple[list[str], list[str]]:
+    mlp_slices: str = "",
+) -> tuple[list[str], list[str], list[int]]:
     """The CLI's flags checked together before anything compiles (a UserError names the mistake);
-    returns the --compare rule files ([] for a single plan) and the --overlaps values ([] for the
-    config's own)."""
+    returns the --compare rule files ([] for a single plan), the --overlaps values and the
+    --mlp_slices counts ([] for the config's own)."""
     if meshes and not compare_flag:
         raise UserError(f"--meshes={meshes} is for --compare; a single plan takes --config.mesh")
     if chart_path and not compare_flag:
         raise UserError(f"--chart={chart_path} is for --compare")
     if overlaps and not compare_flag:
         raise UserError(f"--overlaps={overlaps} is for --compare; a single plan takes --config.overlap")
+    if mlp_slices and not compare_flag:
+        raise UserError(
+            f"--mlp_slices={mlp_slices} is for --compare; a single plan takes --config.model.mlp_slices"
+        )
     if slices != 1 and not target:
         raise UserError(f"--slices={slices} needs --target (slices of a TPU target)")
     if slices < 1:
@@ -599,11 +627,23 @@ def check_flags(
             f"--overlaps={overlaps} needs --target: XLA:CPU has no collective matmul, so on CPU devices "
             "every overlap compiles the same step (--target=tpu:... or gpu:... compares them)"
         )
-    return rules_list, overlap_list
+    slice_list = []
+    for k in mlp_slices.split(",") if mlp_slices else []:
+        if not k.strip().isdigit() or int(k) < 1:
+            raise UserError(
+                f"--mlp_slices={mlp_slices}: {k.strip()!r} is not a count of 1 or more (comma-separated)"
+            )
+        if int(k) in slice_list:
+            raise UserError(
+                f"--mlp_slices: {int(k)} is given twice (each rule file x mesh x count is planned once)"
+            )
+        slice_list.append(int(k))
+    return rules_list, overlap_list, slice_list
 
 
 def main(argv) -> None:
-    """CLI: python -m gspmd_tp.plan --config=... [--json] [--compare=... --meshes=... --overlaps=...]."""
+    """CLI: python -m gspmd_tp.plan --config=... [--json] [--compare=... --meshes=... --overlaps=...
+    --mlp_slices=...]."""
     no_positional_arguments(argv)
     from absl import logging
 
@@ -612,7 +652,7 @@ def main(argv) -> None:
     network = _NETWORK_GBPS.value
     try:
         cal = calibration.load(_CALIBRATION.value) if _CALIBRATION.value else None
-        rules_list, overlaps = check_flags(
+        rules_list, overlaps, mlp_slices = check_flags(
             _COMPARE.value,
             _MESHES.value,
             _CHART.value,
@@ -621,6 +661,7 @@ def main(argv) -> None:
             _SLICES.value,
             network,
             _OVERLAPS.value,
+            _MLP_SLICES.value,
         )
         if rules_list:
             meshes = _MESHES.value.split() if _MESHES.value else [config.mesh]
@@ -634,6 +675,7 @@ def main(argv) -> None:
                 network,
                 cal,
                 overlaps,
+                mlp_slices,
             )
             if _CHART.value:
                 chart(results, _CHART.value)
@@ -670,6 +712,12 @@ if __name__ == "__main__":
         "",
         "Comma-separated config.overlap values for --compare to plan each rule file x mesh under "
         "(auto,none,collective_matmul; more than one needs --target). Default: config.overlap.",
+    )
+    _MLP_SLICES = flags.DEFINE_string(
+        "mlp_slices",
+        "",
+        "Comma-separated model.mlp_slices counts for --compare to plan each rule file x mesh under "
+        "(1,2,4: the MLP's weight gathers whole, in 2 or in 4 slices). Default: config.model.mlp_slices.",
     )
     _CHART = paths.define_flag("chart", "", "With --compare: write a PNG chart here.")
     _DUMP_HLO = paths.define_flag(

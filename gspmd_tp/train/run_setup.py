@@ -16,7 +16,7 @@ import optax
 from gspmd_tp.data import pipeline, tokenizer
 from gspmd_tp.job.config_keys import check_keys, ours
 from gspmd_tp.job.errors import UserError, warn
-from gspmd_tp.model.kernels import attention_implementation, mlp_implementation
+from gspmd_tp.model.kernels import attention_implementation, mlp_implementation, sliced_mlp_layout
 from gspmd_tp.model.transformer import ModelConfig
 from gspmd_tp.sharding import axes
 from gspmd_tp.sharding.mesh import make_mesh, mesh_string
@@ -156,6 +156,9 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     # "auto" follows the devices the step compiles for, not the host (a TPU plan made on a laptop).
     with nn.logical_axis_rules(rules.rules):
         mlp_grad = mlp_implementation(model_cfg, platform)
+        sliced = sliced_mlp_layout() if model_cfg.mlp_slices > 1 else None
+    if model_cfg.mlp_slices > 1:
+        _check_mlp_slices(model_cfg, sliced, rules, mesh)
     model_cfg = dataclasses.replace(
         model_cfg,
         mlp_grad=mlp_grad,
@@ -213,6 +216,27 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
         why = f"{rules.source} on mesh {mesh_string(mesh)} has no data-parallel axis of more than one device"
         warn(f"warning: config.optim.grad_reduce_dtype={asked} changes nothing: {why}")
     return s
+
+
+def _check_mlp_slices(model_cfg: ModelConfig, layout: dict | None, rules: Rules, mesh) -> None:
+    """model.mlp_slices > 1: a warning where the rule file splits the MLP's weights on no mesh axis
+    of the model width (nothing is gathered, so nothing is sliced); UserError where each device's
+    share of the mlp dimension does not split into that many slices."""
+    k = model_cfg.mlp_slices
+    if layout is None:
+        warn(
+            f"warning: config.model.mlp_slices={k} changes nothing: {rules.source} splits the MLP's "
+            "weights on no mesh axis of the model width (embed), so no gather is sliced"
+        )
+        return
+    ways = math.prod(mesh.shape[a] for a in layout["mlp"])
+    if model_cfg.mlp_dim % (ways * k):
+        share = f"model.mlp_dim={model_cfg.mlp_dim}"
+        if ways > 1:
+            share += (
+                f" split {ways} ways over {', '.join(layout['mlp'])} ({model_cfg.mlp_dim // ways} a device)"
+            )
+        raise UserError(f"config.model.mlp_slices={k}: {share} does not divide into {k} equal slices")
 
 
 _TRAIN_STEP_FIX = (

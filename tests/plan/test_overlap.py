@@ -2,7 +2,9 @@
 libtpu), and what a CPU run is told. (The GPU compiler's: test_plan_gpu's plan command.)"""
 
 import importlib.util
+import os
 import re
+import tempfile
 
 import pytest
 from conftest import small_config
@@ -133,6 +135,16 @@ def test_compare_over_two_overlaps_plans_both_and_names_the_choice_with_its_marg
             dict(compare_flag="", overlaps="none"),
             "--overlaps=none is for --compare; a single plan takes --config.overlap",
         ),
+        (
+            dict(compare_flag="", mlp_slices="1,2"),
+            "--mlp_slices=1,2 is for --compare; a single plan takes --config.model.mlp_slices",
+        ),
+        (dict(mlp_slices="1,x"), "--mlp_slices=1,x: 'x' is not a count of 1 or more (comma-separated)"),
+        (dict(mlp_slices="0,2"), "--mlp_slices=0,2: '0' is not a count of 1 or more (comma-separated)"),
+        (
+            dict(mlp_slices="2,1,2"),
+            "--mlp_slices: 2 is given twice (each rule file x mesh x count is planned once)",
+        ),
     ],
 )
 def test_overlaps_flag_mistakes_are_one_line_before_compiling(flags, message):
@@ -150,6 +162,32 @@ def test_overlaps_flag_gives_its_values_and_defaults_to_the_config_s_own():
     assert planner.check_flags(**given, target=TPU, overlaps="none, collective_matmul") == (
         ["megatron_1d_sp"],
         ["none", "collective_matmul"],
+        [],
     )
     assert planner.check_flags(**given, target=None, overlaps="collective_matmul")[1] == ["collective_matmul"]
-    assert planner.check_flags(**given, target=None) == (["megatron_1d_sp"], [])
+    assert planner.check_flags(**given, target=None) == (["megatron_1d_sp"], [], [])
+    assert planner.check_flags(**given, target=None, mlp_slices="1, 4,2")[2] == [1, 4, 2]
+
+
+@needs_libtpu
+def test_compare_over_mlp_slices_plans_each_count_and_names_the_choice():
+    """--mlp_slices=1,2: megatron_2d on the TPU target with the MLP's weights gathered whole and in
+    2 slices, a column for the count, an HLO file each, and the choice naming its count."""
+    with tempfile.TemporaryDirectory() as hlo_dir:
+        rows = planner.compare(
+            small_config(rules="megatron_2d"),
+            ["megatron_2d"],
+            ["dp=2,mp=4"],
+            TPU,
+            dump_hlo=hlo_dir,
+            mlp_slices=[1, 2],
+        )
+        files = sorted(os.listdir(hlo_dir))
+    assert [r["mlp_slices"] for r in rows] == [1, 2]
+    mesh = mesh_file_name("dp=2,mp=4")
+    assert files == [f"megatron_2d_{mesh}_slices{k}.hlo.txt" for k in (1, 2)]
+    head, *lines = planner.format_compare(rows).splitlines()
+    assert head.split()[:4] == ["rules", "mesh", "mlp_slices", "params+opt/dev"]
+    assert [line.split()[:3] for line in lines[:2]] == [["megatron_2d", "dp=2,mp=4", k] for k in ("1", "2")]
+    best = min(rows, key=lambda r: r["estimate"]["step_s_estimate"])
+    assert lines[-1].startswith(f"choice: megatron_2d on dp=2,mp=4 with mlp_slices={best['mlp_slices']}: ")

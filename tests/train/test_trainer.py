@@ -47,6 +47,17 @@ def test_sharded_run_equals_single_device(reference, rules, mesh):
     assert history[2][0] < history[0][0]  # it learns
 
 
+@pytest.mark.parametrize(
+    "rules, mesh, slices", [("megatron_2d", "dp=2,mp=4", 2), ("fsdp_tp", "dp=4,mp=2", 4)]
+)
+def test_a_run_with_the_mlp_gathered_in_slices_equals_single_device(reference, rules, mesh, slices):
+    """model.mlp_slices: the MLP's weights gathered in slices (kernels.sliced_mlp), under
+    remat as the trainer runs it."""
+    c = small_config(rules=rules, mesh=mesh, **{"model.mlp_slices": slices, "model.remat": "dots_no_batch"})
+    _, history = run_steps(c, batches(c))
+    np.testing.assert_allclose(np.array(history), np.array(reference), rtol=1e-5)
+
+
 def test_fused_mlp_gradient_sharded_equals_single_device(reference):
     """model.mlp_grad=fused (auto's GPU choice where mlp is unsplit; forced here under both splits)."""
     c = small_config(rules="megatron_2d", mesh="dp=4,mp=2", **{"model.mlp_grad": "fused"})
@@ -61,6 +72,7 @@ def test_fused_mlp_gradient_sharded_equals_single_device(reference):
         ("megatron_1d", "dp=4,mp=2", {"grad_accum": 2}),  # microbatches summed per batch shard
         ("fsdp", "dp=8,mp=1", {}),
         ("megatron_2d", "dp=4,mp=2", {"model.mlp_grad": "fused", "loss_chunk": 16, "grad_accum": 2}),
+        ("megatron_2d", "dp=2,mp=4", {"model.mlp_slices": 2}),  # the sliced MLP's scatters in bf16
     ],
 )
 def test_a_bfloat16_gradient_reduction_trains_close_to_one_device_with_float32_state(
@@ -70,7 +82,7 @@ def test_a_bfloat16_gradient_reduction_trains_close_to_one_device_with_float32_s
     gradient norms within bfloat16's rounding of one device's, and the parameters and both moments
     stay float32. megatron_1d with two microbatches sums them per batch shard and all-reduces the
     sums; the others make the gradients in bfloat16 where GSPMD reduces them (megatron_2d: the
-    fused MLP's, the chunked loss's head)."""
+    fused MLP's, the chunked loss's head; or the sliced MLP's scatters of its weight gradients)."""
     c = small_config(rules=rules, mesh=mesh, **{"optim.grad_reduce_dtype": "bfloat16"}, **overrides)
     state, history = run_steps(c, batches(c))
     np.testing.assert_allclose(np.array(history), np.array(reference), rtol=2e-3)
