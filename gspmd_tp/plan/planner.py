@@ -5,6 +5,8 @@
         --meshes="dp=8,mp=1 dp=2,mp=4" --chart=plan.png
     python -m gspmd_tp.plan --config=configs/llama_1b.py --target=tpu:v5p:4x4x4 \
         --compare=megatron_1d,megatron_1d_sp --meshes=dp=16,mp=4 --overlaps=auto,collective_matmul
+    python -m gspmd_tp.plan --config=configs/llama_1b.py --target=tpu:v5p:4x4x2 \
+        --compare=megatron_2d --meshes=dp=8,mp=4 --mlp_slices=1,2,4
     python -m gspmd_tp.plan --config=configs/llama_1b.py --target=tpu:v5p:4x4x4 --config.mesh=dp=-1,mp=4
     python -m gspmd_tp.plan --config=configs/llama_1b.py --target=gpu:h100:8 --config.mesh=dp=-1,mp=8
 
