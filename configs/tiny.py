@@ -84,8 +84,8 @@ def get_config() -> ConfigDict:
     # split over a mesh axis, one_pass on other GPU runs, xla elsewhere)
     c.model.mlp_grad = "auto"
     # > 1: where the rule file splits the MLP's weights on the model width (megatron_2d, fsdp_tp,
-    # fsdp), gather them in this many slices of the mlp dimension, each beside the products of the
-    # one before (docs/plan.md#overlap). 1: whole gathers, GSPMD's.
+    # fsdp, data_fsdp_tensor), gather them in this many slices of the mlp dimension, each beside
+    # the products of the one before (docs/plan.md#overlap). 1: whole gathers, GSPMD's.
     c.model.mlp_slices = 1
 
     c.optim = ConfigDict()

@@ -121,9 +121,10 @@ class ModelConfig:
     # on GPU where no mesh axis splits `mlp` (and mlp_hidden is not in remat_save), one_pass on GPU
     # otherwise, xla elsewhere (kernels.mlp_implementation).
     mlp_grad: str = "auto"
-    # > 1: where the rules split the MLP's weights on the model width (megatron_2d, fsdp_tp, fsdp),
-    # their gathers run in this many slices of the mlp dimension, each beside the products of the
-    # slice before (MeshSlice's sliced GeMM; kernels.sliced_mlp). The same result, to rounding.
+    # > 1: where the rules split the MLP's weights on the model width (megatron_2d, fsdp_tp, fsdp,
+    # data_fsdp_tensor), their gathers run in this many slices of the mlp dimension, each beside
+    # the products of the slice before (MeshSlice's sliced GeMM; kernels.sliced_mlp). The same
+    # result, to rounding.
     mlp_slices: int = 1
     # The dtype the products that make the weights' gradients (and the embedding's scatter) write,
     # then cast to float32; "": autodiff's, the compute dtype. Not a config.model key: the train

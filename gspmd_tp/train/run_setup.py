@@ -156,9 +156,8 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     # "auto" follows the devices the step compiles for, not the host (a TPU plan made on a laptop).
     with nn.logical_axis_rules(rules.rules):
         mlp_grad = mlp_implementation(model_cfg, platform)
-        sliced = sliced_mlp_layout() if model_cfg.mlp_slices > 1 else None
     if model_cfg.mlp_slices > 1:
-        _check_mlp_slices(model_cfg, sliced, rules, mesh)
+        _check_mlp_slices(model_cfg, rules, mesh)
     model_cfg = dataclasses.replace(
         model_cfg,
         mlp_grad=mlp_grad,
@@ -218,11 +217,13 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     return s
 
 
-def _check_mlp_slices(model_cfg: ModelConfig, layout: dict | None, rules: Rules, mesh) -> None:
+def _check_mlp_slices(model_cfg: ModelConfig, rules: Rules, mesh) -> None:
     """model.mlp_slices > 1: a warning where the rule file splits the MLP's weights on no mesh axis
     of the model width (nothing is gathered, so nothing is sliced); UserError where each device's
     share of the mlp dimension does not split into that many slices."""
     k = model_cfg.mlp_slices
+    with nn.logical_axis_rules(rules.rules):
+        layout = sliced_mlp_layout()
     if layout is None:
         warn(
             f"warning: config.model.mlp_slices={k} changes nothing: {rules.source} splits the MLP's "
