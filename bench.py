@@ -4,6 +4,8 @@
         --meshes="dp=8,mp=1 dp=2,mp=4" [--steps=10 --warmup=3 --json --json_out=FILE]
     python bench.py --config=configs/bench_cpu.py --meshes="dp=8,mp=1" \
         --variants="model.remat=none;model.attention_block=128" [--rounds=5 --round_steps=3]
+    python bench.py --config=configs/bench_cpu.py --rules=dp,megatron_1d \
+        --meshes="dp=8,mp=1 dp=2,mp=4" --alternate [--rounds=5 --round_steps=3]
 
 On a pod or cluster, every process runs the same command with train.py's job flags
 (--coordinator_address, --num_processes, --process_id; or --distributed); process 0 prints the
@@ -44,8 +46,15 @@ _VARIANTS = flags.DEFINE_string(
     "sets, ',' inside one (model.remat=none;model.attention_block=128); an item with no '=' "
     "continues the value before it (model.remat_save=attn_in,mlp_in).",
 )
-_ROUNDS = flags.DEFINE_integer("rounds", 5, "With --variants: alternating rounds.")
-_ROUND_STEPS = flags.DEFINE_integer("round_steps", 3, "With --variants: timed steps per round.")
+_ALTERNATE = flags.DEFINE_bool(
+    "alternate",
+    False,
+    "Time the rule files x meshes against one another in alternating rounds (--rounds x "
+    "--round_steps timed steps each, in place of --steps), all compiled and held in memory at "
+    "once, instead of one after another: a busy spell of a shared machine lands on all of them.",
+)
+_ROUNDS = flags.DEFINE_integer("rounds", 5, "With --variants or --alternate: alternating rounds.")
+_ROUND_STEPS = flags.DEFINE_integer("round_steps", 3, "With --variants or --alternate: steps per round.")
 job_flags.define()
 flags.adopt_module_key_flags(job_flags)
 
@@ -93,6 +102,7 @@ def main(argv):
                 variants,
                 _ROUNDS.value,
                 _ROUND_STEPS.value,
+                _ALTERNATE.value,
             )
         if jax.process_index():
             return

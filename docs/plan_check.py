@@ -1,18 +1,17 @@
 """plan's predicted step times against bench.py's measured ones: the table, Spearman's rank
 correlation and the median relative error (docs/plan.md, "Checked against measurement").
-docs/plan_check.sh runs the commands below, one bench run per rule file and round; a point timed in
-several bench files (rounds) is measured by the mean of their medians.
+docs/plan_check.sh runs the commands below: one bench run that times every rule file x mesh in
+alternating rounds in one process. A point timed in several bench files is measured by the mean of
+their medians.
 
     RULES=dp,fsdp,megatron_1d,megatron_1d_sp,megatron_2d
     MESHES="dp=8,mp=1 dp=4,mp=2 dp=2,mp=4 dp=1,mp=8"
     python -m gspmd_tp.plan calibrate --out=/tmp/calibration.json
-    for round in 1 2; do
-      python bench.py --config=configs/bench_cpu.py --rules=$RULES --meshes="$MESHES" --steps=5 --warmup=3 \
-          --json_out=/tmp/bench_$round.json
-    done
+    python bench.py --config=configs/bench_cpu.py --rules=$RULES --meshes="$MESHES" --alternate \
+        --rounds=6 --round_steps=2 --warmup=3 --json_out=/tmp/bench.json
     python -m gspmd_tp.plan --config=configs/bench_cpu.py --compare=$RULES --meshes="$MESHES" \
         --calibration=/tmp/calibration.json --json > /tmp/plan.json
-    python docs/plan_check.py /tmp/plan.json /tmp/bench_1.json /tmp/bench_2.json
+    python docs/plan_check.py /tmp/plan.json /tmp/bench.json
 """
 
 from __future__ import annotations
@@ -84,7 +83,9 @@ def main() -> None:
     """Print the table and the two figures."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("plan", help="plan --compare --calibration --json output (a folder with --variants)")
-    ap.add_argument("bench", nargs="+", help="bench.py --json_out files (a point in several: its rounds)")
+    ap.add_argument(
+        "bench", nargs="+", help="bench.py --json_out files (a point in several: the mean of their medians)"
+    )
     ap.add_argument("--variants", action="store_true", help="plan and bench are folders of NAME.json")
     a = ap.parse_args()
     if a.variants:
@@ -111,7 +112,7 @@ def main() -> None:
     if spread:
         n = max(len(r["rounds"]) for r in table)
         print(
-            f"\nmeasured: the mean of {n} bench rounds' medians; the rounds of a point differ by "
+            f"\nmeasured: the mean of {n} bench runs' medians; the runs of a point differ by "
             f"{100 * statistics.median(spread):.0f}% (median), {100 * max(spread):.0f}% at most"
         )
     print(f"\n{len(table)} points: Spearman {spearman(predicted, measured):.2f}, median |error| "

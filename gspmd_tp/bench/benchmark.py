@@ -12,10 +12,12 @@ apart (GPU hosts; a TPU program names its transfers between slices itself).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import statistics
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -111,14 +113,17 @@ def time_phases(s, step, state, batch, steps: int) -> tuple[dict, object]:
     return {k: statistics.median(v) for k, v in times.items()}, state
 
 
-def _compiled(config, warmup: int, s: run_setup.Setup | None = None):
-    """(setup, compiled step, state, batch, compile seconds) for `config` (whose setup `s` may be
-    given), after `warmup` steps."""
-    s = s or run_setup.setup(config)
+def _compile(s: run_setup.Setup):
+    """(compiled train step, compile seconds) of setup `s`, checked to fit (run_setup.check_memory)."""
     t0 = time.perf_counter()
     step = step_lib.compile_train_step(s)
     compile_s = time.perf_counter() - t0
     run_setup.check_memory(step.memory_analysis(), s.mesh)
+    return step, compile_s
+
+
+def _start(config, s: run_setup.Setup, step, warmup: int):
+    """(state, batch) of `config` (setup `s`) after `warmup` runs of its compiled `step`."""
     state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, config.seq_len, config.seed)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.model.vocab_size, (config.batch_size, config.seq_len + 1), np.int32)
@@ -127,7 +132,15 @@ def _compiled(config, warmup: int, s: run_setup.Setup | None = None):
     for _ in range(warmup):
         state, _ = step(state, batch)
     jax.block_until_ready(state)
-    return s, step, state, batch, compile_s
+    return state, batch
+
+
+def _compiled(config, warmup: int, s: run_setup.Setup | None = None):
+    """(setup, compiled step, state, batch, compile seconds) for `config` (whose setup `s` may be
+    given), after `warmup` steps."""
+    s = s or run_setup.setup(config)
+    step, compile_s = _compile(s)
+    return s, step, *_start(config, s, step, warmup), compile_s
 
 
 def _time_steps(step, state, batch, n: int, times: list[float]):
@@ -191,10 +204,6 @@ def bench_one(
     # Cores this process kept busy over the timed steps (on CPU: how much of the machine the
     # simulated devices use; below the core count, devices wait on one another).
     cpu_busy = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
-    if jax.process_count() > 1:  # every process on process 0's host
-        busy = distributed.every_process([round(1000 * cpu_busy)])
-        mine = host_of_process[0]
-        cpu_busy = sum(b / 1000 for (b,), h in zip(busy, host_of_process, strict=True) if h == mine)
     profile = traced_s = None
     if profile_dir:
         if jax.process_count() > 1:
@@ -203,6 +212,23 @@ def bench_one(
     split = {}
     if phases:
         split, state = time_phases(s, step, state, batch, steps)
+    return {
+        **_row(s, config, step, times, compile_s, cpu_busy, stats, host_of_process),
+        "profile": profile,
+        "profiled_step_s": traced_s,
+        **split,
+    }
+
+
+def _row(s, config, step, times: list[float], compile_s: float, cpu_busy: float, stats, host_of_process):
+    """A report row of `config` (setup `s`, compiled `step`) from its step `times`: _speed's fields,
+    the compiled step's memory per device and collective bytes, this host's busy cores over the
+    timed steps (`cpu_busy`, this process's; in a multi-process job summed over the processes of
+    process 0's host, every process calling), and the last step's loss (`stats`)."""
+    if jax.process_count() > 1:  # every process on process 0's host
+        busy = distributed.every_process([round(1000 * cpu_busy)])
+        mine = host_of_process[0]
+        cpu_busy = sum(b / 1000 for (b,), h in zip(busy, host_of_process, strict=True) if h == mine)
     text = step.as_text()
     found = hlo.collectives(text, s.mesh.size, hlo.device_islands(s.mesh.devices.flat, host_of_process))
     comm = hlo.summarize(found)
@@ -218,10 +244,72 @@ def bench_one(
         "network_bytes_per_device": hlo.network_bytes(found),
         "host_cpu_busy_cores": cpu_busy,
         "loss": float(stats["loss"]),
-        "profile": profile,
-        "profiled_step_s": traced_s,
-        **split,
+        "profile": None,
+        "profiled_step_s": None,
     }
+
+
+@dataclasses.dataclass
+class _Held:
+    """One compiled step held in memory with its state, timed in rounds among others."""
+
+    config: object
+    setup: run_setup.Setup
+    step: object
+    compile_s: float
+    state: object = None
+    batch: object = None
+    stats: object = None
+    times: list[float] = dataclasses.field(default_factory=list)
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+
+
+def _timed_in_rounds(prepared: list[tuple], rounds: int, round_steps: int, warmup: int) -> list[_Held]:
+    """The steps of `prepared`'s (config, setup) pairs, each compiled in this process, then all of
+    them (checked to fit in memory together) warmed up and timed in alternating rounds of
+    `round_steps` steps: a busy spell of a shared machine lands on all of them alike."""
+    held = [_Held(c, s, *_compile(s)) for c, s in prepared]
+    if len(held) > 1:
+        _check_held_memory(held)
+    for h in held:
+        h.state, h.batch = _start(h.config, h.setup, h.step, warmup)
+    for _ in range(rounds):
+        for h in held:
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            h.state, h.stats = _time_steps(h.step, h.state, h.batch, round_steps, h.times)
+            h.cpu_s += time.process_time() - cpu0
+            h.wall_s += time.perf_counter() - wall0
+    return held
+
+
+def _check_held_memory(held: list[_Held]) -> None:
+    """UserError (run_setup.check_memory's) where the states of all `held` steps and the largest
+    one's working memory do not fit together, before any state is made."""
+    stats = [h.step.memory_analysis() for h in held]
+    work = [m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes for m in stats]
+    together = types.SimpleNamespace(
+        argument_size_in_bytes=sum(m.argument_size_in_bytes for m in stats),
+        output_size_in_bytes=max(work),
+        temp_size_in_bytes=0,
+        alias_size_in_bytes=0,
+    )
+    run_setup.check_memory(
+        together,
+        held[0].setup.mesh,
+        f"set of {len(held)} train steps held at once",
+        "time fewer of them at once",
+    )
+
+
+def alternate(prepared: list[tuple], rounds: int, round_steps: int, warmup: int, host_of_process) -> list:
+    """Rule files x meshes (`prepared`'s (config, setup) pairs) timed against one another in
+    alternating rounds (_timed_in_rounds): one report row each, as bench_one's, from all its
+    rounds' steps."""
+    return [
+        _row(h.setup, h.config, h.step, h.times, h.compile_s, h.cpu_s / h.wall_s, h.stats, host_of_process)
+        for h in _timed_in_rounds(prepared, rounds, round_steps, warmup)
+    ]
 
 
 def parse_variants(text: str) -> list[dict[str, str]]:
@@ -273,15 +361,15 @@ def compare_variants(prepared: list[tuple], rounds: int, round_steps: int, warmu
     all of them alike (all of them held in memory at once). One row per variant, the configured
     step first, with `change` its median step time over the configured one's, less one."""
     names, configs, setups = zip(*prepared, strict=True)
-    runs = [[*_compiled(c, warmup, s), []] for c, s in zip(configs, setups, strict=True)]
-    for _ in range(rounds):
-        for run in runs:
-            _, step, state, batch, _, times = run
-            run[2], _ = _time_steps(step, state, batch, round_steps, times)
-    base = statistics.median(runs[0][5])
+    held = _timed_in_rounds(list(zip(configs, setups, strict=True)), rounds, round_steps, warmup)
+    base = statistics.median(held[0].times)
     return [
-        {**_speed(s, c, times, compile_s), "variant": name, "change": statistics.median(times) / base - 1}
-        for name, c, (s, _, _, _, compile_s, times) in zip(names, configs, runs, strict=True)
+        {
+            **_speed(h.setup, h.config, h.times, h.compile_s),
+            "variant": name,
+            "change": statistics.median(h.times) / base - 1,
+        }
+        for name, h in zip(names, held, strict=True)
     ]
 
 
@@ -296,12 +384,15 @@ def run(
     variants: list[dict[str, str]] | None = None,
     rounds: int = 5,
     round_steps: int = 3,
+    alternate_points: bool = False,
 ) -> dict:
     """Benchmarks every rule file x mesh; on CPU also the matmul roofline, in the same run. With
     `profile_dir`, each is also profiled (a trace per rule file x mesh under it); with `phases`,
     its step is split into forward, backward and optimizer (time_phases). With `variants`, each
     rule file x mesh is instead timed against those variants of the config (compare_variants,
-    `rounds` alternating rounds of `round_steps` steps after `warmup`), one row per variant.
+    `rounds` alternating rounds of `round_steps` steps after `warmup`), one row per variant. With
+    `alternate_points`, the rule files x meshes are timed against one another in such rounds
+    instead of one after another (alternate).
 
     The matmul rates are measured before and after the steps and the higher of each kept: a
     momentarily busy machine must not lower the roofline and so flatter the fraction.
@@ -309,13 +400,19 @@ def run(
     In a multi-process job every process must call it with the same arguments and config (a
     difference is a JobError on every process, before anything is compiled); each returns the
     same report, whose timings are process 0's."""
-    if variants and (profile_dir or phases):
+    rounded = "--variants" if variants else "--alternate" if alternate_points else ""
+    if variants and alternate_points:
         raise UserError(
-            "--variants times whole steps against each other; run --profile_dir and --phases without it"
+            "--alternate times rule files x meshes against one another, --variants a config against "
+            "its variants; run one at a time"
         )
-    if variants and min(rounds, round_steps) < 1:
+    if rounded and (profile_dir or phases):
+        raise UserError(
+            f"{rounded} times whole steps against each other; run --profile_dir and --phases without it"
+        )
+    if rounded and min(rounds, round_steps) < 1:
         raise UserError(f"--rounds={rounds} and --round_steps={round_steps} must both be at least 1")
-    if not variants and steps < 1:
+    if not rounded and steps < 1:
         raise UserError(f"--steps={steps} must be at least 1")
     if warmup < 0:
         raise UserError(f"--warmup={warmup} must be at least 0")
@@ -335,6 +432,7 @@ def run(
             "--variants": variants,
             "--rounds": rounds,
             "--round_steps": round_steps,
+            "--alternate": alternate_points,
         },
     )
     # Every rule file x mesh checked before anything is measured or compiled: a bad last one must
@@ -347,12 +445,15 @@ def run(
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16} if platform == "cpu" else {}
     rates = matmul_rates(dtypes, hosts)
     results = []
-    for (rules, mesh), prep in prepared.items():
-        if variants:
+    if alternate_points:
+        results = alternate(list(prepared.values()), rounds, round_steps, warmup, host_of_process)
+    elif variants:
+        for prep in prepared.values():
             results.extend(compare_variants(prep, rounds, round_steps, warmup))
-            continue
-        where = os.path.join(profile_dir, f"{names[rules]}_{mesh_file_name(mesh)}") if profile_dir else ""
-        results.append(bench_one(*prep, steps, warmup, where, phases, host_of_process))
+    else:
+        for (rules, mesh), prep in prepared.items():
+            where = os.path.join(profile_dir, f"{names[rules]}_{mesh_file_name(mesh)}") if profile_dir else ""
+            results.append(bench_one(*prep, steps, warmup, where, phases, host_of_process))
     after = matmul_rates(dtypes, hosts)
     rates = {name: max(rate, after[name]) for name, rate in rates.items()}
     roofline = hosts * max(rates.values()) if rates else None
@@ -372,6 +473,8 @@ def run(
         "processes": jax.process_count(),
         "hosts": hosts,
         "matmul_flops_per_sec": rates,  # one host's
+        # The steps of a row: timed one row after another, or in alternating rounds.
+        "timing": {"rounds": rounds, "round_steps": round_steps} if rounded else {"steps": steps},
         "results": results,
     }
 
@@ -431,6 +534,12 @@ def format_table(report: dict) -> str:
     for dtype, rate in report["matmul_flops_per_sec"].items():
         each = f" on each of {hosts} hosts (the roofline: all of them)" if hosts > 1 else ""
         lines.append(f"jit matmul 2048^3 {dtype}: {rate / 1e9:,.1f} GFLOP/s{each}")
+    timing = report.get("timing", {})
+    if "rounds" in timing and not any("variant" in r for r in report["results"]):
+        lines.append(
+            f"rule files x meshes timed in {timing['rounds']} alternating rounds of "
+            f"{timing['round_steps']} steps (all held in memory at once)"
+        )
     # The rules column holds the rule file as given (a path, perhaps) and the mesh one the mesh: as
     # wide as the longest, so that the figures stay under their headings.
     widths = rules_lib.column_widths(report["results"], "rules", (16, 12))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import small_config, step_flops
 
@@ -224,6 +225,81 @@ def test_a_bad_variant_stops_the_comparison_before_anything_compiles(monkeypatch
 def test_variants_refuse_profiles_and_phases():
     with pytest.raises(UserError, match="--variants"):
         benchmark.run(small_config(), ["megatron_1d"], ["dp=4,mp=2"], 1, 0, phases=True, variants=[{}])
+
+
+def test_alternate_times_the_rule_files_x_meshes_in_rounds(monkeypatch, quick_matmul_rate):
+    """--alternate: every point compiled, then all timed round by round (each round a step of every
+    point, in order), each row as one timed alone would be, with every round's steps."""
+    timed = []
+    original = benchmark._time_steps
+
+    def time_steps(step, state, batch, n, times):
+        timed.append((step, n))
+        return original(step, state, batch, n, times)
+
+    monkeypatch.setattr(benchmark, "_time_steps", time_steps)
+    report = benchmark.run(
+        small_config(),
+        ["megatron_1d", "fsdp"],
+        ["dp=4,mp=2"],
+        1,
+        0,
+        rounds=3,
+        round_steps=2,
+        alternate_points=True,
+    )
+    rows = report["results"]
+    assert [(r["rules"], r["mesh"]) for r in rows] == [("megatron_1d", "dp=4,mp=2"), ("fsdp", "dp=4,mp=2")]
+    assert report["timing"] == {"rounds": 3, "round_steps": 2}
+    first, second = timed[0][0], timed[1][0]
+    assert first is not second and timed == [(first, 2), (second, 2)] * 3
+    for r in rows:
+        assert r["step_s_min"] <= r["step_s"] <= r["step_s_max"] and r["collective_bytes_per_device"] > 0, r
+        assert 0 < r["host_cpu_busy_cores"] <= len(os.sched_getaffinity(0)) * 1.05, r
+        assert np.isfinite(r["loss"]) and "variant" not in r and r["profile"] is None
+    table = benchmark.format_table(report)
+    assert "timed in 3 alternating rounds of 2 steps" in table and "compile s" in table
+
+
+def test_alternate_refuses_points_whose_states_do_not_fit_together_before_making_any(monkeypatch):
+    """Each point fits alone, the two states together with the larger step's work do not: one line
+    before any state is made."""
+    from gspmd_tp.train import run_setup, state
+    from gspmd_tp.train import step as step_lib
+
+    c = small_config(rules="dp")
+    need = []
+    for mesh in ("dp=8,mp=1", "dp=4,mp=2"):
+        c.mesh = mesh
+        m = step_lib.compile_train_step(run_setup.setup(c)).memory_analysis()
+        args = 8 * m.argument_size_in_bytes
+        need.append(
+            (args, args + 8 * (m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes))
+        )
+    alone, together = max(n for _, n in need), sum(a for a, _ in need) + max(n - a for a, n in need)
+    assert alone < together
+    monkeypatch.setattr(run_setup, "_host_memory", lambda: (alone + together) // 2)
+    monkeypatch.setattr(state, "init_state", lambda *a, **k: pytest.fail("a state was made"))
+    monkeypatch.setattr(benchmark, "matmul_rate", lambda *a: 1.0)
+    with pytest.raises(
+        UserError, match=r"^the compiled set of 2 train steps held at once needs 8 CPU devices x"
+    ):
+        benchmark.run(c, ["dp"], ["dp=8,mp=1", "dp=4,mp=2"], 1, 0, alternate_points=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"variants": [{"seed": "1"}]}, "--alternate times rule files x meshes against one another"),
+        ({"phases": True}, "--alternate times whole steps against each other"),
+        ({"rounds": 0}, "--rounds=0 and --round_steps=3 must both be at least 1"),
+    ],
+)
+def test_alternate_mistakes_stop_before_anything_compiles(monkeypatch, kwargs, message):
+    monkeypatch.setattr(benchmark, "matmul_rate", lambda *a: pytest.fail("measured before checking"))
+    monkeypatch.setattr(benchmark, "_compile", lambda *a: pytest.fail("compiled before checking"))
+    with pytest.raises(UserError, match=message):
+        benchmark.run(small_config(), ["megatron_1d"], ["dp=4,mp=2"], 1, 0, alternate_points=True, **kwargs)
 
 
 @pytest.mark.parametrize(
