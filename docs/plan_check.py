@@ -6,7 +6,8 @@ their medians.
 
     RULES=dp,fsdp,megatron_1d,megatron_1d_sp,megatron_2d
     MESHES="dp=8,mp=1 dp=4,mp=2 dp=2,mp=4 dp=1,mp=8"
-    python -m gspmd_tp.plan calibrate --out=/tmp/calibration.json
+    python -m gspmd_tp.plan calibrate --out=/tmp/calibration.json --config=configs/bench_cpu.py \
+        --rules=$RULES --meshes="$MESHES"
     python bench.py --config=configs/bench_cpu.py --rules=$RULES --meshes="$MESHES" --alternate \
         --rounds=6 --round_steps=2 --warmup=3 --json_out=/tmp/bench.json
     python -m gspmd_tp.plan --config=configs/bench_cpu.py --compare=$RULES --meshes="$MESHES" \

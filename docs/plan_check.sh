@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # plan's calibrated estimate against bench.py's measured step times on 8 simulated CPU devices of
-# the machine at hand (docs/plan.md, "Checked against measurement"): the calibration, one bench run
-# of every rule file x mesh, plan --compare with the calibration, then the table.
+# the machine at hand (docs/plan.md, "Checked against measurement"): the calibration (with the
+# products of the points' steps timed by shape), one bench run of every rule file x mesh, plan
+# --compare with the calibration, then the table.
 #
 #   bash docs/plan_check.sh OUT_DIR
 #
@@ -19,7 +20,8 @@ rules=${RULES:-dp,fsdp,megatron_1d,megatron_1d_sp,megatron_2d}
 meshes=${MESHES:-"dp=8,mp=1 dp=4,mp=2 dp=2,mp=4 dp=1,mp=8"}
 export JAX_PLATFORMS=cpu
 if [ ! -s "$out/calibration.json" ]; then
-  $py -m gspmd_tp.plan calibrate --out="$out/calibration.json"
+  $py -m gspmd_tp.plan calibrate --out="$out/calibration.json" --config=configs/bench_cpu.py --rules="$rules" \
+    --meshes="$meshes"
 fi
 if [ ! -s "$out/bench.json" ]; then
   $py bench.py --config=configs/bench_cpu.py --rules="$rules" --meshes="$meshes" --alternate \

@@ -1,7 +1,8 @@
 """Measure the devices at hand for plan's estimate (plan --calibration=FILE reads what it writes).
 
     python -m gspmd_tp.plan calibrate --out=calibration.json [--meshes="dp=4,mp=2 dp=2,mp=4"] \
-        [--sizes=4096,65536,1048576,16777216] [--matmul_sizes=512,2048,8192] [--repeats=3 --min_time=0.01]
+        [--sizes=4096,65536,1048576,16777216] [--matmul_sizes=512,2048,8192] [--repeats=3 --min_time=0.01] \
+        [--config=configs/bench_cpu.py --rules=dp,megatron_1d]
 
 For every mesh axis of every mesh (each axis and group size once): all-gather, reduce-scatter,
 all-reduce and collective-permute over message sizes (the bytes of the result on one device), with
@@ -13,8 +14,11 @@ that repeats the operation, the call's own overhead taken out: a call of 1 + n t
 `min_time` seconds (far above the timer's and the call's jitter, so no figure is noise or zero). The
 elementwise pass walks a working set of at least MEMORY_WORKING_SET bytes (ACCELERATOR_WORKING_SET
 on a GPU or TPU), a different part each trip, so that it reads from memory as a step's instructions
-do, not what its last trip left in the cache. The file names the device kind, the meshes and the
-date; plan refuses it for devices of another kind.
+do, not what its last trip left in the cache. With --config, every matrix product that config's
+train step computes under each rule file (--rules, default the config's) x mesh is also timed by
+its own shape, all devices at once (a thin product runs far below a square one's rate, and plan
+then prices each product it finds in the file at its own time). The file names the device kind,
+the meshes and the date; plan refuses it for devices of another kind.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gspmd_tp.job import output_paths
-from gspmd_tp.job.errors import UserError, exit_from_main, interrupted, no_positional_arguments
+from gspmd_tp.job.errors import UserError, exit_from_main, interrupted, loaded_config, no_positional_arguments
 from gspmd_tp.plan import calibration
-from gspmd_tp.sharding import hlo
+from gspmd_tp.sharding import hlo, hlo_cost
 from gspmd_tp.sharding.mesh import make_mesh, parse_mesh
 
 SIZES = tuple(4**k * 4096 for k in range(8))  # 4 KiB to 64 MiB
@@ -48,6 +53,9 @@ MEMORY_SIZES = tuple(4**k * 1024 for k in range(9))  # 1 KiB to 64 MiB read and 
 MEMORY_WORKING_SET = 32 * 2**20  # bytes per device: with 8 of them, more than a host's caches hold
 ACCELERATOR_WORKING_SET = 2**30  # a GPU's or TPU's: far more than its on-chip cache (an H100's L2: 50 MB)
 MIN_TIME = 0.01  # seconds of loop per timed call
+# A product of a step lasts up to ~100 ms on CPU: at MIN_TIME one trip is timed, and its figure
+# moves by 20-30% from call to call; several trips a call steady it.
+PRODUCT_MIN_TIME = 0.2
 MAX_TRIPS = 1 << 20
 
 
@@ -122,6 +130,74 @@ def _per_device(mesh, block_shape, body, min_time: float, repeats: int, fill=1.0
     return _timed(jax.jit(mapped), (x,), min_time, repeats)
 
 
+_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "f64": jnp.float64}
+
+
+def config_products(config, rules_list: list[str], meshes: list[str]) -> set[str]:
+    """hlo_cost.product_key of every matrix product the train step of `config` computes under each
+    rule file x mesh, compiled for the devices at hand (every one set up, so checked, first)."""
+    import copy
+
+    from gspmd_tp.train import run_setup
+    from gspmd_tp.train import step as step_lib
+
+    setups = []
+    for rules in rules_list:
+        for mesh in meshes:
+            c = copy.deepcopy(config)
+            c.rules, c.mesh = rules, mesh
+            setups.append(run_setup.setup(c))
+    keys = set()
+    for s in setups:
+        keys |= hlo_cost.Costs(step_lib.compile_train_step(s).as_text()).all_product_keys()
+    return keys
+
+
+def _product_body(key: str):
+    """(loop body, left operand, right operand) of the product `key` names (hlo_cost.product_key),
+    or None for a dtype not timed: each trip changes one element of the left operand in place,
+    from the last trip's result, so that no trip repeats the last one or can be hoisted out of
+    the loop, then multiplies."""
+    lhs_dtype, lhs, rhs_dtype, rhs, dims = hlo_cost.parse_product_key(key)
+    if lhs_dtype not in _DTYPES or rhs_dtype not in _DTYPES:
+        return None
+    numbers = ((dims["lhs_contracting"], dims["rhs_contracting"]), (dims["lhs_batch"], dims["rhs_batch"]))
+
+    def body(i, carry):
+        x, w, acc = carry
+        flat = x.reshape(-1)
+        first = flat[:1] + acc.astype(x.dtype)
+        x = jax.lax.dynamic_update_slice(flat, first, (0,)).reshape(x.shape)
+        y = jax.lax.dot_general(x, w, numbers)
+        return x, w, (y.reshape(-1)[0] * 1e-9).astype(acc.dtype)
+
+    return body, jnp.ones(lhs, _DTYPES[lhs_dtype]), jnp.ones(rhs, _DTYPES[rhs_dtype])
+
+
+def measure_products(keys, min_time: float, repeats: int, devices) -> dict[str, float]:
+    """{key: seconds} of one run of each matrix product `keys` name (hlo_cost.product_key), every
+    device computing its own at once, as in a step; at least PRODUCT_MIN_TIME of trips a call."""
+    flat = make_mesh(f"d={len(devices)}", ["d"], devices)
+    each = NamedSharding(flat, P("d"))
+    out = {}
+    for key in sorted(keys):
+        made = _product_body(key)
+        if made is None:
+            continue
+        body, x, w = made
+
+        def loop(x, w, trips, body=body):
+            x, w, acc = jax.lax.fori_loop(0, trips, body, (x[0], w[0], jnp.zeros((), jnp.float32)))
+            return acc[None]
+
+        mapped = jax.shard_map(
+            loop, mesh=flat, in_specs=(P("d"), P("d"), P()), out_specs=P("d"), check_vma=False
+        )
+        args = [jax.device_put(jnp.broadcast_to(a, (len(devices), *a.shape)), each) for a in (x, w)]
+        out[key] = _timed(jax.jit(mapped), args, max(min_time, PRODUCT_MIN_TIME), repeats)
+    return out
+
+
 def measure(
     meshes: list[str],
     sizes=SIZES,
@@ -133,10 +209,12 @@ def measure(
     log=None,
     dtype: str = "float32",
     working_set: int | None = None,
+    products=(),
 ) -> dict:
     """The calibration of `devices` (all of them unless given), the matrix products in `dtype`, the
     elementwise pass over `working_set` bytes per device (by default MEMORY_WORKING_SET on CPU,
-    ACCELERATOR_WORKING_SET elsewhere): see the module's docstring."""
+    ACCELERATOR_WORKING_SET elsewhere), and the products `products` names (config_products' keys)
+    each by its own shape: see the module's docstring."""
     devices = list(devices if devices is not None else jax.devices())
     if working_set is None:
         working_set = MEMORY_WORKING_SET if devices[0].platform == "cpu" else ACCELERATOR_WORKING_SET
@@ -186,6 +264,7 @@ def measure(
             return jax.lax.dynamic_update_slice_in_dim(x, part * 0.999 + 0.001, at, 0)
 
         memory.append((8.0 * m, _per_device(flat, (parts * m,), step, min_time, repeats)))
+    timed = measure_products(products, min_time, repeats, devices)
     if log:
         (flops, t), (moved, u) = matmul[-1], memory[-1]
         log(f"matmul {matmul_sizes[-1]}^3: {flops / t / 1e9:,.1f} GFLOP/s per device; "
@@ -209,6 +288,7 @@ def measure(
             "seconds": [t for _, t in memory],
             "bytes_per_sec": [b / t for b, t in memory],
         },
+        "products": timed,
     }
 
 
@@ -243,11 +323,24 @@ def main(argv) -> None:
         log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         matmul = _ints(_MATMUL_SIZES.value, "--matmul_sizes") if _MATMUL_SIZES.value else MATMUL_SIZES
         memory = _ints(_MEMORY_SIZES.value, "--memory_sizes") if _MEMORY_SIZES.value else MEMORY_SIZES
-        data = measure(meshes, sizes, matmul, memory, _MIN_TIME.value, _REPEATS.value, log=log, dtype=dtype)
+        products = set()
+        if flags.FLAGS["config"].present:
+            config = loaded_config()
+            rules = [r.strip() for r in _RULES.value.split(",")] if _RULES.value else [config.rules]
+            products = config_products(config, rules, meshes)
+            points = f"{len(rules)} rule files x {len(meshes)} meshes"
+            log(f"products: {len(products)} shapes in the steps of {points}")
+        elif _RULES.value:
+            raise UserError(
+                "--rules: the rule files of --config's steps whose products are timed; no --config"
+            )
+        data = measure(meshes, sizes, matmul, memory, _MIN_TIME.value, _REPEATS.value, log=log, dtype=dtype,
+                       products=products)  # fmt: skip
         with output_paths.whole_file(out) as partial, open(partial, "w") as f:
             json.dump(data, f, indent=1)
         where = f"{data['devices']} {data['device_kind']} devices"
-        print(f"calibration: {out} ({where}, {len(data['collectives'])} collective series)")
+        series = f"{len(data['collectives'])} collective series, {len(data['products'])} products"
+        print(f"calibration: {out} ({where}, {series})")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
@@ -261,9 +354,15 @@ if __name__ == "__main__":
     from absl import flags
 
     from gspmd_tp.job import paths
-    from gspmd_tp.job.errors import parse_flags
+    from gspmd_tp.job.errors import define_config, parse_flags
 
     _OUT = paths.define_flag("out", "", "Write the calibration (JSON) here.")
+    _CONFIG = define_config(
+        None, "Also time every matrix product of this config's train step, by shape (configs/*.py)."
+    )
+    _RULES = flags.DEFINE_string(
+        "rules", "", "With --config: the comma-separated rule files whose steps' products are timed."
+    )
     _MESHES = flags.DEFINE_string(
         "meshes", "", "Space-separated meshes whose axes are measured (default: every dp x mp split)."
     )
@@ -288,4 +387,5 @@ if __name__ == "__main__":
         "The matrix products' dtype (default: float32 on CPU, else bfloat16).",
     )
     _REPEATS = flags.DEFINE_integer("repeats", 3, "Calls timed per figure (the best is kept).")
-    entry.run(main, flags_parser=functools.partial(parse_flags, load=False))  # no --config
+    # --config is optional here: loaded (loaded_config) only where given.
+    entry.run(main, flags_parser=functools.partial(parse_flags, load=False))

@@ -1,8 +1,10 @@
 """A calibration file (written by `python -m gspmd_tp.plan calibrate`, calibrate.py) read for plan's
 estimate: collective times by kind, group size and message size; the matmul rate and a memory-bound
-rate by size. Each series' times are fitted non-decreasing in size (a larger operation never
-takes less time; a dip is the measurement's noise), then interpolated between measured sizes and
-extended beyond the largest at the last measured slope.
+rate by size; and, where calibrate was given a config, the time of each matrix product its steps
+compute, by shape (a thin product runs well below a square one's rate). Each series' times are
+fitted non-decreasing in size (a larger operation never takes less time; a dip is the measurement's
+noise), then interpolated between measured sizes and extended beyond the largest at the last
+measured slope.
 
 The estimate of a step: each instruction of the compiled step at these rates (hlo_cost), plus each
 collective's time less the compute the schedule places between its start and its done (hlo's
@@ -88,6 +90,14 @@ class Calibration:
         rows = [r for r in rows if r["group_size"] == nearest]
         return float(np.mean([_interp(result_bytes, r["bytes"], r["seconds"]) for r in rows]))
 
+    def product_seconds(self, keys: list[str]) -> float | None:
+        """Seconds of the matrix products named by `keys` (hlo_cost.product_key) where the file
+        times every one of them (calibrate --config measures a config's own), else None."""
+        table = self.data.get("products", {})
+        if not keys or any(k not in table for k in keys):
+            return None
+        return float(sum(table[k] for k in keys))
+
     def compute_seconds(self, flops: float, moved: float) -> float:
         """Seconds of one instruction: its matrix-product FLOPs at the measured matmul rate for that
         size of product, plus its bytes at the measured memory-bound rate for that size."""
@@ -124,6 +134,10 @@ def load(path: str) -> Calibration:
         kinds = {r["kind"] for r in data["collectives"]}
     except (KeyError, TypeError) as e:
         raise UserError(f"--calibration={path}: incomplete, no {e} in it") from None
+    products = data.get("products", {})
+    times = products.values() if isinstance(products, dict) else [None]
+    if not all(isinstance(s, int | float) and s > 0 for s in times):
+        raise UserError(f"--calibration={path}: 'products' is not a table of products and their seconds")
     if kinds and kinds != set(KINDS):  # none where one device was measured
         raise UserError(f"--calibration={path}: measures {sorted(kinds)}, expected all of {list(KINDS)}")
     for xs, ys in series:
@@ -155,7 +169,7 @@ def exposed(found: list[hlo.Collective], comm_seconds, per: dict[tuple[str, str]
 def estimate(cal: Calibration, found: list[hlo.Collective], text: str) -> dict:
     """The step time from a calibration: every instruction of the compiled step at the measured
     rates, plus the collectives' measured times where the schedule leaves them exposed."""
-    compute_s, per = hlo_cost.Costs(text).seconds(cal.compute_seconds)
+    compute_s, per = hlo_cost.Costs(text).seconds(cal.compute_seconds, products=cal.product_seconds)
     comm = exposed(found, lambda c: cal.collective_seconds(c.kind, c.group_size, c.result_bytes), per)
     return {
         "source": cal.label(),

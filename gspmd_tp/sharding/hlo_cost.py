@@ -46,6 +46,31 @@ def _product_flops(op: str, result: str, rest: str, types: dict[str, str]) -> fl
     return 2.0 * out * math.prod(kernel) / max(out_features, 1)
 
 
+def _dimension_numbers(rest: str) -> dict[str, tuple[int, ...]]:
+    """A dot's contracting and batch dimensions, each side's."""
+    out = {}
+    for side in ("lhs", "rhs"):
+        for what in ("contracting", "batch"):
+            m = re.search(rf"{side}_{what}_dims=\{{([\d,]*)\}}", rest)
+            out[f"{side}_{what}"] = tuple(int(i) for i in m.group(1).split(",") if i) if m else ()
+    return out
+
+
+def product_key(lhs_type: str, rhs_type: str, dims: dict[str, tuple[int, ...]]) -> str:
+    """How a calibration names a dot: its operands' types (layouts dropped) and its dimensions,
+    "f32[2048,256] f32[256,512] lhs_contracting=1 lhs_batch= rhs_contracting=0 rhs_batch="."""
+    types = " ".join(m.group(0) if (m := _SIMPLE_SHAPE.match(t.strip())) else t for t in (lhs_type, rhs_type))
+    return " ".join([types, *(f"{k}={','.join(map(str, v))}" for k, v in dims.items())])
+
+
+def parse_product_key(key: str) -> tuple[str, list[int], str, list[int], dict[str, tuple[int, ...]]]:
+    """(lhs dtype, lhs dims, rhs dtype, rhs dims, dimension numbers) of a product_key."""
+    lhs, rhs, *rest = key.split(" ")
+    dtype = lambda t: _SIMPLE_SHAPE.match(t).group(1)  # noqa: E731
+    dims = {k: tuple(int(i) for i in v.split(",") if i) for k, _, v in (r.partition("=") for r in rest)}
+    return dtype(lhs), _dims(lhs), dtype(rhs), _dims(rhs), dims
+
+
 class Costs:
     """The instructions of one HLO module, parsed once: flops_and_bytes per instruction, and
     seconds() of a computation (loops and calls inside it included) at given rates."""
@@ -102,6 +127,40 @@ class Costs:
             self._flops[comp] = total
         return self._flops[comp]
 
+    def _dot_key(self, comp: str, rest: str) -> str:
+        """product_key of the dot of `comp` whose operands and attributes are `rest`."""
+        names = hlo.operands(rest)
+        return product_key(*(self.types[comp].get(n, "") for n in names[:2]), _dimension_numbers(rest))
+
+    def _dot_keys(self, comp: str) -> list[str]:
+        """product_key of every dot inside fused computation `comp` (nested fusions included)."""
+        keys = []
+        for _, _, op, rest in self.parsed.get(comp, []):
+            if op == "dot":
+                keys.append(self._dot_key(comp, rest))
+            elif op == "fusion" and (m := re.search(r"\bcalls=%?([\w.\-]+)", rest)):
+                keys += self._dot_keys(m.group(1))
+        return keys
+
+    def product_keys(self, comp: str, index: int) -> list[str]:
+        """product_key of each dot instruction `index` of `comp` computes: itself, or those of the
+        fusion it calls (none for a GEMM custom call or a convolution)."""
+        _, _, op, rest = self.parsed[comp][index]
+        if op == "dot":
+            return [self._dot_key(comp, rest)]
+        called = re.search(r"\bcalls=%?([\w.\-]+)", rest)
+        return self._dot_keys(called.group(1)) if op == "fusion" and called else []
+
+    def all_product_keys(self) -> set[str]:
+        """product_key of every dot of the module, in the computations the step runs and the
+        fusions they call."""
+        return {
+            self._dot_key(c, rest)
+            for c, instrs in self.parsed.items()
+            for _, _, op, rest in instrs
+            if op == "dot"
+        }
+
     def flops_and_bytes(self, comp: str, index: int) -> tuple[float, float]:
         """(matrix-product FLOPs, bytes read and written) of one run of instruction `index` of
         `comp`, not counting what a loop or call it makes does (seconds() adds that)."""
@@ -131,12 +190,16 @@ class Costs:
         return 0.0, moved
 
     def seconds(
-        self, seconds_of: Callable[[float, float], float], comp: str | None = None
+        self,
+        seconds_of: Callable[[float, float], float],
+        comp: str | None = None,
+        products: Callable[[list[str]], float | None] | None = None,
     ) -> tuple[float, dict[tuple[str, str], float]]:
         """(seconds of one run of `comp`, the entry unless given, and {(computation, instruction):
         seconds of one run of it}), each instruction costing seconds_of(flops, bytes); a while loop
         costs its body times its trip count, a call its computation, a conditional its dearest
-        branch."""
+        branch. Where `products` gives the seconds of an instruction's dots (from their
+        product_keys; None where it has no figure for them), those replace the FLOPs' share."""
         per: dict[tuple[str, str], float] = {}
 
         def run(c: str) -> float:
@@ -155,7 +218,11 @@ class Costs:
                     t = max((run(b) for b in branches), default=0.0)
                 else:
                     flops, moved = self.flops_and_bytes(c, i)
-                    t = seconds_of(flops, moved) if flops or moved else 0.0
+                    measured = products(self.product_keys(c, i)) if products and flops else None
+                    if measured is not None:
+                        t = measured + (seconds_of(0.0, moved) if moved else 0.0)
+                    else:
+                        t = seconds_of(flops, moved) if flops or moved else 0.0
                 per[c, name] = t
                 total += t
             return total

@@ -167,6 +167,50 @@ def test_the_estimate_is_compute_plus_what_the_schedule_leaves_exposed():
     assert "calibration hand.json (8 cpu devices" in e["source"]
 
 
+def test_a_product_timed_by_shape_replaces_its_flops_at_the_square_products_rate():
+    """A file that times SCHEDULED's one product by its shape: that time stands for its FLOPs (the
+    bytes it moves still cost what they cost), and the estimate moves by the difference; a product
+    the file does not time keeps the FLOP rate."""
+    costs = hlo_cost.Costs(SCHEDULED)
+    (key,) = costs.all_product_keys()
+    assert key.startswith("f32[") and "lhs_contracting=" in key
+    assert hlo_cost.parse_product_key(key)[0] == "f32"
+    plain = calibration.Calibration("hand.json", _hand_made())
+    timed = calibration.Calibration("hand.json", {**_hand_made(), "products": {key: 0.5}})
+    other = calibration.Calibration(
+        "hand.json", {**_hand_made(), "products": {key.replace("f32", "f16"): 0.5}}
+    )
+    _, per = costs.seconds(plain.compute_seconds)
+    _, per_timed = costs.seconds(timed.compute_seconds, products=timed.product_seconds)
+    flops, moved = costs.flops_and_bytes("main", [n for n, *_ in costs.parsed["main"]].index("mm"))
+    assert flops > 0 and per["main", "mm"] == pytest.approx(plain.compute_seconds(flops, moved))
+    assert per_timed["main", "mm"] == pytest.approx(0.5 + plain.compute_seconds(0.0, moved))
+    assert timed.product_seconds([key, "f32[1] f32[1]"]) is None and other.product_seconds([key]) is None
+    found = hlo.collectives(SCHEDULED, num_devices=8)
+    assert calibration.estimate(other, found, SCHEDULED) == calibration.estimate(plain, found, SCHEDULED)
+    e, e_timed = calibration.estimate(plain, found, SCHEDULED), calibration.estimate(timed, found, SCHEDULED)
+    assert e_timed["compute_s"] - e["compute_s"] == pytest.approx(per_timed["main", "mm"] - per["main", "mm"])
+
+
+def test_calibrate_times_the_products_of_a_configs_steps_by_their_shapes():
+    """config_products finds every product of the compiled steps (each rule file x mesh set up,
+    so checked, before any compiles); measure_products times each, thin ones included."""
+    from gspmd_tp.train import run_setup
+    from gspmd_tp.train import step as step_lib
+
+    c = small_config()
+    keys = calibrate.config_products(c, ["megatron_1d", "fsdp"], ["dp=2,mp=4"])
+    for rules in ("megatron_1d", "fsdp"):
+        c.rules, c.mesh = rules, "dp=2,mp=4"
+        text = step_lib.compile_train_step(run_setup.setup(c)).as_text()
+        assert hlo_cost.Costs(text).all_product_keys() <= keys
+    some = sorted(keys)[:2]
+    timed = calibrate.measure_products(some, min_time=0.002, repeats=1, devices=jax.devices())
+    assert set(timed) == set(some) and min(timed.values()) > 1e-7
+    with pytest.raises(UserError, match="rule file 'nope' not found"):
+        calibrate.config_products(small_config(), ["megatron_1d", "nope"], ["dp=2,mp=4"])
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
@@ -177,6 +221,8 @@ def test_the_estimate_is_compute_plus_what_the_schedule_leaves_exposed():
             json.dumps({**_hand_made(), "collectives": _hand_made()["collectives"][:1]}),
             "measures ['all-gather']",
         ),
+        (json.dumps({**_hand_made(), "products": {"f32[2,2] f32[2,2]": 0}}), "'products' is not a table"),
+        (json.dumps({**_hand_made(), "products": [1.0]}), "'products' is not a table"),
     ],
 )
 def test_a_file_that_cannot_serve_is_one_line(tmp_path, text, message):
@@ -207,14 +253,25 @@ def test_a_calibration_of_another_device_kind_is_refused_before_compiling(monkey
         planner.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"), cal=cal)
 
 
-def test_the_calibrate_command_is_a_plan_subcommand_with_one_line_errors(tmp_path):
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--meshes=dp=3,mp=2"], "error: mesh 'dp=3,mp=2' has 6 devices but 8 are available"),
+        (
+            ["--rules=dp"],
+            "error: --rules: the rule files of --config's steps whose products are timed; no --config",
+        ),
+        (["--config=configs/nope.py"], "error: --config=configs/nope.py: no such file"),
+    ],
+)
+def test_the_calibrate_command_is_a_plan_subcommand_with_one_line_errors(tmp_path, flags, message):
     out = tmp_path / "c.json"
     run = subprocess.run(
-        [sys.executable, "-m", "gspmd_tp.plan", "calibrate", f"--out={out}", "--meshes=dp=3,mp=2"],
+        [sys.executable, "-m", "gspmd_tp.plan", "calibrate", f"--out={out}", *flags],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 1 and not out.exists()
-    assert run.stderr.strip().splitlines()[-1] == "error: mesh 'dp=3,mp=2' has 6 devices but 8 are available"
+    assert run.stderr.strip().splitlines()[-1].startswith(message)
 
 
 def test_plan_check_averages_each_points_rounds_and_ranks_by_the_mean(tmp_path):
@@ -256,6 +313,6 @@ def test_plan_check_averages_each_points_rounds_and_ranks_by_the_mean(tmp_path):
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
     assert "| dp | dp=8,mp=1 | 1,000 (1,000 + 0) | 1,500 | -33% |" in out
-    assert "the mean of 2 bench rounds' medians" in out
+    assert "the mean of 2 bench runs' medians" in out
     assert "3 points: Spearman 1.00" in out
     assert "the predicted best (dp dp=8,mp=1) measures 0% above the measured best (dp dp=8,mp=1)" in out
