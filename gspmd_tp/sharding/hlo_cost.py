@@ -20,6 +20,7 @@ _SIMPLE_SHAPE = re.compile(r"^(pred|bf16|[subfc]\d+)\[([\d,]*)\]")
 _NO_COST = hlo.NO_WORK | {"copy-start", "copy-done"}
 _GEMM = re.compile(r'custom_call_target="[^"]*(gemm|matmul)', re.IGNORECASE)  # cuBLAS, cuBLASLt
 _PARAMETER = re.compile(r"^\d+\)")
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")  # the computation a fusion calls
 
 
 def _dims(type_text: str) -> list[int]:
@@ -85,7 +86,7 @@ class Costs:
         # Computations that hold a collective and compute nothing: the instructions calling them
         # transfer (a TPU continuation fusion that also computes costs what it computes).
         self.transfers = {c for c, lines in self.comps.items() if hlo.transfer_only(lines)}
-        self._flops: dict[str, float] = {}
+        self._products: dict[str, list[tuple[str, str, str, str]]] = {}
         self._sliced: dict[str, tuple[int, int] | None] = {}
 
     def _slicing(self, comp: str) -> tuple[int, int] | None:
@@ -114,33 +115,28 @@ class Costs:
                     self._sliced[comp] = (2 * hlo.shape_bytes(result), update)
         return self._sliced[comp]
 
-    def _called_flops(self, comp: str) -> float:
-        """Matrix-product FLOPs inside a fused computation (nested fusions included)."""
-        if comp not in self._flops:
-            total = 0.0
+    def _fused_products(self, comp: str) -> list[tuple[str, str, str, str]]:
+        """(computation, op, result, rest) of every dot and convolution inside fused computation
+        `comp`, nested fusions included."""
+        if comp not in self._products:
+            found = []
             for _, result, op, rest in self.parsed.get(comp, []):
                 if op in ("dot", "convolution"):
-                    total += _product_flops(op, result, rest, self.types[comp])
-                elif op == "fusion":
-                    m = re.search(r"\bcalls=%?([\w.\-]+)", rest)
-                    total += self._called_flops(m.group(1)) if m else 0.0
-            self._flops[comp] = total
-        return self._flops[comp]
+                    found.append((comp, op, result, rest))
+                elif op == "fusion" and (m := _CALLS.search(rest)):
+                    found += self._fused_products(m.group(1))
+            self._products[comp] = found
+        return self._products[comp]
+
+    def _called_flops(self, comp: str) -> float:
+        """Matrix-product FLOPs inside a fused computation (nested fusions included)."""
+        found = self._fused_products(comp)
+        return sum((_product_flops(op, result, rest, self.types[c]) for c, op, result, rest in found), 0.0)
 
     def _dot_key(self, comp: str, rest: str) -> str:
         """product_key of the dot of `comp` whose operands and attributes are `rest`."""
         names = hlo.operands(rest)
         return product_key(*(self.types[comp].get(n, "") for n in names[:2]), _dimension_numbers(rest))
-
-    def _dot_keys(self, comp: str) -> list[str]:
-        """product_key of every dot inside fused computation `comp` (nested fusions included)."""
-        keys = []
-        for _, _, op, rest in self.parsed.get(comp, []):
-            if op == "dot":
-                keys.append(self._dot_key(comp, rest))
-            elif op == "fusion" and (m := re.search(r"\bcalls=%?([\w.\-]+)", rest)):
-                keys += self._dot_keys(m.group(1))
-        return keys
 
     def product_keys(self, comp: str, index: int) -> list[str]:
         """product_key of each dot instruction `index` of `comp` computes: itself, or those of the
@@ -148,8 +144,10 @@ class Costs:
         _, _, op, rest = self.parsed[comp][index]
         if op == "dot":
             return [self._dot_key(comp, rest)]
-        called = re.search(r"\bcalls=%?([\w.\-]+)", rest)
-        return self._dot_keys(called.group(1)) if op == "fusion" and called else []
+        called = _CALLS.search(rest)
+        if op != "fusion" or not called:
+            return []
+        return [self._dot_key(c, r) for c, o, _, r in self._fused_products(called.group(1)) if o == "dot"]
 
     def all_product_keys(self) -> set[str]:
         """product_key of every dot of the module, in the computations the step runs and the
@@ -165,7 +163,7 @@ class Costs:
         """(matrix-product FLOPs, bytes read and written) of one run of instruction `index` of
         `comp`, not counting what a loop or call it makes does (seconds() adds that)."""
         name, result, op, rest = self.parsed[comp][index]
-        called = re.search(r"\bcalls=%?([\w.\-]+)", rest)
+        called = _CALLS.search(rest)
         if (
             op in _NO_COST
             or op in ("while", "call", "conditional")
