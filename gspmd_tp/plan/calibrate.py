@@ -14,11 +14,14 @@ that repeats the operation, the call's own overhead taken out: a call of 1 + n t
 `min_time` seconds (far above the timer's and the call's jitter, so no figure is noise or zero). The
 elementwise pass walks a working set of at least MEMORY_WORKING_SET bytes (ACCELERATOR_WORKING_SET
 on a GPU or TPU), a different part each trip, so that it reads from memory as a step's instructions
-do, not what its last trip left in the cache. With --config, every matrix product that config's
-train step computes under each rule file (--rules, default the config's) x mesh is also timed by
-its own shape, all devices at once (a thin product runs far below a square one's rate, and plan
-then prices each product it finds in the file at its own time). The file names the device kind,
-the meshes and the date; plan refuses it for devices of another kind.
+do, not what its last trip left in the cache. It also measures what writing a buffer the call has
+just allocated costs beyond writing one already held (FRESH_SIZES per device), since a step call
+allocates its temporaries: XLA:CPU's come from malloc, which maps those above its threshold afresh
+from the system on every call, and each page then faults once when first written. With --config,
+every matrix product that config's train step computes under each rule file (--rules, default the
+config's) x mesh is also timed by its own shape, all devices at once (a thin product runs far below
+a square one's rate, and plan then prices each product it finds in the file at its own time). The
+file names the device kind, the meshes and the date; plan refuses it for devices of another kind.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ MATMUL_SIZES = (64, 128, 256, 512, 1024)
 MEMORY_SIZES = tuple(4**k * 1024 for k in range(9))  # 1 KiB to 64 MiB read and written
 MEMORY_WORKING_SET = 32 * 2**20  # bytes per device: with 8 of them, more than a host's caches hold
 ACCELERATOR_WORKING_SET = 2**30  # a GPU's or TPU's: far more than its on-chip cache (an H100's L2: 50 MB)
+FRESH_SIZES = tuple(4**k * 2**20 for k in range(5))  # 1 MiB to 256 MiB per device
 MIN_TIME = 0.01  # seconds of loop per timed call
 # A product of a step lasts up to ~100 ms on CPU: at MIN_TIME one trip is timed, and its figure
 # moves by 20-30% from call to call; several trips a call steady it.
@@ -198,6 +202,39 @@ def measure_products(keys, min_time: float, repeats: int, devices) -> dict[str, 
     return out
 
 
+def measure_fresh(sizes, repeats: int, devices) -> list[tuple[int, float]]:
+    """[(bytes, seconds)] per device: what writing a buffer of that many bytes that the call has just
+    allocated costs beyond writing one it already holds, every device at once. Each call of a
+    compiled step allocates its temporaries; where the allocator maps them afresh from the system
+    (XLA:CPU's through malloc, above its mmap threshold), each page written faults once a step. The
+    figure is an elementwise pass whose output is a new buffer less the same pass donated its input,
+    the best of `repeats` calls each (at least 3); never below zero (an accelerator's allocator pools
+    its memory)."""
+    flat = make_mesh(f"d={len(devices)}", ["d"], devices)
+    each = NamedSharding(flat, P("d"))
+    scaled = lambda x: x * 0.999 + 0.001  # noqa: E731
+    out = []
+    for size in sizes:
+        n = max(1, size // 4)
+        fresh = jax.jit(scaled, out_shardings=each)
+        in_place = jax.jit(scaled, out_shardings=each, donate_argnums=0)
+        x = jax.device_put(jnp.ones((len(devices) * n,), jnp.float32), each)
+        y = jax.block_until_ready(fresh(x))  # compiles
+        x = jax.block_until_ready(in_place(x))
+        best = {"fresh": float("inf"), "in_place": float("inf")}
+        for _ in range(max(3, repeats)):
+            del y  # freed, as a step's temporaries are when it ends
+            t0 = time.perf_counter()
+            y = jax.block_until_ready(fresh(x))
+            best["fresh"] = min(best["fresh"], time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            x = jax.block_until_ready(in_place(x))
+            best["in_place"] = min(best["in_place"], time.perf_counter() - t0)
+        del x, y
+        out.append((4 * n, max(0.0, best["fresh"] - best["in_place"])))
+    return out
+
+
 def measure(
     meshes: list[str],
     sizes=SIZES,
@@ -210,6 +247,7 @@ def measure(
     dtype: str = "float32",
     working_set: int | None = None,
     products=(),
+    fresh_sizes=FRESH_SIZES,
 ) -> dict:
     """The calibration of `devices` (all of them unless given), the matrix products in `dtype`, the
     elementwise pass over `working_set` bytes per device (by default MEMORY_WORKING_SET on CPU,
@@ -264,11 +302,13 @@ def measure(
             return jax.lax.dynamic_update_slice_in_dim(x, part * 0.999 + 0.001, at, 0)
 
         memory.append((8.0 * m, _per_device(flat, (parts * m,), step, min_time, repeats)))
+    fresh = measure_fresh(fresh_sizes, repeats, devices)
     timed = measure_products(products, min_time, repeats, devices)
     if log:
-        (flops, t), (moved, u) = matmul[-1], memory[-1]
+        (flops, t), (moved, u), (written, v) = matmul[-1], memory[-1], fresh[-1]
         log(f"matmul {matmul_sizes[-1]}^3: {flops / t / 1e9:,.1f} GFLOP/s per device; "
-            f"elementwise {moved:,.0f} B: {moved / u / 1e9:,.2f} GB/s per device")  # fmt: skip
+            f"elementwise {moved:,.0f} B: {moved / u / 1e9:,.2f} GB/s per device; "
+            f"{written:,.0f} B newly allocated: {v * 1e3:,.2f} ms more per device")  # fmt: skip
     return {
         "format": calibration.FORMAT,
         "device_kind": devices[0].device_kind,
@@ -288,6 +328,7 @@ def measure(
             "seconds": [t for _, t in memory],
             "bytes_per_sec": [b / t for b, t in memory],
         },
+        "fresh": {"bytes": [b for b, _ in fresh], "seconds": [t for _, t in fresh]},
         "products": timed,
     }
 

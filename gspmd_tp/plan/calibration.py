@@ -1,14 +1,16 @@
 """A calibration file (written by `python -m gspmd_tp.plan calibrate`, calibrate.py) read for plan's
 estimate: collective times by kind, group size and message size; the matmul rate and a memory-bound
 rate by size; and, where calibrate was given a config, the time of each matrix product its steps
-compute, by shape (a thin product runs well below a square one's rate). Each series' times are
+compute, by shape (a thin product runs well below a square one's rate); and what writing newly
+allocated memory costs beyond writing memory already held, by size. Each series' times are
 fitted non-decreasing in size (a larger operation never takes less time; a dip is the measurement's
 noise), then interpolated between measured sizes and extended beyond the largest at the last
 measured slope.
 
 The estimate of a step: each instruction of the compiled step at these rates (hlo_cost), plus each
 collective's time less the compute the schedule places between its start and its done (hlo's
-window): compute plus exposed communication.
+window): compute plus exposed communication, plus, where the device's allocator maps a step's
+temporaries afresh on every call (XLA:CPU's), the cost of first writing them.
 """
 
 from __future__ import annotations
@@ -98,6 +100,15 @@ class Calibration:
             return None
         return float(sum(table[k] for k in keys))
 
+    def fresh_seconds(self, allocated: float) -> float:
+        """Seconds per step that writing `allocated` bytes, newly allocated, costs beyond writing
+        memory already held (0 where the file does not measure it: calibrate writes it since the
+        series was added)."""
+        f = self.data.get("fresh")
+        if not allocated or not f:
+            return 0.0
+        return _interp(allocated, f["bytes"], f["seconds"], floor=False)
+
     def compute_seconds(self, flops: float, moved: float) -> float:
         """Seconds of one instruction: its matrix-product FLOPs at the measured matmul rate for that
         size of product, plus its bytes at the measured memory-bound rate for that size."""
@@ -134,6 +145,15 @@ def load(path: str) -> Calibration:
         kinds = {r["kind"] for r in data["collectives"]}
     except (KeyError, TypeError) as e:
         raise UserError(f"--calibration={path}: incomplete, no {e} in it") from None
+    fresh = data.get("fresh")
+    try:
+        fresh_series = [] if fresh is None else [(list(fresh["bytes"]), list(fresh["seconds"]))]
+    except (KeyError, TypeError):
+        raise UserError(f"--calibration={path}: 'fresh' is not a series of bytes and seconds") from None
+    for xs, ys in fresh_series:
+        if not xs or len(xs) != len(ys) or xs != sorted(xs) or min(ys) < 0:
+            raise UserError(f"--calibration={path}: 'fresh' is empty, unsorted or negative")
+        fresh["seconds"] = monotone(ys)
     products = data.get("products", {})
     times = products.values() if isinstance(products, dict) else [None]
     if not all(isinstance(s, int | float) and s > 0 for s in times):
@@ -166,14 +186,18 @@ def exposed(found: list[hlo.Collective], comm_seconds, per: dict[tuple[str, str]
     return {"comm_s": total, "comm_exposed_s": total - hidden, "comm_hidden_s": hidden}
 
 
-def estimate(cal: Calibration, found: list[hlo.Collective], text: str) -> dict:
+def estimate(cal: Calibration, found: list[hlo.Collective], text: str, allocations=()) -> dict:
     """The step time from a calibration: every instruction of the compiled step at the measured
-    rates, plus the collectives' measured times where the schedule leaves them exposed."""
+    rates, plus the collectives' measured times where the schedule leaves them exposed, plus the
+    first writing of `allocations` (bytes per device of each buffer a step call allocates: its
+    temporaries, its outputs not aliased to inputs) at the measured cost of new memory."""
     compute_s, per = hlo_cost.Costs(text).seconds(cal.compute_seconds, products=cal.product_seconds)
     comm = exposed(found, lambda c: cal.collective_seconds(c.kind, c.group_size, c.result_bytes), per)
+    fresh_s = sum(cal.fresh_seconds(b) for b in allocations)
     return {
         "source": cal.label(),
         "compute_s": compute_s,
+        "fresh_memory_s": fresh_s,
         **comm,
-        "step_s_estimate": compute_s + comm["comm_exposed_s"],
+        "step_s_estimate": compute_s + fresh_s + comm["comm_exposed_s"],
     }

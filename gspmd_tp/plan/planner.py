@@ -146,7 +146,9 @@ def plan(
     asked = hlo.summarize(hlo.as_asked(found))
     estimate = hardware.estimate(s, stats, found, target, network_gbps, text) if target else None
     if cal is not None:  # the measured figures replace the chip table's times; the fit stays
-        timed = calibration.estimate(cal, found, text)
+        # A step call allocates its temporaries and its outputs that do not reuse an input's buffer.
+        allocations = (stats.temp_size_in_bytes, stats.output_size_in_bytes - stats.alias_size_in_bytes)
+        timed = calibration.estimate(cal, found, text, allocations)
         estimate = {**{k: v for k, v in (estimate or {}).items() if not k.startswith("comm_")}, **timed}
     schedule = hlo.exposure(found)
     return {
@@ -172,6 +174,7 @@ def plan(
             "ideal_opt_state": total["opt_state"] / n,
             "arguments": stats.argument_size_in_bytes,
             "outputs": stats.output_size_in_bytes,
+            "aliased": stats.alias_size_in_bytes,  # outputs that reuse a (donated) input's buffer
             "temporaries": stats.temp_size_in_bytes,
         },
         "collectives": {
@@ -228,11 +231,11 @@ def _estimate_lines(t: dict | None) -> list[str]:
     elif "step_s_estimate" not in t:
         return [f"  {t['device_kind']}: no memory/peak figures in the table; no fit or time estimate"]
     if "step_s_estimate" in t and "comm_link_s" not in t:  # from a calibration
-        step, compute, comm, hidden = (
-            t[k] * 1e3 for k in ("step_s_estimate", "compute_s", "comm_exposed_s", "comm_hidden_s")
-        )
+        parts = ("step_s_estimate", "compute_s", "fresh_memory_s", "comm_exposed_s", "comm_hidden_s")
+        step, compute, fresh, comm, hidden = (t.get(k, 0.0) * 1e3 for k in parts)
+        new = f" + {fresh:.2f} ms first writing the memory the step allocates" if fresh else ""
         lines.append(
-            f"  step time estimate: {step:.2f} ms (compute {compute:.2f} ms + exposed communication "
+            f"  step time estimate: {step:.2f} ms (compute {compute:.2f} ms{new} + exposed communication "
             f"{comm:.2f} ms; {hidden:.2f} ms hidden by the schedule) from {t['source']}"
         )
     elif "step_s_estimate" in t:

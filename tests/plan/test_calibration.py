@@ -23,7 +23,7 @@ def measured(tmp_path_factory):
     disk."""
     data = calibrate.measure(
         ["dp=2,mp=4"], sizes=(4096,), matmul_sizes=(16, 32), memory_sizes=(1024, 16384), min_time=0.002,
-        repeats=1, working_set=65536,
+        repeats=1, working_set=65536, fresh_sizes=(2**16, 2**20),
     )  # fmt: skip
     path = tmp_path_factory.mktemp("calibration") / "cpu.json"
     path.write_text(json.dumps(data))
@@ -39,6 +39,7 @@ def test_calibrate_measures_every_collective_on_every_axis_and_the_compute_rates
     for r in data["collectives"]:
         assert r["bytes"] == [4096] and r["seconds"][0] > 0, r
     assert data["matmul"]["flops"] == [2 * 16**3, 2 * 32**3] and data["memory"]["bytes"] == [1024, 16384]
+    assert data["fresh"]["bytes"] == [2**16, 2**20] and min(data["fresh"]["seconds"]) >= 0
     # Every figure is a loop trip timed over 2 ms of trips: none is the timer's floor or zero.
     figures = [t for r in data["collectives"] for t in r["seconds"]]
     figures += data["matmul"]["seconds"] + data["memory"]["seconds"]
@@ -167,6 +168,32 @@ def test_the_estimate_is_compute_plus_what_the_schedule_leaves_exposed():
     assert "calibration hand.json (8 cpu devices" in e["source"]
 
 
+def test_memory_the_step_allocates_costs_its_first_writing_at_the_measured_rate(tmp_path):
+    """A file's `fresh` series prices the buffers a step call allocates (fitted non-decreasing,
+    interpolated, in proportion below the first size); the estimate adds it to compute and exposed
+    communication. A file without the series prices them at nothing."""
+    found = hlo.collectives(SCHEDULED, num_devices=8)
+    plain = calibration.Calibration("hand.json", _hand_made())
+    path = tmp_path / "fresh.json"
+    path.write_text(json.dumps({**_hand_made(), "fresh": {"bytes": [2**20, 2**22], "seconds": [2e-3, 1e-3]}}))
+    fresh = calibration.load(str(path))
+    assert fresh.fresh_seconds(2**21) == pytest.approx(1.5e-3)
+    assert fresh.fresh_seconds(2**19) == pytest.approx(7.5e-4)
+    assert fresh.fresh_seconds(0) == 0 and plain.fresh_seconds(2**21) == 0
+    e = calibration.estimate(fresh, found, SCHEDULED, allocations=(2**21, 2**22))
+    assert e["fresh_memory_s"] == pytest.approx(1.5e-3 + 1.5e-3)
+    base = calibration.estimate(plain, found, SCHEDULED, allocations=(2**21, 2**22))
+    assert base["fresh_memory_s"] == 0 and base["compute_s"] == e["compute_s"]
+    assert e["step_s_estimate"] == pytest.approx(base["step_s_estimate"] + 3e-3)
+
+
+def test_the_cost_of_new_memory_is_what_a_new_buffer_costs_beyond_one_held():
+    """measure_fresh times an elementwise pass into a new buffer less the same pass in place: the
+    difference is never negative, and per device (the 8 devices' buffers all written at once)."""
+    measured = calibrate.measure_fresh((2**16, 2**22), repeats=3, devices=jax.devices())
+    assert [b for b, _ in measured] == [2**16, 2**22] and min(t for _, t in measured) >= 0
+
+
 def test_a_product_timed_by_shape_replaces_its_flops_at_the_square_products_rate():
     """A file that times SCHEDULED's one product by its shape: that time stands for its FLOPs (the
     bytes it moves still cost what they cost), and the estimate moves by the difference; a product
@@ -223,6 +250,11 @@ def test_calibrate_times_the_products_of_a_configs_steps_by_their_shapes():
         ),
         (json.dumps({**_hand_made(), "products": {"f32[2,2] f32[2,2]": 0}}), "'products' is not a table"),
         (json.dumps({**_hand_made(), "products": [1.0]}), "'products' is not a table"),
+        (json.dumps({**_hand_made(), "fresh": [1.0]}), "'fresh' is not a series of bytes and seconds"),
+        (
+            json.dumps({**_hand_made(), "fresh": {"bytes": [2, 1], "seconds": [0, 1]}}),
+            "'fresh' is empty, unsorted or negative",
+        ),
     ],
 )
 def test_a_file_that_cannot_serve_is_one_line(tmp_path, text, message):
@@ -240,8 +272,18 @@ def test_a_calibrated_plan_on_cpu_times_every_collective_as_exposed(measured):
     e = p["estimate"]
     assert p["hidden_bytes_per_device"] == 0 and p["exposed_bytes_per_device"] == p["bytes_per_device"] > 0
     assert e["comm_hidden_s"] == 0 and e["comm_exposed_s"] == e["comm_s"] > 0 and e["compute_s"] > 0
-    assert e["step_s_estimate"] == pytest.approx(e["compute_s"] + e["comm_s"])
+    assert e["step_s_estimate"] == pytest.approx(e["compute_s"] + e["fresh_memory_s"] + e["comm_s"])
     assert "step time estimate" in planner.format_plan(p) and measured[0] in planner.format_plan(p)
+    # The buffers a call allocates, from the compiled step's memory analysis: its temporaries and
+    # its outputs not aliased to its (donated) inputs, each at the file's cost of new memory.
+    cal = calibration.load(measured[0])
+    cal.data["fresh"] = {"bytes": [2**20], "seconds": [1e-3]}
+    p = planner.plan(small_config(rules="megatron_1d", mesh="dp=2,mp=4"), cal=cal)
+    m = p["memory"]
+    assert m["temporaries"] > 0 and p["estimate"]["fresh_memory_s"] == pytest.approx(
+        1e-3 * (m["temporaries"] + m["outputs"] - m["aliased"]) / 2**20
+    )
+    assert "ms first writing the memory the step allocates" in planner.format_plan(p)
 
 
 def test_a_calibration_of_another_device_kind_is_refused_before_compiling(monkeypatch):
@@ -312,7 +354,7 @@ def test_plan_check_averages_each_points_rounds_and_ranks_by_the_mean(tmp_path):
         [sys.executable, str(ROOT / "docs" / "plan_check.py"), str(tmp_path / "plan.json"), *map(str, files)],
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
-    assert "| dp | dp=8,mp=1 | 1,000 (1,000 + 0) | 1,500 | -33% |" in out
+    assert "| dp | dp=8,mp=1 | 1,000 (1,000 + 0 + 0) | 1,500 | -33% |" in out
     assert "the mean of 2 bench runs' medians" in out
     assert "3 points: Spearman 1.00" in out
     assert "the predicted best (dp dp=8,mp=1) measures 0% above the measured best (dp dp=8,mp=1)" in out

@@ -506,6 +506,7 @@ class _FakeCompiled:
         return types.SimpleNamespace(
             argument_size_in_bytes=0,
             output_size_in_bytes=0,
+            alias_size_in_bytes=0,
             temp_size_in_bytes=0,
             generated_code_size_in_bytes=0,
         )
