@@ -16,8 +16,9 @@ elementwise pass walks a working set of at least MEMORY_WORKING_SET bytes (ACCEL
 on a GPU or TPU), a different part each trip, so that it reads from memory as a step's instructions
 do, not what its last trip left in the cache. It also measures what writing a buffer the call has
 just allocated costs beyond writing one already held (FRESH_SIZES per device), since a step call
-allocates its temporaries: XLA:CPU's come from malloc, which maps those above its threshold afresh
-from the system on every call, and each page then faults once when first written. With --config,
+allocates its temporaries: XLA:CPU's come from malloc, under whatever settings this process runs
+with (host_devices.tune_malloc keeps freed memory; glibc's defaults map large buffers afresh, and
+each page then faults once a call). With --config,
 every matrix product that config's train step computes under each rule file (--rules, default the
 config's) x mesh is also timed by its own shape, all devices at once (a thin product runs far below
 a square one's rate, and plan then prices each product it finds in the file at its own time). The
@@ -205,11 +206,10 @@ def measure_products(keys, min_time: float, repeats: int, devices) -> dict[str, 
 def measure_fresh(sizes, repeats: int, devices) -> list[tuple[int, float]]:
     """[(bytes, seconds)] per device: what writing a buffer of that many bytes that the call has just
     allocated costs beyond writing one it already holds, every device at once. Each call of a
-    compiled step allocates its temporaries; where the allocator maps them afresh from the system
-    (XLA:CPU's through malloc, above its mmap threshold), each page written faults once a step. The
-    figure is an elementwise pass whose output is a new buffer less the same pass donated its input,
-    the best of `repeats` calls each (at least 3); never below zero (an accelerator's allocator pools
-    its memory)."""
+    compiled step allocates its temporaries (XLA:CPU's from malloc: where it maps them afresh from
+    the system, each page faults once a call; where it reuses freed memory, less). The figure is an
+    elementwise pass whose output is a new buffer less the same pass donated its input, the best of
+    `repeats` calls each (at least 3), never below zero."""
     flat = make_mesh(f"d={len(devices)}", ["d"], devices)
     each = NamedSharding(flat, P("d"))
     scaled = lambda x: x * 0.999 + 0.001  # noqa: E731
