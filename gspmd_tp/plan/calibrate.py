@@ -18,11 +18,11 @@ do, not what its last trip left in the cache. It also measures what writing a bu
 just allocated costs beyond writing one already held (FRESH_SIZES per device), since a step call
 allocates its temporaries: XLA:CPU's come from malloc, under whatever settings this process runs
 with (host_devices.tune_malloc keeps freed memory; glibc's defaults map large buffers afresh, and
-each page then faults once a call). With --config,
-every matrix product that config's train step computes under each rule file (--rules, default the
-config's) x mesh is also timed by its own shape, all devices at once (a thin product runs far below
-a square one's rate, and plan then prices each product it finds in the file at its own time). The
-file names the device kind, the meshes and the date; plan refuses it for devices of another kind.
+each page then faults once a call). With --config, every matrix product that config's train step
+computes under each rule file (--rules, default the config's) x mesh is also timed by its own shape,
+all devices at once (a thin product runs far below a square one's rate, and plan then prices each
+product it finds in the file at its own time). The file names the device kind, the meshes and the
+date; plan refuses it for devices of another kind.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ measured slope.
 
 The estimate of a step: each instruction of the compiled step at these rates (hlo_cost), plus each
 collective's time less the compute the schedule places between its start and its done (hlo's
-window): compute plus exposed communication, plus, where the device's allocator maps a step's
-temporaries afresh on every call (XLA:CPU's), the cost of first writing them.
+window): compute plus exposed communication, plus what first writing the memory a step call
+allocates costs (its temporaries, its outputs not aliased to inputs).
 """
 
 from __future__ import annotations
@@ -101,9 +101,8 @@ class Calibration:
         return float(sum(table[k] for k in keys))
 
     def fresh_seconds(self, allocated: float) -> float:
-        """Seconds per step that writing `allocated` bytes, newly allocated, costs beyond writing
-        memory already held (0 where the file does not measure it: calibrate writes it since the
-        series was added)."""
+        """Seconds that writing `allocated` bytes a step call has just allocated costs beyond
+        writing memory already held; 0 where the file has no `fresh` series."""
         f = self.data.get("fresh")
         if not allocated or not f:
             return 0.0
