@@ -41,6 +41,15 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(_ranks(a), _ranks(b))[0, 1])
 
 
+def _predicted(e: dict) -> dict:
+    """A table row's predicted seconds from a plan estimate: the step, and its compute, new memory
+    and exposed communication."""
+    return {
+        "predicted": e["step_s_estimate"], "compute": e["compute_s"], "comm": e["comm_exposed_s"],
+        "fresh": e.get("fresh_memory_s", 0.0),
+    }  # fmt: skip
+
+
 def rows(plan: dict, bench: dict) -> list[dict]:
     """One row per rule file x mesh timed by both: predicted step seconds, and measured ones (the
     mean of the point's median step over the bench files that time it, each a round)."""
@@ -58,8 +67,7 @@ def rows(plan: dict, bench: dict) -> list[dict]:
             e = predicted[key]
             out.append({
                 "rules": key[0], "mesh": key[1], "measured": statistics.mean(times), "rounds": times,
-                "predicted": e["step_s_estimate"], "compute": e["compute_s"], "comm": e["comm_exposed_s"],
-                "fresh": e.get("fresh_memory_s", 0.0),
+                **_predicted(e),
             })  # fmt: skip
     return out
 
@@ -76,8 +84,7 @@ def variant_rows(plan_dir: str, bench_dir: str) -> list[dict]:
         r = json.loads(bench.read_text())["results"][0]
         out.append({
             "rules": path.stem, "mesh": r["mesh"], "measured": r["step_s"], "rounds": [r["step_s"]],
-            "predicted": e["step_s_estimate"], "compute": e["compute_s"], "comm": e["comm_exposed_s"],
-            "fresh": e.get("fresh_memory_s", 0.0),
+            **_predicted(e),
         })  # fmt: skip
     return out
 

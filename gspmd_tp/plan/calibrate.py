@@ -213,11 +213,11 @@ def measure_fresh(sizes, repeats: int, devices) -> list[tuple[int, float]]:
     flat = make_mesh(f"d={len(devices)}", ["d"], devices)
     each = NamedSharding(flat, P("d"))
     scaled = lambda x: x * 0.999 + 0.001  # noqa: E731
+    fresh = jax.jit(scaled, out_shardings=each)
+    in_place = jax.jit(scaled, out_shardings=each, donate_argnums=0)
     out = []
     for size in sizes:
         n = max(1, size // 4)
-        fresh = jax.jit(scaled, out_shardings=each)
-        in_place = jax.jit(scaled, out_shardings=each, donate_argnums=0)
         x = jax.device_put(jnp.ones((len(devices) * n,), jnp.float32), each)
         y = jax.block_until_ready(fresh(x))  # compiles
         x = jax.block_until_ready(in_place(x))

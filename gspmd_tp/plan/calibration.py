@@ -121,6 +121,14 @@ class Calibration:
         return t
 
 
+def _well_formed(xs, ys, positive: bool = True) -> bool:
+    """Whether sizes `xs` and times `ys` make a series: as long as each other, not empty, sizes
+    sorted, times positive (or, unless `positive`, not negative)."""
+    if not xs or len(xs) != len(ys) or list(xs) != sorted(xs):
+        return False
+    return min(ys) > 0 if positive else min(ys) >= 0
+
+
 def load(path: str) -> Calibration:
     """Reads and checks a calibration file; a UserError (one line) where it cannot serve."""
     try:
@@ -145,14 +153,13 @@ def load(path: str) -> Calibration:
     except (KeyError, TypeError) as e:
         raise UserError(f"--calibration={path}: incomplete, no {e} in it") from None
     fresh = data.get("fresh")
-    try:
-        fresh_series = [] if fresh is None else [(list(fresh["bytes"]), list(fresh["seconds"]))]
-    except (KeyError, TypeError):
-        raise UserError(f"--calibration={path}: 'fresh' is not a series of bytes and seconds") from None
-    for xs, ys in fresh_series:
-        if not xs or len(xs) != len(ys) or xs != sorted(xs) or min(ys) < 0:
+    if fresh is not None:
+        try:
+            xs, ys = list(fresh["bytes"]), list(fresh["seconds"])
+        except (KeyError, TypeError):
+            raise UserError(f"--calibration={path}: 'fresh' is not a series of bytes and seconds") from None
+        if not _well_formed(xs, ys, positive=False):  # a pooling allocator's new memory costs nothing
             raise UserError(f"--calibration={path}: 'fresh' is empty, unsorted or negative")
-        fresh["seconds"] = monotone(ys)
     products = data.get("products", {})
     times = products.values() if isinstance(products, dict) else [None]
     if not all(isinstance(s, int | float) and s > 0 for s in times):
@@ -160,11 +167,12 @@ def load(path: str) -> Calibration:
     if kinds and kinds != set(KINDS):  # none where one device was measured
         raise UserError(f"--calibration={path}: measures {sorted(kinds)}, expected all of {list(KINDS)}")
     for xs, ys in series:
-        if not xs or len(xs) != len(ys) or list(xs) != sorted(xs) or min(ys) <= 0:
+        if not _well_formed(xs, ys):
             raise UserError(
                 f"--calibration={path}: a series of sizes and times that is empty, unsorted or not positive"
             )
-    for series in [*data["collectives"], data["matmul"], data["memory"]]:
+    fitted = [*data["collectives"], data["matmul"], data["memory"]]
+    for series in fitted + ([fresh] if fresh is not None else []):
         series["seconds"] = monotone(series["seconds"])
     return Calibration(path, data)
 
