@@ -1,5 +1,5 @@
 """plan's predicted step times against bench.py's measured ones: the table, Spearman's rank
-correlation and the median relative error (docs/plan.md, "Checked against measurement").
+correlation and the median relative error (docs/plan.md, "The step-time estimate").
 docs/plan_check.sh runs the commands below, the bench twice (each run times every rule file x mesh in
 alternating rounds in one process). A point timed in several bench files is measured by the mean of
 their medians.

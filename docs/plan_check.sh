@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # plan's calibrated estimate against bench.py's measured step times on 8 simulated CPU devices of
-# the machine at hand (docs/plan.md, "Checked against measurement"): the calibration (with the
+# the machine at hand (docs/plan.md, "The step-time estimate"): the calibration (with the
 # products of the points' steps timed by shape), BENCH_RUNS bench runs of every rule file x mesh
 # (default 2), plan --compare with the calibration, then the table.
 #

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # plan's calibrated estimate against bench.py's measured step times for the one-device variants of
-# configs/llama_1b.py on the GPU at hand (docs/plan.md, "Checked against measurement"): the
+# configs/llama_1b.py on the GPU at hand (docs/plan.md, "The step-time estimate"): the
 # calibration, then per variant one bench run (docs/bench_gpu.sh) and one plan --calibration, whose
 # compile the bench run's leaves in the compilation cache; then the table (docs/plan_check.py).
 #

@@ -292,7 +292,7 @@ PLATFORM_OPTIONS = {
         # by default the TPU compiler relayouts the gradient (so that the split dimension is the
         # major one) only for larger groups, and over 2 devices, where the split falls on the minor
         # dimension, all-reduces it whole and slices it instead, twice the bytes (FSDP over 2, as in
-        # data_fsdp_tensor on 2x2x2: docs/plan.md, "The analytical model").
+        # data_fsdp_tensor on 2x2x2: docs/estimates.md, "Both backends").
         "xla_tpu_relayout_group_size_threshold_for_reduce_scatter": 2,
     },
 }
