@@ -118,7 +118,8 @@ def _program(a, b, w):
     counted = jax.lax.while_loop(lambda s: s[0] < 5, step, (0, a))[1]
     half = jax.lax.psum(b, "x")
     shifted = jax.lax.ppermute(a, "y", [(i, (i + 1) % 4) for i in range(4)])
-    return gathered, gathered_again, scattered, nested, counted, half, shifted
+    projected = jnp.tanh(a @ w)  # a product outside the loops, for hlo_cost
+    return gathered, gathered_again, scattered, nested, counted, half, shifted, projected
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +127,7 @@ def compiled() -> str:
     """The HLO text of _program compiled for the (x=2, y=4) mesh."""
     mesh = jax.make_mesh((2, 4), ("x", "y"), (jax.sharding.AxisType.Auto,) * 2)
     every = P(("x", "y"))
-    mapped = jax.shard_map(_program, mesh=mesh, in_specs=(every, every, P()), out_specs=(every,) * 7,
+    mapped = jax.shard_map(_program, mesh=mesh, in_specs=(every, every, P()), out_specs=(every,) * 8,
                            check_vma=False)  # fmt: skip
     args = (jnp.ones((32, 8)), jnp.ones((16, 8), jnp.bfloat16), jnp.ones((8, 8)))
     return jax.jit(mapped).lower(*args).compile().as_text()
@@ -214,23 +215,17 @@ def test_xla_cpus_collectives_are_synchronous_and_so_all_exposed(compiled):
 
 
 def test_instruction_costs_of_a_compiled_program_count_its_products_through_loops(compiled):
-    """x (64, 32) @ w (32, 16), then a loop of 5 products (64, 16) @ (16, 16): 2 FLOPs per
-    multiply-add; the first product's fusion reads both operands and writes its result. The
-    collectives of the program above cost nothing here."""
-
-    def f(x, w, v):
-        y = jnp.tanh(x @ w)
-        return jax.lax.scan(lambda c, _: (jnp.sin(c @ v), None), y, length=5)[0]
-
-    text = jax.jit(f).lower(jnp.ones((64, 32)), jnp.ones((32, 16)), jnp.ones((16, 16))).compile().as_text()
-    costs = hlo_cost.Costs(text)
-    total, per = costs.seconds(lambda flops, moved: flops)
-    assert total == 2 * 64 * 16 * 32 + 5 * 2 * 64 * 16 * 16
+    """Per device a (4, 8) @ w (8, 8) in the entry and again in each of the nested loops' 2 x 3
+    runs: 2 FLOPs per multiply-add. The entry's product reads both operands and writes its result;
+    the collectives cost nothing here."""
+    costs = hlo_cost.Costs(compiled)
+    product = 2 * 4 * 8 * 8
+    total, _ = costs.seconds(lambda flops, moved: flops)
+    assert total == product + 2 * 3 * product
     entry = costs.parsed[costs.entry]
     (first,) = [i for i in range(len(entry)) if costs.flops_and_bytes(costs.entry, i)[0]]
-    assert costs.flops_and_bytes(costs.entry, first) == (2 * 64 * 16 * 32, (64 * 32 + 32 * 16 + 64 * 16) * 4)
-    with_collectives = hlo_cost.Costs(compiled)
-    _, per = with_collectives.seconds(lambda flops, moved: flops + moved)
+    assert costs.flops_and_bytes(costs.entry, first) == (product, (4 * 8 + 8 * 8 + 4 * 8) * 4)
+    _, per = costs.seconds(lambda flops, moved: flops + moved)
     assert [per[c.computation, c.name] for c in hlo.collectives(compiled, 8)] == [0] * len(EXPECTED)
 
 
