@@ -86,7 +86,7 @@ def test_ring_bytes_are_what_the_simulated_ring_sends(kind, g):
 IDS = np.arange(8).reshape(2, 4)
 OVER_Y = [tuple(int(i) for i in row) for row in IDS]  # the groups of a collective over y
 OVER_X = [tuple(int(i) for i in col) for col in IDS.T]  # over x
-HOST_OF_X = [int(i) // 4 for i in range(8)]  # two hosts, one per row of the mesh (x)
+HOST_OF_X = [i // 4 for i in range(8)]  # two hosts, one per row of the mesh (x)
 
 # Per device a: f32[4, 8], b: bf16[2, 8]. name -> (kind, result bytes, groups, runs per call,
 # dtype, the jax op it comes from).
