@@ -226,8 +226,8 @@ def dot_flops(jaxpr, times: int = 1) -> tuple[int, int]:
 
     weights = batched = 0
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "while":
-            raise ValueError("a while loop runs its products an unknown number of times")
+        if eqn.primitive.name in ("while", "cond"):  # runs a body an unknown number of times, or one branch
+            raise ValueError(f"dot_flops cannot count the products of a {eqn.primitive.name}")
         if eqn.primitive.name == "dot_general":
             (contracting, _), (batch, _) = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape

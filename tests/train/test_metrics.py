@@ -263,6 +263,14 @@ def test_the_product_counter_counts_a_matrix_product_by_hand():
     assert dot_flops(batched.jaxpr) == (0, 2 * 120)
     scanned = jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, _: (c @ jnp.ones((4, 4)), None), x, length=7))
     assert dot_flops(scanned(x).jaxpr) == (7 * 2 * 3 * 4 * 4, 0)
+    # A loop of unknown length, or one branch of two: no count rather than a wrong one.
+    looped = jax.make_jaxpr(
+        lambda x: jax.lax.while_loop(lambda c: c.sum() < 9, lambda c: c @ jnp.ones((4, 4)), x)
+    )
+    chosen = jax.make_jaxpr(lambda x: jax.lax.cond(x.sum() > 0, lambda y: y @ w, lambda y: 2 * y @ w, x))
+    for program in (looped(x), chosen(x)):
+        with pytest.raises(ValueError, match="dot_flops cannot count the products of a (while|cond)"):
+            dot_flops(program.jaxpr)
 
 
 def test_flops_per_token_is_what_the_training_program_multiplies():
