@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 RUN ?= runs/tiny
 ARGS ?=
 
-.PHONY: setup train test lint clean
+.PHONY: setup train test lint golden clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup -m "not multiprocess" && \
 	$(PY) -m pytest -n 2 --dist loadgroup -m multiprocess tests/job/test_multiprocess.py tests/train/test_profiling.py; \
 	status=$$?; rm -rf $$cache; exit $$status
+
+# Rewrites the golden sharding tables (tests/sharding/golden/*.txt) after an intended change to a rule
+# file or the model; the tests only read them. Read `git diff tests/sharding/golden` before committing.
+golden: $(VENV)/.installed-test
+	PYTHONPATH=. $(PY) tests/sharding/golden_tables.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

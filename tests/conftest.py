@@ -205,30 +205,74 @@ def loss_and_grads(config, variants):
     return out
 
 
-def step_flops(config) -> float:
-    """Training FLOPs of one step of `config`, counted from the parameters its model creates: 6 per
-    token per weight that multiplies (2 forward, 4 backward), the lookup table only where it is also
-    the output projection, and causal attention's 12 * layers * heads * head_dim * seq_len per
-    token, halved. Independent of gspmd_tp.model.params, which the plan and bench figures use."""
+def _sub_jaxprs(value):
+    """The jaxprs inside an equation's parameter (a scan's body, a jit's, a custom_vjp's forward)."""
+    from jax.extend import core
+
+    if isinstance(value, core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+
+
+def dot_flops(jaxpr, times: int = 1) -> tuple[int, int]:
+    """(FLOPs of the products without batch dimensions, FLOPs of those with) that `jaxpr` runs:
+    2 * output elements * contracted size for each dot_general, a scan's body times its length. In
+    the model the first are its weights' products, the second attention's scores and weighted values."""
     import math
 
+    weights = batched = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("while", "cond"):  # runs a body an unknown number of times, or one branch
+            raise ValueError(f"dot_flops cannot count the products of a {eqn.primitive.name}")
+        if eqn.primitive.name == "dot_general":
+            (contracting, _), (batch, _) = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            flops = 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contracting)
+            if batch:
+                batched += flops * times
+            else:
+                weights += flops * times
+        length = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                w, b = dot_flops(sub, times * length)
+                weights, batched = weights + w, batched + b
+    return weights, batched
+
+
+def program_flops(config) -> tuple[int, int]:
+    """dot_flops of one training step of `config`'s model (forward and backward, one microbatch of the
+    whole batch, the loss not chunked, nothing recomputed: the FLOPs the model needs, not those a
+    schedule adds), counted in the program JAX traces for it; nothing compiled. Independent of
+    gspmd_tp.model.params, which the plan and bench figures use."""
+    import dataclasses
+
+    import flax.linen as nn
     import jax
     import jax.numpy as jnp
 
     from gspmd_tp.model.transformer import Transformer
     from gspmd_tp.train import run_setup
+    from gspmd_tp.train import step as step_lib
 
-    cfg = run_setup.model_config(config)
-    shapes = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
-    leaves = jax.tree_util.tree_leaves_with_path(shapes["params"])
-    weights = 0
-    for path, leaf in leaves:
-        name = jax.tree_util.keystr(path)
-        if "norm" in name or ("embedding" in name and not cfg.tie_embeddings):
-            continue
-        weights += math.prod(leaf.shape)
-    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * config.seq_len / 2
-    return (6 * weights + attention) * config.batch_size * config.seq_len
+    cfg = dataclasses.replace(run_setup.model_config(config), remat="none")
+    model = Transformer(cfg)
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    tokens = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32)
+    step = jax.make_jaxpr(lambda p, t: step_lib.accumulated_grads(model, 1, None, p, t))
+    return dot_flops(step(nn.meta.unbox(boxed["params"]), tokens).jaxpr)
+
+
+def step_flops(config) -> float:
+    """Model FLOPs of one training step of `config` as MFU counts them (PaLM, appendix B): the
+    products program_flops counts, causal attention's halved (the program computes every score and
+    masks half of them; the convention counts the half that is used)."""
+    weights, attention = program_flops(config)
+    return weights + attention / 2
 
 
 def activation_gathers(found, result_bytes: int, where: str) -> int:

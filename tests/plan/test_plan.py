@@ -78,14 +78,22 @@ def test_three_axes_plan_has_every_term_and_names_the_lookup_gap():
     data, each layer's weights gathered and their gradients reduced over fsdp, the embedding's rows
     exchanged over fsdp (one all-to-all each way; gathered whole before the lookup's constraint,
     1.19 of the analysis), the table's gradient reduced shard by shard over data (scattered into
-    the whole table, it was all-reduced over data and tensor: 1.08). What remains above the analysis
-    (1.035) is the output projection's weight gathered again for the backward pass and the rows
-    gathered once more before the exchange."""
+    the whole table, it was all-reduced over data and tensor: 1.08). Above the analysis the step
+    moves two things it has no term for: the output projection's weight gathered over fsdp again
+    for the backward pass (the analysis keeps its forward copy), and, at most, the token rows
+    gathered once more before the exchange (with the norm scales' and the loss's few hundred bytes)."""
+    c = small_config(rules="data_fsdp_tensor", mesh="data=2,fsdp=2,tensor=2")
     p = planned("data_fsdp_tensor", "data=2,fsdp=2,tensor=2")
     a = p["analytical"]
     assert all(a[k] for k in ("tensor_parallel", "data_parallel", "fsdp_gather", "fsdp_reduce"))
     assert p["collectives"]["all-to-all"]["count"] == 2
-    assert p["ratio"] == pytest.approx(1.035, abs=0.01), (p["bytes_per_device"], a)
+    fsdp = tensor = 2
+    d, v = c.model.d_model, c.model.vocab_size
+    head_again = (fsdp - 1) / fsdp * d * v * 4 / tensor  # f32 (embed, vocab), vocab over tensor
+    rows = c.batch_size // (2 * fsdp) * c.seq_len * d * 4  # a device's token rows (data x fsdp)
+    assert a["total"] + head_again <= p["bytes_per_device"] <= a["total"] + head_again + rows, (
+        p["bytes_per_device"], a, head_again, rows,
+    )  # fmt: skip
 
 
 def test_2d_gathers_each_activation_once_and_each_output_gradient_once():

@@ -12,7 +12,7 @@ import jax
 import pytest
 from conftest import ROOT, activation_gathers, small_config, step_flops
 
-from configs import llama_1b
+from configs import llama_1b, tiny
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.model.params import flops_per_token
 from gspmd_tp.plan import hardware, planner
@@ -110,9 +110,12 @@ def test_a_step_fits_an_h100_only_with_a_larger_memory_share(wide_planned):
     # The estimate at the data sheet's peak: the MFU a step of that length would be is 100%.
     assert e["compute_s"] == pytest.approx(step_flops(_wide_config()) / H100["flops"], rel=0.01)
     assert e["comm_s"] == 0 and e["link"] == "NVLink"
-    # docs/benchmarks.md's figure for the whole ~1B model: 6.24 GFLOP per token.
+    # The whole ~1B model (its sixteen layers, one sequence): what MFU divides by is the products
+    # its training program runs (conftest.step_flops counts them; scanned layers trace in a fraction
+    # of the time and run the same products).
     c = llama_1b.get_config()
-    assert flops_per_token(run_setup.model_config(c), c.seq_len) == pytest.approx(6.24e9, rel=0.01)
+    c.batch_size, c.model.scan_layers = 1, True
+    assert flops_per_token(run_setup.model_config(c), c.seq_len) * c.seq_len == pytest.approx(step_flops(c))
 
 
 def test_megatron_1d_on_eight_gpus_all_reduces_as_analysed():
@@ -321,8 +324,16 @@ def test_plan_cli_for_gpus_prints_the_report():
     # "  all-gather (f32)   10 ...": a kind, its dtypes, its count
     counts = dict(re.findall(r"^  ([a-z-]+) \(f32[^)]*\) +(\d+) ", r.stdout, re.MULTILINE))
     assert int(counts["all-gather"]) > 0 and int(counts["reduce-scatter"]) > 0, r.stdout
+    # Above the analysis: in the backward pass the gradient reaching the output projection's input,
+    # split over mp on its length, is gathered whole once more: one float32 (batch 8 / dp 2, length
+    # 32, embed) all-gather over mp=4 the analysis has no term for. The norm scales' and the loss's
+    # reductions add under 0.5%. The windowed einsum changes no byte.
+    (analytical,) = re.findall(r"^analytical bytes/device: ([\d.,]+) MiB", r.stdout, re.MULTILINE)
+    gathered_again = 3 / 4 * (8 // 2) * 32 * tiny.get_config().model.d_model * 4
     (ratio,) = re.findall(r"^measured / analytical: (\S+)$", r.stdout, re.MULTILINE)
-    assert float(ratio) == pytest.approx(1.034, abs=0.01)  # as measured; the windowed einsum changes no byte
+    assert float(ratio) == pytest.approx(
+        1 + gathered_again / (float(analytical.replace(",", "")) * 2**20), abs=0.005
+    )
 
 
 def test_without_the_cuda_plugin_a_gpu_target_says_what_to_install(monkeypatch):

@@ -1,96 +1,235 @@
-"""Reading collectives out of HLO text: shapes, replica groups, loops, ring bytes."""
+"""Reading collectives out of HLO text: shapes, replica groups, loops, ring bytes, products.
 
+The reader is tested on programs compiled here (XLA:CPU on the 8 simulated devices), whose
+expectations come from the programs as written: the shapes, mesh axes and loop lengths they were
+given, and a step-by-step simulation of the ring algorithms. What XLA:CPU never writes is pinned by
+excerpts written as the other compilers write them: the TPU compiler's fused and asynchronous
+collectives and multi-slice sends, the GPU compiler's asynchronous tuples and its cuBLAS calls,
+schedules with work between a collective's start and done, and the replica-group spellings.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from gspmd_tp.sharding import hlo
+from gspmd_tp.sharding import hlo, hlo_cost
 
-# fmt: off
-PROGRAM = """\
-HloModule m
-
-%add (x: f32[], y: f32[]) -> f32[] {
-  %x = f32[] parameter(0)
-  %y = f32[] parameter(1)
-  ROOT %s = f32[] add(%x, %y)
-}
-
-%cond (p: (s32[], f32[8])) -> pred[] {
-  %p = (s32[], f32[8]{0}) parameter(0)
-  %i = s32[] get-tuple-element(%p), index=0
-  %n = s32[] constant(5)
-  ROOT %lt = pred[] compare(%i, %n), direction=LT
-}
-
-%body (p.1: (s32[], f32[8])) -> (s32[], f32[8]) {
-  %p.1 = (s32[], f32[8]{0}) parameter(0)
-  %v = f32[8]{0} get-tuple-element(%p.1), index=1
-  %ar = f32[8]{0} all-reduce(%v), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add, metadata={op_name="jit(f)/layer/dot"}
-  ROOT %t = (s32[], f32[8]{0}) tuple(%i2, %ar)
-}
-
-ENTRY %main (a: f32[8], b: bf16[4,2]) -> f32[8] {
-  %a = f32[8]{0} parameter(0)
-  %ag = bf16[4,8]{1,0} all-gather(%b), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={1}
-  %rs = (f32[2]{0}, f32[1]{0}) reduce-scatter(%a, %a), channel_id=3, replica_groups=mesh['x'=2,'y'=4] {'y'}, dimensions={0}
-  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
-  %w2 = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
-  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
-}
-"""  # noqa: E501
-# fmt: on
+# --- the ring algorithms, simulated -------------------------------------------------------------
 
 
-def test_loops_multiply_and_trip_counts_come_from_config_or_condition():
-    runs = hlo.executions(PROGRAM)
-    assert runs["body"] == 3 + 5  # known_trip_count 3; the second loop's condition compares with 5
-    assert runs["main"] == 1
+def ring_sent(kind: str, g: int, result_elements: int) -> int:
+    """Elements device 0 sends when `g` devices run `kind` on buffers of random numbers whose
+    result on one device has `result_elements`, moved step by step and checked against what the
+    collective computes. All-reduce is the ring's reduce-scatter then its all-gather; all-to-all
+    and collective-permute send straight to their peers."""
+    rng = np.random.default_rng(0)
+    sent = np.zeros(g, dtype=int)
+    if kind == "collective-permute":  # each device's whole buffer to the next
+        return result_elements if g > 1 else 0
+    if kind == "all-to-all":  # block j of device d goes to device j
+        blocks = rng.normal(size=(g, g, result_elements // g))
+        out = np.empty_like(blocks)
+        for d in range(g):
+            for j in range(g):
+                out[j, d] = blocks[d, j]
+                sent[d] += blocks.shape[2] if j != d else 0
+        np.testing.assert_array_equal(out, blocks.transpose(1, 0, 2))
+        return int(sent[0])
+    if kind == "all-gather":
+        shards = rng.normal(size=(g, result_elements // g))
+        held = [{d: shards[d]} for d in range(g)]
+        for step in range(g - 1):  # each device passes on the shard it received last (its own first)
+            for d, k in [(d, (d - step) % g) for d in range(g)]:
+                held[(d + 1) % g][k] = held[d][k]
+                sent[d] += shards.shape[1]
+        for d in range(g):
+            np.testing.assert_array_equal(np.concatenate([held[d][k] for k in range(g)]), shards.ravel())
+        return int(sent[0])
+    chunk = result_elements if kind == "reduce-scatter" else result_elements // g
+    x = rng.normal(size=(g, g, chunk))  # (device, chunk, element)
+    acc, total = x.copy(), x.sum(axis=0)
+    for step in range(g - 1):  # device d adds its running sum of chunk d - step into device d + 1's
+        messages = [(d, (d - step) % g, acc[d, (d - step) % g].copy()) for d in range(g)]
+        for d, k, data in messages:
+            acc[(d + 1) % g, k] += data
+            sent[d] += chunk
+    for d in range(g):  # device d now holds the whole sum of chunk d + 1
+        np.testing.assert_allclose(acc[d, (d + 1) % g], total[(d + 1) % g])
+    if kind == "reduce-scatter":
+        return int(sent[0])
+    for step in range(g - 1):  # and passes the summed chunks round
+        messages = [(d, (d + 1 - step) % g, acc[d, (d + 1 - step) % g].copy()) for d in range(g)]
+        for d, k, data in messages:
+            acc[(d + 1) % g, k] = data
+            sent[d] += chunk
+    for d in range(g):
+        np.testing.assert_allclose(acc[d], total)
+    return int(sent[0])
 
 
-def test_collectives_bytes_groups_and_counts():
-    found = {c.name: c for c in hlo.collectives(PROGRAM, num_devices=8)}
-    assert found["ag"].result_bytes == 4 * 8 * 2 and found["ag"].group_size == 4
-    assert found["rs"].result_bytes == 3 * 4 and found["rs"].group_size == 4
-    assert found["ar"].group_size == 4 and found["ar"].executions == 8
-    assert found["ar"].op_name == "jit(f)/layer/dot"
-    assert [found[n].dtype for n in ("ag", "rs", "ar")] == ["bf16", "f32", "f32"]
+@pytest.mark.parametrize("g", [1, 2, 4, 8])
+@pytest.mark.parametrize("kind", hlo.KINDS)
+def test_ring_bytes_are_what_the_simulated_ring_sends(kind, g):
+    result = 6 * g  # float32 elements of the result on one device
+    c = hlo.Collective(kind, "c", "main", result * 4, g, executions=3)
+    assert c.ring_bytes == pytest.approx(ring_sent(kind, g, result) * 4)
+    assert c.ring_bytes_per_call == pytest.approx(3 * c.ring_bytes)
 
 
-def test_a_bf16_all_reduce_xla_cpu_promoted_keeps_its_dtype():
-    """XLA:CPU runs a bf16 all-reduce in f32 and names its reduction *_promoted: it moves f32, and
-    counts as bf16 in as_asked."""
-    line = (
-        "  %arp = f32[16]{0} all-reduce(%a), channel_id=4, replica_groups=[1,8]<=[8], "
-        "to_apply=%add.1.clone_promoted"
-    )
-    program = PROGRAM.replace("  %w = (s32[]", line + "\n  %w = (s32[]", 1)
-    found = {c.name: c for c in hlo.collectives(program, num_devices=8)}
-    assert found["arp"].dtype == "bf16" and found["arp"].promoted and found["arp"].result_bytes == 16 * 4
-    asked = {c.name: c for c in hlo.as_asked(list(found.values()))}
-    assert asked["arp"].result_bytes == 16 * 2 and asked["ar"].result_bytes == 8 * 4
+# --- a program compiled here ------------------------------------------------------------------
+
+# Mesh (x=2, y=4) over the 8 devices, in order: partition id = 4 * x + y.
+IDS = np.arange(8).reshape(2, 4)
+OVER_Y = [tuple(int(i) for i in row) for row in IDS]  # the groups of a collective over y
+OVER_X = [tuple(int(i) for i in col) for col in IDS.T]  # over x
+HOST_OF_X = [i // 4 for i in range(8)]  # two hosts, one per row of the mesh (x)
+
+# Per device a: f32[4, 8], b: bf16[2, 8]. name -> (kind, result bytes, groups, runs per call,
+# dtype, the jax op it comes from).
+EXPECTED = {
+    "gathered": ("all-gather", 16 * 8 * 4, OVER_Y, 1, "f32", "all_gather"),
+    "gathered_again": ("all-gather", 16 * 8 * 4, OVER_Y, 1, "f32", "all_gather"),
+    "scattered": ("reduce-scatter", 2 * 8 * 4, OVER_X, 1, "f32", "reduce_scatter"),
+    "nested": ("all-reduce", 4 * 8 * 4, OVER_Y, 2 * 3, "f32", "while/body/closed_call/psum"),
+    "counted": ("all-reduce", 4 * 8 * 4, OVER_X, 5, "f32", "while/body/psum"),
+    # bf16 asked for; XLA:CPU reduces it in f32: f32 bytes move.
+    "half": ("all-reduce", 2 * 8 * 4, OVER_X, 1, "bf16", "psum"),
+    "shifted": ("collective-permute", 4 * 8 * 4, [(i, i - i % 4 + (i + 1) % 4) for i in range(8)], 1, "f32",
+                "ppermute"),  # to the next device along y, in each row
+}  # fmt: skip
+
+
+def _program(a, b, w):
+    gathered = jax.lax.all_gather(a, "y", tiled=True)
+    # The same collective again (one shape, groups and op): a shard_map's collectives share one
+    # channel_id, and these are two, not copies of one.
+    gathered_again = jax.lax.all_gather(jnp.sin(gathered[:4]), "y", tiled=True)
+    scattered = jax.lax.psum_scatter(a, "x", tiled=True)
+
+    def inner(c, _):
+        return jax.lax.psum(jnp.tanh(c @ w), "y"), None
+
+    nested = jax.lax.scan(lambda c, _: (jax.lax.scan(inner, c, length=3)[0], None), a, length=2)[0]
+    step = lambda s: (s[0] + 1, jax.lax.psum(jnp.sin(s[1]), "x"))  # noqa: E731
+    counted = jax.lax.while_loop(lambda s: s[0] < 5, step, (0, a))[1]
+    half = jax.lax.psum(b, "x")
+    shifted = jax.lax.ppermute(a, "y", [(i, (i + 1) % 4) for i in range(4)])
+    projected = jnp.tanh(a @ w)  # a product outside the loops, for hlo_cost
+    return gathered, gathered_again, scattered, nested, counted, half, shifted, projected
+
+
+@pytest.fixture(scope="module")
+def compiled() -> str:
+    """The HLO text of _program compiled for the (x=2, y=4) mesh."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"), (jax.sharding.AxisType.Auto,) * 2)
+    every = P(("x", "y"))
+    mapped = jax.shard_map(_program, mesh=mesh, in_specs=(every, every, P()), out_specs=(every,) * 8,
+                           check_vma=False)  # fmt: skip
+    args = (jnp.ones((32, 8)), jnp.ones((16, 8), jnp.bfloat16), jnp.ones((8, 8)))
+    return jax.jit(mapped).lower(*args).compile().as_text()
+
+
+def _by_expected(found: list[hlo.Collective]) -> dict[str, hlo.Collective]:
+    """The collectives found, named as in EXPECTED (matched by kind, bytes, groups' size and runs;
+    the two gathers are alike)."""
+    out, left = {}, list(found)
+    for name, (kind, size, groups, runs, *_) in EXPECTED.items():
+        match = [c for c in left if (c.kind, c.result_bytes, c.group_size, c.executions)
+                 == (kind, size, len(groups[0]), runs)]  # fmt: skip
+        assert match, (name, found)
+        out[name] = match[0]
+        left.remove(match[0])
+    assert not left, left
+    return out
+
+
+def _line(text: str, name: str) -> str:
+    return next(line for line in text.splitlines() if re.match(rf"\s*(ROOT )?%{re.escape(name)} = ", line))
+
+
+def test_each_collective_of_a_compiled_program_with_its_bytes_groups_runs_and_dtype(compiled):
+    found = _by_expected(hlo.collectives(compiled, num_devices=8))
+    for name, (_, _, groups, _, dtype, op) in EXPECTED.items():
+        c = found[name]
+        assert hlo.replica_groups(_line(compiled, c.name), 8) == groups, name
+        assert c.dtype == dtype and c.promoted == (name == "half"), name
+        assert c.op_name.endswith(f"/shard_map/{op}"), (name, c.op_name)
+
+
+def test_a_loops_trip_count_comes_from_its_config_or_else_its_condition(compiled):
+    """XLA writes known_trip_count on both loops; without it, the bound its condition compares
+    with; without that, an error."""
+    runs = lambda text: sorted(c.executions for c in hlo.collectives(text, 8))  # noqa: E731
+    expected = sorted(runs_ for *_, runs_, _, _ in EXPECTED.values())
+    assert runs(compiled) == expected
+    bare = re.sub(r',"known_trip_count":\{"n":"\d+"\}', "", compiled)
+    assert "known_trip_count" not in bare and runs(bare) == expected
+    unbounded = re.sub(r"s32\[\] constant\(\d+\)", "s32[] parameter(1)", bare)
+    with pytest.raises(ValueError, match="cannot read the trip count of while loop"):
+        hlo.executions(unbounded)
+
+
+def test_a_bf16_all_reduce_xla_cpu_promoted_counts_as_bf16_as_asked(compiled):
+    """XLA:CPU runs a bf16 all-reduce in f32 (its reduction computation renamed *_promoted): it
+    moves f32, and as_asked counts the bf16 the program asked for."""
+    found = _by_expected(hlo.collectives(compiled, 8))
+    asked = {c.name: c.result_bytes for c in hlo.as_asked(list(found.values()))}
+    assert asked == {c.name: EXPECTED[n][1] // (2 if n == "half" else 1) for n, c in found.items()}
     assert hlo.summarize(list(found.values()))["all-reduce"]["dtypes"] == ["f32", "bf16"]
 
 
-def test_ring_bytes():
-    ar = hlo.Collective("all-reduce", "a", "c", 1000, 4, 1)
-    ag = hlo.Collective("all-gather", "a", "c", 1000, 4, 1)
-    rs = hlo.Collective("reduce-scatter", "a", "c", 250, 4, 1)
-    assert ar.ring_bytes == pytest.approx(1500)
-    assert ag.ring_bytes == pytest.approx(750)
-    assert rs.ring_bytes == pytest.approx(750)  # the same bytes as the all-gather it mirrors
-    assert hlo.Collective("all-reduce", "a", "c", 1000, 1, 1).ring_bytes == 0
+def test_summary_counts_runs_bytes_and_ring_bytes_per_call(compiled):
+    summary = hlo.summarize(hlo.collectives(compiled, 8))
+    for kind in hlo.KINDS:
+        mine = [e for e in EXPECTED.values() if e[0] == kind]
+        assert summary[kind]["count"] == sum(runs for _, _, _, runs, _, _ in mine), kind
+        assert summary[kind]["bytes"] == sum(size * runs for _, size, _, runs, _, _ in mine), kind
+        ring = sum(
+            ring_sent(kind, len(groups[0]), size // 4) * 4 * runs for _, size, groups, runs, _, _ in mine
+        )
+        assert summary[kind]["ring_bytes_per_device"] == pytest.approx(ring), kind
 
 
-def test_summary_applies_executions():
-    summary = hlo.summarize(hlo.collectives(PROGRAM, num_devices=8))
-    assert summary["all-reduce"]["count"] == 8
-    assert summary["all-reduce"]["bytes"] == 8 * 32
-    assert summary["all-to-all"]["count"] == 0
+def test_islands_a_group_spans_with_a_host_per_mesh_row(compiled):
+    """Two hosts, one per value of x: groups over y stay on one; groups over x span both with
+    one device on each."""
+    found = _by_expected(hlo.collectives(compiled, 8, HOST_OF_X))
+    spread = {n: (c.islands, c.per_island) for n, c in found.items()}
+    assert spread == {
+        n: (1, 0) if e[2] in (OVER_Y, EXPECTED["shifted"][2]) else (2, 1) for n, e in EXPECTED.items()
+    }
+    crossing = sum(ring_sent(e[0], 2, e[1] // 4) * 4 * e[3] for e in EXPECTED.values() if e[2] == OVER_X)
+    assert hlo.network_bytes(list(found.values())) == pytest.approx(crossing)
+    assert {c.islands for c in hlo.collectives(compiled, 8)} == {1}  # no islands given
 
 
-def test_unreadable_trip_count_is_an_error():
-    broken = PROGRAM.replace("%n = s32[] constant(5)", "%n = s32[] parameter(1)")
-    with pytest.raises(ValueError, match="trip count"):
-        hlo.executions(broken)
+def test_xla_cpus_collectives_are_synchronous_and_so_all_exposed(compiled):
+    found = hlo.collectives(compiled, 8)
+    assert all(c.window == () and not c.hidden for c in found)
+    total = sum(c.ring_bytes_per_call for c in found)
+    assert hlo.exposure(found) == {"exposed": pytest.approx(total), "hidden": 0}
+
+
+def test_instruction_costs_of_a_compiled_program_count_its_products_through_loops(compiled):
+    """Per device a (4, 8) @ w (8, 8) in the entry and again in each of the nested loops' 2 x 3
+    runs: 2 FLOPs per multiply-add. The entry's product reads both operands and writes its result;
+    the collectives cost nothing here."""
+    costs = hlo_cost.Costs(compiled)
+    product = 2 * 4 * 8 * 8
+    total, _ = costs.seconds(lambda flops, moved: flops)
+    assert total == product + 2 * 3 * product
+    entry = costs.parsed[costs.entry]
+    (first,) = [i for i in range(len(entry)) if costs.flops_and_bytes(costs.entry, i)[0]]
+    assert costs.flops_and_bytes(costs.entry, first) == (product, (4 * 8 + 8 * 8 + 4 * 8) * 4)
+    _, per = costs.seconds(lambda flops, moved: flops + moved)
+    assert [per[c.computation, c.name] for c in hlo.collectives(compiled, 8)] == [0] * len(EXPECTED)
+
+
+# --- formats XLA:CPU does not write, as the TPU and GPU compilers write them ----------------------
 
 
 def test_tpu_fused_all_reduce_scatter_counts_as_a_reduce_scatter():
@@ -133,29 +272,6 @@ def test_an_async_collective_split_into_start_continuation_and_done_counts_once(
     (found,) = hlo.collectives(text, num_devices=8)
     assert found.kind == "all-gather" and found.executions == 1 and found.result_bytes == 4 * 32 * 64 * 2
     assert hlo.summarize([found])["all-gather"]["count"] == 1
-
-
-def test_a_shard_maps_collectives_count_one_by_one():
-    """XLA gives a shard_map's collectives one channel_id (XLA:CPU and the TPU compiler alike): two
-    all-gathers of one shape, one after the other, and a reduce-scatter are three collectives (the
-    reader had counted one per channel_id, as for the TPU's copies above)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = jax.make_mesh((8,), ("x",), (jax.sharding.AxisType.Auto,))
-
-    def f(a):
-        b = jax.lax.all_gather(a, "x", tiled=True)
-        c = jax.lax.all_gather(jnp.sin(b[:1]), "x", tiled=True)
-        return jax.lax.psum_scatter(c, "x", tiled=True)
-
-    mapped = jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
-    x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("x")))
-    text = jax.jit(mapped).lower(x).compile().as_text()
-    found = hlo.collectives(text, 8)
-    assert sorted(c.kind for c in found) == ["all-gather", "all-gather", "reduce-scatter"], text
 
 
 def test_gpu_async_collectives_count_the_results_their_done_returns():
@@ -202,24 +318,6 @@ ENTRY %main (a: bf16[2048,64], b: f32[2048], c: bf16[256,64]) -> bf16[256,64] {
 def test_replica_groups_in_every_spelling(attributes, groups):
     assert hlo.replica_groups(attributes, num_devices=4) == groups
     assert hlo.group_size(attributes, num_devices=4) == len(groups[0])
-
-
-def test_groups_that_span_islands_say_how_many_and_how_thinly():
-    """Two hosts of four: a group over devices 0-3 stays on host 0; {0,4} spans both hosts with one
-    device on each; {0,1,4,5} spans both with two on each."""
-    text = """\
-ENTRY %main (a: f32[8]) -> f32[8] {
-  %a = f32[8]{0} parameter(0)
-  %inside = f32[8]{0} all-reduce(%a), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add
-  %dp = f32[8]{0} all-reduce(%a), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add
-  %pairs = f32[8]{0} all-reduce(%a), channel_id=3, replica_groups={{0,1,4,5},{2,3,6,7}}, to_apply=%add
-  ROOT %r = f32[8]{0} add(%inside, %dp)
-}
-"""
-    hosts = [0, 0, 0, 0, 1, 1, 1, 1]
-    found = {c.name: (c.islands, c.per_island) for c in hlo.collectives(text, 8, hosts)}
-    assert found == {"inside": (1, 0), "dp": (2, 1), "pairs": (2, 2)}
-    assert {c.islands for c in hlo.collectives(text, 8)} == {1}  # no islands given
 
 
 def test_device_islands_place_each_device_on_its_process_host():
@@ -352,27 +450,6 @@ def test_schedule_window_of_the_tpus_start_continuation_and_done_fusions():
     )
     (found,) = hlo.collectives(computing, num_devices=8)
     assert found.window == ("f1",)
-
-
-def test_instruction_costs_count_products_in_fusions_and_loops():
-    from gspmd_tp.sharding import hlo_cost
-
-    costs = hlo_cost.Costs(SCHEDULED)
-    index = [name for name, *_ in costs.parsed["main"]].index("mm")
-    flops, moved = costs.flops_and_bytes("main", index)
-    assert flops == 2 * 64 * 16 * 32 and moved == (64 * 32 + 32 * 16 + 64 * 16) * 4
-    # The collectives cost nothing here; the add reads two operands and writes one.
-    total, per = costs.seconds(lambda f, b: f + b)
-    assert per["main", "hid-start"] == per["main", "sync"] == 0
-    assert per["main", "r"] == 3 * 64 * 64 * 4
-    assert total == pytest.approx(flops + moved + 3 * 64 * 64 * 4)
-    # A loop costs its body times its trip count (3 and 5 for PROGRAM's two loops).
-    program = PROGRAM.replace(
-        "  ROOT %t = (s32[], f32[8]{0}) tuple(%i2, %ar)",
-        "  %y = f32[8]{0} negate(%ar)\n  ROOT %t = (s32[], f32[8]{0}) tuple(%i2, %y)",
-    )
-    looped, _ = hlo_cost.Costs(program).seconds(lambda f, b: f + b)
-    assert looped == (3 + 5) * 2 * 8 * 4
 
 
 def test_a_cublas_gemm_custom_call_counts_its_flops():

@@ -1,92 +1,39 @@
 """Rule files: the golden parameter -> PartitionSpec table per rule file, and every load error."""
 
-import functools
-import os
-from pathlib import Path
-
 import flax.linen as nn
 import jax
 import pytest
 from conftest import small_config
+from golden_tables import GOLDEN, SHIPPED, activation_names, activation_table, spec_table
 from shipped_rules import mesh_for
 
 from gspmd_tp.job.errors import UserError
-from gspmd_tp.model.params import param_axes
 from gspmd_tp.sharding.mesh import make_mesh
 from gspmd_tp.sharding.rules import RULES_DIR, batch_mesh_axes, column_widths, load_rules, parse_rules
 from gspmd_tp.train import run_setup
 
-GOLDEN = Path(__file__).parent / "golden"
-SHIPPED = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
+REGENERATE = "make golden (tests/sharding/golden_tables.py) rewrites it after an intended change"
 
 
-def _logical(names) -> str:
-    return "(" + ", ".join(str(n) for n in names) + ")"
-
-
-def spec_table(rules_name: str) -> str:
-    """'path  (logical names)  PartitionSpec' for every parameter of the small test model."""
-    rules = load_rules(rules_name)
-    model_cfg = run_setup.model_config(small_config())
-    lines = [f"# rules/{rules_name}.yaml: parameter, logical axes, PartitionSpec (small test model)"]
-    for path, (_, names) in sorted(param_axes(model_cfg).items()):
-        lines.append(f"{path:<24} {_logical(names):<42} {rules.spec(names)}")
-    return "\n".join(lines) + "\n"
+def _golden(kind: str, rules_name: str) -> str:
+    path = GOLDEN / f"{kind}_{rules_name}.txt"
+    assert path.exists(), f"{path} is missing: {REGENERATE}"
+    return path.read_text()
 
 
 @pytest.mark.parametrize("rules_name", SHIPPED)
 def test_golden_parameter_specs(rules_name):
-    """Set GOLDEN_UPDATE=1 to rewrite tests/sharding/golden/*.txt after an intended change; then read them."""
-    path = GOLDEN / f"specs_{rules_name}.txt"
-    table = spec_table(rules_name)
-    if os.environ.get("GOLDEN_UPDATE"):
-        path.write_text(table)
-    assert table == path.read_text()
-
-
-@functools.cache
-def activation_names() -> tuple[tuple, ...]:
-    """The logical names of every activation constraint the small test model places, forward and
-    backward (each distinct tuple once, in the order traced), from an abstract trace of its loss's
-    gradient: nothing compiled."""
-    import jax.numpy as jnp
-
-    from gspmd_tp.model import transformer
-
-    seen, real = [], transformer._constrain
-
-    def record(x, names):
-        if tuple(names) not in seen:
-            seen.append(tuple(names))
-        return x
-
-    cfg = run_setup.model_config(small_config())
-    model = transformer.Transformer(cfg)
-    tokens = jnp.zeros((2, 8), jnp.int32)
-    transformer._constrain = record
-    try:
-        params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
-        loss = lambda p: model.apply({"params": p}, tokens).astype(jnp.float32).mean()  # noqa: E731
-        jax.eval_shape(jax.grad(loss), nn.meta.unbox(params))
-    finally:
-        transformer._constrain = real
-    return tuple(seen)
+    """Each parameter's PartitionSpec is the one checked in (tests/sharding/golden/specs_*.txt)."""
+    assert spec_table(rules_name) == _golden("specs", rules_name), REGENERATE
 
 
 @pytest.mark.parametrize("rules_name", SHIPPED)
 def test_golden_activation_specs(rules_name):
-    """Where each rule file places the activations the model constrains (GOLDEN_UPDATE=1 rewrites
-    tests/sharding/golden/activations_*.txt, as for the parameters)."""
-    rules = load_rules(rules_name)
+    """Where each rule file places the activations the model constrains, forward and backward, is
+    what is checked in (tests/sharding/golden/activations_*.txt)."""
     names = activation_names()
     assert ("batch", "length", "vocab") in names and len(names) >= 6  # the trace saw the model
-    lines = [f"# rules/{rules_name}.yaml: activation logical axes, PartitionSpec (forward and backward)"]
-    lines += [f"{_logical(n):<48} {rules.spec(n)}" for n in names]
-    table = "\n".join(lines) + "\n"
-    path = GOLDEN / f"activations_{rules_name}.txt"
-    if os.environ.get("GOLDEN_UPDATE"):
-        path.write_text(table)
-    assert table == path.read_text()
+    assert activation_table(rules_name) == _golden("activations", rules_name), REGENERATE
 
 
 @pytest.mark.parametrize("rules_name", SHIPPED)

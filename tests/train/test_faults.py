@@ -355,12 +355,17 @@ def test_another_model_or_run_is_refused_before_anything_is_written(trained, tmp
 
 
 def test_other_eval_fraction_with_the_same_eval_files_is_the_same_run():
-    """With held-out files the fraction is unused: changing it changes nothing."""
+    """With held-out files the fraction is unused: changing it changes nothing. Without them the
+    same change is another run."""
     saved = small_config(**{"data.eval_files": "held_out.txt"}).to_dict()
     now = small_config(**{"data.eval_files": "held_out.txt", "data.eval_fraction": 0.5})
-    store.check_same_run(saved, now, "run")
+    assert store.check_same_run(saved, now, "run") is None
     del saved["data"]["eval_files"]  # a run saved before the key existed used its default
-    store.check_same_run(saved, small_config(), "run")
+    assert store.check_same_run(saved, small_config(), "run") is None
+    with pytest.raises(
+        JobError, match=r"^run holds another run \(data\.eval_fraction: saved 0\.05, now 0\.5\)"
+    ):
+        store.check_same_run(saved, small_config(**{"data.eval_fraction": 0.5}), "run")
 
 
 def test_data_files_are_saved_absolute_and_one_file_spelled_two_ways_is_one_run(

@@ -11,32 +11,41 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import dot_flops, program_flops, small_config
 
 from gspmd_tp.model.params import flops_per_token, param_count
 from gspmd_tp.model.transformer import ModelConfig, Transformer
-from gspmd_tp.train import metrics
+from gspmd_tp.train import metrics, run_setup
 
 # --- peak FLOP/s and MFU -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "device_kind, peak",
-    [
-        ("TPU v5 lite", 197e12),  # v5e: must not fall through to the v5p entry
-        ("TPU v5e", 197e12),
-        ("TPU v5", 459e12),  # v5p reports itself as "TPU v5"
-        ("TPU v5p", 459e12),
-        ("TPU v6 lite", 918e12),
-        ("TPU v4", 275e12),
-        ("NVIDIA H100 80GB HBM3", 989e12),
-        ("NVIDIA H100 PCIe", 756e12),
-        ("NVIDIA H200", 989e12),
-        ("NVIDIA A100-SXM4-80GB", 312e12),
-        ("nvidia h100 80gb hbm3", 989e12),  # case does not matter
-    ],
-)
-def test_peak_flops_known_devices(device_kind, peak):
-    assert metrics.peak_flops(device_kind) == peak
+# Each device's dense bf16 peak worked out from its architecture: (multiply units) x (FLOPs each does
+# a clock) x (clock), from the vendors' architecture papers, not from the table under test.
+# TPU: TensorCores x MXUs per core x (systolic array side)^2 multiply-adds x 2 FLOPs x clock.
+# NVIDIA: SMs x dense bf16 tensor-core FLOPs per SM a clock x boost clock (A100: 2048; H100,
+# H200: 4096, twice Ampere's; Ada's L4: 1024).
+DERIVED_PEAKS = [
+    ("TPU v5 lite", 1 * 4 * 128**2 * 2 * 1.5e9),  # v5e: must not fall through to the v5p entry
+    ("TPU v5e", 1 * 4 * 128**2 * 2 * 1.5e9),
+    ("TPU v5", 2 * 4 * 128**2 * 2 * 1.75e9),  # v5p reports itself as "TPU v5"
+    ("TPU v5p", 2 * 4 * 128**2 * 2 * 1.75e9),
+    ("TPU v6 lite", 1 * 4 * 256**2 * 2 * 1.75e9),  # Trillium: 256x256 MXUs
+    ("TPU v4", 2 * 4 * 128**2 * 2 * 1.05e9),
+    ("NVIDIA H100 80GB HBM3", 132 * 4096 * 1.83e9),  # SXM5
+    ("NVIDIA H100 PCIe", 114 * 4096 * 1.62e9),
+    ("NVIDIA H200", 132 * 4096 * 1.83e9),  # the H100 SXM's chip with more memory
+    ("NVIDIA A100-SXM4-80GB", 108 * 2048 * 1.41e9),
+    ("NVIDIA L4", 58 * 1024 * 2.04e9),
+    ("nvidia h100 80gb hbm3", 132 * 4096 * 1.83e9),  # case does not matter
+]
+
+
+@pytest.mark.parametrize("device_kind, derived", DERIVED_PEAKS)
+def test_peak_flops_known_devices_are_their_architectures_dense_bf16_peak(device_kind, derived):
+    """Within 0.5% of the figure derived above (the data sheets round it): a sparse figure (twice),
+    an fp8 one, or another chip's entry matched by mistake is far outside."""
+    assert metrics.peak_flops(device_kind) == pytest.approx(derived, rel=0.005)
 
 
 @pytest.mark.parametrize("device_kind", ["cpu", "TFRT_CPU", "", "Some Future Chip"])
@@ -47,19 +56,22 @@ def test_peak_flops_unknown_is_none(device_kind):
 @pytest.mark.parametrize("device_kind", ["NVIDIA L40S", "NVIDIA L40"])
 def test_peak_flops_l4_does_not_match_l40(device_kind):
     assert metrics.peak_flops(device_kind) is None  # not in the table: no guess
-    assert metrics.peak_flops("NVIDIA L4") == 121e12
+    assert metrics.peak_flops("NVIDIA L4") == pytest.approx(58 * 1024 * 2.04e9, rel=0.005)
 
 
 def test_peak_flops_override_wins():
     assert metrics.peak_flops("TPU v5 lite", override=1e12) == 1e12
     assert metrics.peak_flops("cpu", override=2.5e12) == 2.5e12
-    assert metrics.peak_flops("NVIDIA H100 80GB HBM3", override=0.0) == 989e12  # 0 means no override
+    # 0 means no override: the table's figure.
+    assert metrics.peak_flops("NVIDIA H100 80GB HBM3", override=0.0) == metrics.peak_flops("NVIDIA H100")
 
 
 def test_mfu():
     # 1e9 FLOPs/token at 1e5 tokens/s on 4 devices of 1e14: 1e14 / 4e14.
     assert metrics.mfu(1e9, 1e5, 4, 1e14) == pytest.approx(0.25)
-    assert metrics.mfu(6e6, 50_000, 8, 197e12) == pytest.approx(6e6 * 50_000 / (8 * 197e12))
+    # A step of 16 sequences of 1,024 tokens (16,384) at 3e9 FLOPs a token is 4.9152e13 FLOPs; in
+    # 0.125 s (131,072 tokens/s) that is 3.93216e14 FLOP/s, of the 16 * 2e14 = 3.2e15 of 16 devices.
+    assert metrics.mfu(3e9, 131_072, 16, 2e14) == pytest.approx(0.12288)
 
 
 def test_mfu_is_none_without_a_peak_or_throughput():
@@ -237,18 +249,51 @@ CFG = ModelConfig(
 )
 
 
-def test_flops_per_token_by_hand():
-    d, v, layers, heads, kv, hd, mlp, seq = 32, 256, 2, 4, 2, 8, 64, 16
-    qkv = d * kv * (heads // kv + 2) * hd  # 32 * 2 * 4 * 8 = 2048
-    out = heads * hd * d  # 1024
-    gate_up, down = d * 2 * mlp, mlp * d  # 4096, 2048
-    n = layers * (qkv + out + gate_up + down) + v * d  # 2 * 9216 + 8192 = 26624
-    assert n == 26624
-    expected = 6 * n + 6 * layers * heads * hd * seq  # 159744 + 6144
-    assert expected == 165888
-    assert flops_per_token(CFG, seq) == expected
-    # Tying the embedding saves parameters, not FLOPs: the output projection is still a matmul.
-    assert flops_per_token(dataclasses.replace(CFG, tie_embeddings=True), seq) == expected
+def test_the_product_counter_counts_a_matrix_product_by_hand():
+    """conftest.dot_flops, which the FLOP tests below and the plan tests use: a (3, 4) x (4, 5)
+    product is 3 * 5 outputs of 4 multiply-adds, 120 FLOPs; its gradient with respect to both
+    operands adds two products of the same size; batched products count apart."""
+    x, w = jnp.ones((3, 4)), jnp.ones((4, 5))
+    assert dot_flops(jax.make_jaxpr(jnp.dot)(x, w).jaxpr) == (120, 0)
+    grad = jax.make_jaxpr(jax.value_and_grad(lambda x, w: (x @ w).sum(), argnums=(0, 1)))(x, w)
+    assert dot_flops(grad.jaxpr) == (3 * 120, 0)
+    batched = jax.make_jaxpr(lambda a, b: jnp.einsum("bij,bjk->bik", a, b))(
+        jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5))
+    )
+    assert dot_flops(batched.jaxpr) == (0, 2 * 120)
+    scanned = jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, _: (c @ jnp.ones((4, 4)), None), x, length=7))
+    assert dot_flops(scanned(x).jaxpr) == (7 * 2 * 3 * 4 * 4, 0)
+    # A loop of unknown length, or one branch of two: no count rather than a wrong one.
+    looped = jax.make_jaxpr(
+        lambda x: jax.lax.while_loop(lambda c: c.sum() < 9, lambda c: c @ jnp.ones((4, 4)), x)
+    )
+    chosen = jax.make_jaxpr(lambda x: jax.lax.cond(x.sum() > 0, lambda y: y @ w, lambda y: 2 * y @ w, x))
+    for program in (looped(x), chosen(x)):
+        with pytest.raises(ValueError, match="dot_flops cannot count the products of a (while|cond)"):
+            dot_flops(program.jaxpr)
+
+
+def test_flops_per_token_is_what_the_training_program_multiplies():
+    """flops_per_token against the products JAX traces for one training step of the model (forward
+    and backward), counted by conftest.program_flops: every weight product as the program runs it,
+    attention's scores and weighted values halved (causal: PaLM counts the half of the scores that
+    is used). Tying the embedding saves parameters, not FLOPs: the output projection is still a
+    product."""
+    small = {
+        "vocab_size": 256,
+        "d_model": 32,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "mlp_dim": 64,
+    }
+    # Two query heads per key/value head, the embedding tied to the output projection.
+    c = small_config(seq_len=16, **{f"model.{k}": v for k, v in {**small, "tie_embeddings": True}.items()})
+    weights, attention = program_flops(c)
+    assert weights > 0 and attention > 0
+    tokens = c.batch_size * c.seq_len
+    cfg = run_setup.model_config(c)
+    assert flops_per_token(cfg, c.seq_len) * tokens == pytest.approx(weights + attention / 2, rel=1e-12)
 
 
 def created_params(cfg: ModelConfig) -> dict[str, int]:
