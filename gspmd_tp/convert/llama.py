@@ -321,7 +321,7 @@ def _set_cpu_devices(count: int) -> None:
 def _define_flags() -> None:
     from absl import flags
 
-    define_config("configs/tiny.py", "from-hf: run config (rules, mesh, optim).")
+    define_config("tiny", "from-hf: run config (rules, mesh, optim).")
     paths.define_flag("hf_dir", None, "Hugging Face model directory (read by from-hf, written by to-hf).")
     paths.define_flag("workdir", None, "Run directory whose checkpoints/ is written or read.")
     flags.DEFINE_integer("step", None, "to-hf: checkpoint step to export (default: newest).")

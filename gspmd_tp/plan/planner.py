@@ -706,7 +706,7 @@ if __name__ == "__main__":
     from gspmd_tp.job import paths
     from gspmd_tp.job.errors import define_config, parse_flags
 
-    _CONFIG = define_config("configs/tiny.py", "A configs/*.py file.")
+    _CONFIG = define_config("tiny", "A config file, or the name of a shipped one (configs/NAME.py).")
     _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the report.")
     _COMPARE = flags.DEFINE_string("compare", "", "Comma-separated rule files to compare side by side.")
     _MESHES = flags.DEFINE_string(

@@ -19,6 +19,7 @@ from conftest import child_env, small_config
 from gspmd_tp.job.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ", ".join(sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem != "__init__"))
 SMALL = [
     "--config.batch_size=8",
     "--config.seq_len=32",
@@ -143,10 +144,16 @@ def test_a_tilde_in_the_rule_file_and_init_from_is_the_home_directory(tmp_path, 
             "--config.model.hidden_size: the config has no key 'hidden_size' "
             "(gspmd_tp calls it config.model.d_model)",
         ),
+        # A bare name is a shipped config's (configs/NAME.py), from any directory.
         (
-            ["train.py", "--workdir=WORKDIR"],
+            ["train.py", "--workdir=WORKDIR", "--config=tiny", "--config.steps=0"],
             "TMP",
-            "--config=configs/tiny.py (the default): no such file (cwd TMP)",
+            "config.steps must be positive, got 0",
+        ),
+        (
+            ["train.py", "--workdir=WORKDIR", "--config=tiny_"],
+            "TMP",
+            "--config=tiny_: no such file (cwd TMP), nor a shipped config (SHIPPED)",
         ),
     ],
 )
@@ -160,10 +167,9 @@ def test_config_file_and_key_mistakes_are_one_line(tmp_path, command, cwd, messa
         [sys.executable, *command], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 1, result.stderr[-2000:]
-    assert (
-        result.stderr.strip().splitlines()[-1]
-        == f"error: {message.replace('TMP', str(tmp_path)).replace('ROOT', str(ROOT))}"
-    )
+    for word, meaning in (("TMP", str(tmp_path)), ("ROOT", str(ROOT)), ("SHIPPED", SHIPPED)):
+        message = message.replace(word, meaning)
+    assert result.stderr.strip().splitlines()[-1] == f"error: {message}"
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
 
