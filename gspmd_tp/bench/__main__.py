@@ -64,7 +64,7 @@ def main(argv):
     no_positional_arguments(argv)
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
-    host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported
+    host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax's backend starts
     from gspmd_tp.job import signals
 
     rules = [r.strip() for r in _RULES.value.split(",")] if _RULES.value else [config.rules]

@@ -26,7 +26,7 @@ def main(argv):
     # Library INFO logs (orbax prints several lines per save) would bury the progress lines.
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
-    host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax is imported
+    host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax's backend starts
     from gspmd_tp.job import signals
 
     def job():
