@@ -3,6 +3,7 @@ of the entry points (absl's, --config's), whose mistakes are reported the same w
 
 import contextlib
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -255,15 +256,26 @@ def _config_mistake(argv: list[str], e: Exception, default: str | None) -> str:
     if isinstance(e, AttributeError) and "has no attribute 'get_config'" in str(e):
         return f"--config={_config_path(argv, default)}: the file defines no get_config()"
     if isinstance(e, (KeyError, AttributeError)):
+        from gspmd_tp.job.config_keys import ours, refusal_hint  # it imports this module
+
         message = e
         while isinstance(message, BaseException) and message.args:
             message = message.args[0]  # ml_collections wraps a KeyError in an AttributeError
         lines = str(message).splitlines() or [""]
+        if lines[0].startswith("This ConfigDict is locked"):  # the config file deleted a key of tiny's
+            path = _config_path(argv, default)
+            return f"--config={path}: a config has every key of tiny's; {lines[0]}{_where(e, path)}"
+        # The config file set a key tiny's locked config lacks: ml_collections names it, and may
+        # suggest the one meant. An override naming one is refused likewise, in its own words.
+        refused = re.match(r'Key "(.+?)" does not exist and cannot be added', lines[0])
+        if refused:
+            path = _config_path(argv, default)
+            key = refused.group(1)
+            hint = refusal_hint(key, KeyError(str(message)))
+            return f"--config={path}: the config has no key {key!r}{hint}{_where(e, path)}"
         key = lines[0].strip("'\"")
         named = [o for o in overrides if key in o[len("--config.") :].split(".")]
         hint = "".join(f" ({line.strip()})" for line in lines[1:] if line.strip())
-        from gspmd_tp.job.config_keys import ours  # it imports this module
-
         if named_ours := ours(key):
             hint = f" (gspmd_tp calls it {named_ours})"
         return f"{named[0] if named else '--config'}: the config has no key {key!r}{hint}"
