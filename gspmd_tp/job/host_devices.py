@@ -1,8 +1,10 @@
-"""Simulated CPU devices, asked for through jax's config (jax_num_cpu_devices): any time before jax's
-backend starts (its first jax.devices() or computation), jax imported or not.
+"""Simulated CPU devices, asked of jax by its option jax_num_cpu_devices: any time before jax's
+backend starts (its first jax.devices() or computation), jax imported or not. Before jax is imported
+the option is set through its variable, JAX_NUM_CPU_DEVICES, which jax reads as it is imported; so
+no import here, and train.py and bench.py import jax only inside their job, under its stop signals.
 
-A device count the caller chose (--xla_force_host_platform_device_count in XLA_FLAGS, or
-JAX_NUM_CPU_DEVICES) always wins; accelerators ignore the count.
+A device count the caller chose (--xla_force_host_platform_device_count in XLA_FLAGS,
+JAX_NUM_CPU_DEVICES, or the option set already) always wins; accelerators ignore the count.
 
 With simulated devices the train step's temporaries live in host memory, allocated and freed by
 glibc's malloc at every step. A buffer over 64 MiB requested from a worker thread's arena is
@@ -16,6 +18,7 @@ import os
 import sys
 
 _FLAG = "xla_force_host_platform_device_count"
+_VARIABLE = "JAX_NUM_CPU_DEVICES"  # jax's default for jax_num_cpu_devices, read as jax is imported
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 # Device nodes of accelerators whose buffers are not host memory; there the tuning is left out.
@@ -25,30 +28,33 @@ _ACCELERATOR_NODES = ("/dev/nvidia[0-9]*", "/dev/accel*", "/dev/vfio/[0-9]*", "/
 def request(count: int, tune: bool = True) -> None:
     """Asks jax for `count` host (CPU) devices unless a count is chosen already (`chosen_count`);
     with `tune` and count > 0, also `tune_malloc()`. Also `cpu_platform_where_alone()`. Call it
-    before jax's backend starts: jax raises otherwise, where the count differs from the backend's."""
-    import jax
-
-    if cpu_platform_where_alone():
-        jax.config.update("jax_platforms", "cpu")  # the variable is read as jax is imported
+    before jax's backend starts: a backend started already keeps its devices (and a mesh that
+    needs more names --config.host_device_count, in one line)."""
+    jax = sys.modules.get("jax")  # imported by the caller, or not yet: then jax reads the variables
+    if cpu_platform_where_alone() and jax:
+        jax.config.update("jax_platforms", "cpu")
     if count > 0 and chosen_count() is None:
-        try:
-            jax.config.update("jax_num_cpu_devices", count)
-        except RuntimeError:  # the backend started already (jax work in this process): its devices stay
-            pass  # and a mesh that needs more names --config.host_device_count, in one line
+        if jax is None:
+            os.environ[_VARIABLE] = str(count)
+        else:
+            try:
+                jax.config.update("jax_num_cpu_devices", count)
+            except RuntimeError:  # the backend started already (jax work in this process)
+                pass
     if count > 0 and tune:
         tune_malloc()
 
 
 def chosen_count() -> int | None:
     """The CPU device count the caller chose, else None: XLA_FLAGS' --xla_force_host_platform_device_count,
-    JAX_NUM_CPU_DEVICES (jax reads it as jax_num_cpu_devices), or jax_num_cpu_devices set in this
-    process (by a request before this one, or the caller's jax.config.update)."""
+    JAX_NUM_CPU_DEVICES, or (jax imported) jax_num_cpu_devices set in this process (by a request
+    before this one, or the caller's jax.config.update)."""
     for flag in os.environ.get("XLA_FLAGS", "").split():
         if flag.startswith(f"--{_FLAG}=") and flag.split("=", 1)[1].isdigit():
             return int(flag.split("=", 1)[1])
-    import jax
-
-    count = jax.config.jax_num_cpu_devices
+    if os.environ.get(_VARIABLE, "").isdigit():
+        return int(os.environ[_VARIABLE])
+    count = sys.modules["jax"].config.jax_num_cpu_devices if "jax" in sys.modules else -1
     return count if count >= 0 else None
 
 

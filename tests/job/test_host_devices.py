@@ -20,12 +20,13 @@ def _glibc():
 
 
 # Each in a fresh process (a backend starts once): the devices jax gives after host_devices.request(4),
-# asked for once jax is imported (as the tools do: plan imports jax at its top) or once it has started.
+# asked for before jax is imported (as train.py does), once it is imported (as the tools do: plan
+# imports jax at its top), or once it has started.
 _REQUEST = """
-import jax
 from gspmd_tp.job import host_devices
 {before}
 host_devices.request(4, tune=False)
+import jax
 print(jax.device_count(), jax.devices()[0].platform)
 """
 
@@ -34,13 +35,17 @@ print(jax.device_count(), jax.devices()[0].platform)
     "env, before, devices",
     [
         ({}, "", 4),
-        ({"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}, "", 3),  # the caller's count
+        ({}, "import jax", 4),
+        ({"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}, "import jax", 3),  # the caller's count
+        ({"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}, "", 3),
         ({"JAX_NUM_CPU_DEVICES": "5"}, "", 5),
-        ({}, "jax.config.update('jax_num_cpu_devices', 2)", 2),  # set in the process before
-        ({}, "jax.devices()", 1),  # the backend started already: its one device stays, and no error
+        ({}, "import jax; jax.config.update('jax_num_cpu_devices', 2)", 2),  # set in the process before
+        ({}, "import jax; jax.devices()", 1),  # the backend started already: its one device stays, no error
     ],
 )
-def test_a_request_after_jax_is_imported_gives_the_devices_unless_a_count_was_chosen(env, before, devices):
+def test_a_request_gives_the_devices_before_or_after_jax_is_imported_unless_a_count_was_chosen(
+    env, before, devices
+):
     result = subprocess.run(
         [sys.executable, "-c", _REQUEST.format(before=before)],
         env=child_env(JAX_PLATFORMS="cpu", **env), capture_output=True, text=True, timeout=120,
