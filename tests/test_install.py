@@ -1,5 +1,5 @@
 """The wheel `pip install .` builds: the shipped configs and rule files inside it, found by name from
-any directory, with no checkout on the path."""
+any directory, with no checkout on the path; a config and a rule file of one's own found by path."""
 
 import json
 import math
@@ -66,15 +66,15 @@ def test_the_wheel_plans_and_trains_by_name_from_another_directory(tmp_path):
     assert plan["rules"] == str(site / "gspmd_tp" / "rules" / "megatron_1d.yaml")
     assert (plan["mesh"], plan["devices"]) == ("dp=2,mp=4", 8)  # tiny's mesh, on the 8 devices plan asks for
 
-    flags = [
-        *SMALL,
-        "--config.steps=2",
-        "--config.log_every=1",
-        "--config.eval_every=2",
-        "--config.eval_batches=1",
-    ]
-    flags += ["--config.rules=dp", "--config.mesh=dp=8,mp=1"]
-    _run(["-m", "gspmd_tp.train", "--config=tiny", "--workdir=run", *flags], elsewhere, env)
+    # A config of one's own that starts from the wheel's, and a rule file of one's own: by path.
+    (elsewhere / "mine.py").write_text(
+        "from gspmd_tp.configs import tiny\n\n\ndef get_config():\n    c = tiny.get_config()\n"
+        "    c.steps, c.log_every, c.eval_every, c.eval_batches = 2, 1, 2, 1\n    return c\n"
+    )
+    shutil.copy(ROOT / "rules" / "dp.yaml", elsewhere / "mine.yaml")
+    flags = ["--config=mine.py", "--workdir=run", "--config.rules=mine.yaml", "--config.mesh=dp=8,mp=1"]
+    out = _run(["-m", "gspmd_tp.train", *flags, *SMALL], elsewhere, env)
+    assert "| rules mine.yaml\n" in out, out  # the file in the cwd, as the trainer shows a path under it
     rows = [json.loads(line) for line in (elsewhere / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     # A fresh model over 256 byte tokens starts near the uniform guess's loss, ln 256.

@@ -241,7 +241,7 @@ def restore_newest_params(workdir: str, step: int, s: run_setup.Setup):
     return hit
 
 
-# --- how many devices to simulate: read before jax is imported ---
+# --- how many devices to simulate: read from the checkpoints' metadata, before jax's backend starts ---
 
 
 def _mesh_size(mesh: str) -> int | None:

@@ -117,7 +117,7 @@ def flag_from_argv(argv: list[str], name: str) -> str | None:
 
 
 def count_from_argv(argv: list[str], default: int) -> int:
-    """The value of a --config.host_device_count=N argument, else `default` (read before parsing)."""
+    """The value of a --config.host_device_count=N argument, else `default`."""
     value = flag_from_argv(argv, "--config.host_device_count")
     # A value that is no integer is left to the flag parser, which names it in one line.
     return int(value) if value is not None and value.strip().lstrip("-").isdigit() else default
