@@ -111,7 +111,8 @@ def _check(given: dict, locked: ConfigDict, where: str, skip: tuple[str, ...] = 
             try:
                 locked[key] = value  # refused: the key is not tiny's
             except KeyError as e:
-                raise UserError(f"{where}.{key} is not a key gspmd_tp reads{refusal_hint(key, e)}") from None
+                hint = refusal_hint(key, str(e.args[0]) if e.args else "")
+                raise UserError(f"{where}.{key} is not a key gspmd_tp reads{hint}") from None
         if isinstance(value, dict) and isinstance(locked[key], ConfigDict):
             _check(value, locked[key], f"{where}.{key}")
     for key, value in locked.items():
@@ -120,12 +121,12 @@ def _check(given: dict, locked: ConfigDict, where: str, skip: tuple[str, ...] = 
             raise UserError(f"{where}.{key} is missing ({sets}); start from configs/tiny.py get_config()")
 
 
-def refusal_hint(key: str, e: KeyError) -> str:
+def refusal_hint(key: str, refusal: str) -> str:
     """ " (gspmd_tp calls it config.PATH)" where another trainer calls a key `key`, else the
-    suggestion in a locked ConfigDict's KeyError `e` refusing it (" (Did you mean ...?)"), else ""."""
+    suggestion in a locked ConfigDict's `refusal` of it (" (Did you mean ...?)"), else ""."""
     if named := ours(key):
         return f" (gspmd_tp calls it {named})"
-    suggestion = re.search(r"Did you mean .*\?", str(e.args[0]) if e.args else "")
+    suggestion = re.search(r"Did you mean .*\?", refusal)
     return f" ({suggestion.group(0)})" if suggestion else ""
 
 

@@ -264,14 +264,15 @@ def _config_mistake(argv: list[str], e: Exception, default: str | None) -> str:
         lines = str(message).splitlines() or [""]
         if lines[0].startswith("This ConfigDict is locked"):  # the config file deleted a key of tiny's
             path = _config_path(argv, default)
-            return f"--config={path}: a config has every key of tiny's; {lines[0]}{_where(e, path)}"
+            locked = "deletes a key of tiny's config, whose keys are locked (set its value instead)"
+            return f"--config={path}: {locked}{_where(e, path)}"
         # The config file set a key tiny's locked config lacks: ml_collections names it, and may
-        # suggest the one meant. An override naming one is refused likewise, in its own words.
+        # suggest the one meant. (An override of a key the config lacks: below, as config_flags says it.)
         refused = re.match(r'Key "(.+?)" does not exist and cannot be added', lines[0])
         if refused:
             path = _config_path(argv, default)
             key = refused.group(1)
-            hint = refusal_hint(key, KeyError(str(message)))
+            hint = refusal_hint(key, str(message))
             return f"--config={path}: the config has no key {key!r}{hint}{_where(e, path)}"
         key = lines[0].strip("'\"")
         named = [o for o in overrides if key in o[len("--config.") :].split(".")]

@@ -239,8 +239,8 @@ CONFIG_FILES = {
     ),
     "key-deleted": (
         _TINY.format("del c['loss_chunk']"),
-        "--config=CFG: a config has every key of tiny's; This ConfigDict is locked, you have to unlock "
-        "it before trying to delete a field. (line 4)",
+        "--config=CFG: deletes a key of tiny's config, whose keys are locked (set its value instead) "
+        "(line 4)",
     ),
 }
 
