@@ -4,7 +4,7 @@
         --meshes="dp=8,mp=1 dp=4,mp=2 dp=2,mp=4 dp=1,mp=8"
 """
 
-from configs import tiny
+from gspmd_tp.configs import tiny
 
 
 def get_config():

@@ -9,7 +9,7 @@ tensor parallelism inside a host: --config.rules=megatron_1d --config.mesh=dp=-1
 divide by 2, 4, 6 or 12).
 """
 
-from configs import tiny
+from gspmd_tp.configs import tiny
 
 
 def get_config():

@@ -13,7 +13,7 @@ with Llama 3's tokenizer.json, model.vocab_size=0 pads its size to a multiple of
 128 sequences of 8,192 tokens (1M tokens a step, one sequence per chip on 128 chips).
 """
 
-from configs import llama_1b
+from gspmd_tp.configs import llama_1b
 
 
 def get_config():

@@ -10,7 +10,7 @@ byte tokens it has 0.97B parameters. On one H100 it needs XLA_PYTHON_CLIENT_MEM_
 (docs/benchmarks.md, "One H100 GPU").
 """
 
-from configs import tiny
+from gspmd_tp.configs import tiny
 
 
 def get_config():

@@ -1,4 +1,5 @@
-"""Eight simulated CPU devices for every test (a device count already in XLA_FLAGS wins)."""
+"""Eight simulated CPU devices for every test (a device count already in XLA_FLAGS wins), through
+XLA_FLAGS so that the commands the tests start inherit them (child_env takes the count out)."""
 
 import atexit
 import os
@@ -60,8 +61,9 @@ from configs import tiny  # noqa: E402
 
 def child_env(**extra) -> dict:
     """os.environ for a command that sets its own device count as a user's run does (train.py asks
-    for 8): XLA_FLAGS without this session's count, the rest of it (FAST_COMPILE) kept."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    for 8): XLA_FLAGS without this session's count, the rest of it (FAST_COMPILE) kept, and no
+    JAX_NUM_CPU_DEVICES (a count jax reads, which would win as well)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     flags = [
         f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
     ]

@@ -45,11 +45,14 @@ def test_a_package_imports_only_those_below_it(package):
 
 
 def test_every_module_lives_in_a_package():
-    """Beside the packages only the entry points of `python -m gspmd_tp.evaluate|generate` stand."""
+    """Beside the packages only the entry points of `python -m gspmd_tp.evaluate|generate` stand, and
+    the links to the repository's configs/ and rules/ (what the wheel ships; no code of the library)."""
     loose = {p.name for p in PACKAGE.glob("*.py")} - {"__init__.py", "evaluate.py", "generate.py"}
-    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists() and not p.is_symlink()}
     assert not loose
     assert packages == set(LAYERS + TOOLS)
+    links = {p.name: p.resolve() for p in PACKAGE.iterdir() if p.is_symlink()}
+    assert links == {"configs": PACKAGE.parent / "configs", "rules": PACKAGE.parent / "rules"}
 
 
 def test_make_test_collects_every_file_of_multiprocess_tests():

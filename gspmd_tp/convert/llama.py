@@ -36,7 +36,7 @@ from ml_collections import ConfigDict
 from gspmd_tp.checkpoint import step_dirs, store
 from gspmd_tp.convert import hf_layout
 from gspmd_tp.inference import saved_run
-from gspmd_tp.job import output_paths, paths
+from gspmd_tp.job import host_devices, output_paths, paths
 from gspmd_tp.job.errors import (
     UserError,
     define_config,
@@ -252,7 +252,7 @@ def main(argv) -> None:
         if command == "from-hf":
             output_paths.check_dir(flags_.workdir, "--workdir")
             config = loaded_config()
-            _set_cpu_devices(config.host_device_count)
+            host_devices.request(config.host_device_count, tune=False)
             s = from_hf(flags_.hf_dir, flags_.workdir, config)
             print(f"wrote step 0 to {step_dirs.checkpoint_dir(flags_.workdir)}; fine-tune with:")
             print(_resume_command(s, flags_.workdir, flags_["config"].config_filename, sys.argv))
@@ -264,7 +264,7 @@ def main(argv) -> None:
                 raise UserError(f"--host_device_count={count}: must be 1 or more")
             if count is None:  # as many as the mesh it restores onto spans
                 count = saved_run.reader_device_count(flags_.workdir, flags_.mesh, flags_.step)
-            _set_cpu_devices(count)
+            host_devices.request(count, tune=False)
             try:
                 files = to_hf(
                     flags_.workdir,
@@ -312,16 +312,10 @@ def _check_flags_apply(command: str, flags_) -> None:
             )
 
 
-def _set_cpu_devices(count: int) -> None:
-    # Simulated CPU devices, as train.py does; a device count the caller put in XLA_FLAGS wins.
-    if count > 0 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        jax.config.update("jax_num_cpu_devices", count)
-
-
 def _define_flags() -> None:
     from absl import flags
 
-    define_config("configs/tiny.py", "from-hf: run config (rules, mesh, optim).")
+    define_config("tiny", "from-hf: run config (rules, mesh, optim).")
     paths.define_flag("hf_dir", None, "Hugging Face model directory (read by from-hf, written by to-hf).")
     paths.define_flag("workdir", None, "Run directory whose checkpoints/ is written or read.")
     flags.DEFINE_integer("step", None, "to-hf: checkpoint step to export (default: newest).")

@@ -175,7 +175,7 @@ def main(argv) -> None:
 if __name__ == "__main__":
     from gspmd_tp.job.errors import define_config
 
-    define_config("configs/tiny.py", "A configs/*.py file: its data.* keys say what to read.")
+    define_config("tiny", "A configs/*.py file: its data.* keys say what to read.")
     paths.define_flag("out", None, "The shards directory to write (new, or empty).")
     flags.mark_flags_as_required(["out"])
     flags.DEFINE_integer("chunk_tokens", CHUNK_TOKENS, "Tokens per record.")

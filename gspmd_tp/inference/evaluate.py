@@ -14,11 +14,10 @@ As one process of a job of several (a pod, a cluster), with train.py's job flags
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # simulated devices must be requested before jax is imported
+if __name__ == "__main__":  # before jax is imported: Ctrl-C while importing is one line
     from gspmd_tp.job import entry
 
-    # By default as many as the run's mesh spans, so that it restores under its own mesh.
-    entry.begin(devices="gspmd_tp.inference.saved_run:device_count_from_argv")
+    entry.begin()  # main() asks for the devices once the flags are read
 
 import json
 import math
@@ -190,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     is the command's arguments (default: sys.argv[1:]). Returns the exit status."""
     config_args, argv = saved_run.config_arguments(sys.argv[1:] if argv is None else argv)
     no_positional_arguments(parse_command_flags(FLAGS, ["python -m gspmd_tp.evaluate", *argv], __doc__))
+    saved_run.request_devices([*argv, *config_args])  # before jax's backend starts
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO

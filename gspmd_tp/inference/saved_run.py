@@ -4,9 +4,6 @@ The run's own config comes from its newest checkpoint, with `--config.KEY=VALUE`
 (typically `rules` and `mesh`: a model trained under one rule file samples under another). Only
 the parameters are read, not the optimizer state, each device reading its shard of the sharding
 the current mesh and rule file give it. Nothing in the workdir is written or removed.
-
-Importing this module imports no jax (the heavy modules are imported where used), so that entry
-points can ask `device_count_from_argv` how many devices to simulate before jax starts.
 """
 
 from __future__ import annotations
@@ -244,7 +241,7 @@ def restore_newest_params(workdir: str, step: int, s: run_setup.Setup):
     return hit
 
 
-# --- how many devices to simulate: read before jax is imported ---
+# --- how many devices to simulate: read from the checkpoints' metadata, before jax's backend starts ---
 
 
 def _mesh_size(mesh: str) -> int | None:
@@ -284,10 +281,17 @@ def reader_device_count(workdir: str | None, mesh: str | None = None, step: int 
     return (mesh and _mesh_size(mesh)) or (workdir and saved_device_count(workdir, step)) or DEFAULT_DEVICES
 
 
+def request_devices(argv: list[str]) -> None:
+    """Asks for the simulated CPU devices of a command reading a run (device_count_from_argv, where
+    --config.host_device_count does not say), before jax's backend starts."""
+    from gspmd_tp.job import host_devices
+
+    host_devices.request(host_devices.count_from_argv(argv, device_count_from_argv(argv)))
+
+
 def device_count_from_argv(argv: list[str]) -> int:
     """reader_device_count for the --workdir and --config.mesh of argv, shared among the processes
-    of --num_processes where they divide it. (--config.host_device_count, read by
-    host_devices.count_from_argv, overrides it.)"""
+    of --num_processes where they divide it."""
     from gspmd_tp.job.host_devices import flag_from_argv
 
     workdir = paths.expand(flag_from_argv(argv, "--workdir"))

@@ -1,20 +1,22 @@
 """The keys a run's config has: those of configs/tiny.py, which every shipped config starts from.
 
-A key a config file misspells (`optim.learning_rate` for `optim.lr`) would otherwise be silently
-unused; a key it lacks would fail deep inside the run. Imports no jax.
+tiny.get_config() is a locked ConfigDict, so a config file that sets a key tiny lacks (a misspelling,
+`optim.learning_rate` for `optim.lr`) fails as it loads, with ml_collections' suggestion of the key
+meant, and one that deletes a key fails the same way. check_keys holds a config built otherwise to
+the same keys. Imports no jax.
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
+import re
 from pathlib import Path
 
 from ml_collections import ConfigDict
 
 from gspmd_tp.job.errors import UserError
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.py"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
 
 
 # What other trainers (MaxText, t5x, levanter, Hugging Face) call some of the keys, for the hint a
@@ -58,12 +60,17 @@ def ours(key: str) -> str | None:
     return f"config.{path}" if path else None
 
 
-def default_config() -> dict:
-    """configs/tiny.py's config as a plain dict."""
+def _tiny() -> ConfigDict:
+    """configs/tiny.py's config (locked), loaded by path: the package's layers import no config."""
     spec = importlib.util.spec_from_file_location("gspmd_tp_default_config", DEFAULT_CONFIG)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config().to_dict()
+    return module.get_config()
+
+
+def default_config() -> dict:
+    """configs/tiny.py's config as a plain dict."""
+    return _tiny().to_dict()
 
 
 def lookup(config: dict, dotted: str, default=None):
@@ -89,34 +96,38 @@ def laid_over(defaults: dict, saved: dict) -> dict:
 
 
 def check_keys(config, skip: tuple[str, ...] = ("model",)) -> None:
-    """Raises UserError naming the first key `config` has and the default config lacks, or the
-    reverse; the sections in `skip` are checked elsewhere (config.model by run_setup.model_config)."""
-    if not DEFAULT_CONFIG.is_file():  # an installed wheel: no configs/ to compare with
-        return
-    problem = _first_difference(config.to_dict(), default_config(), "config", skip)
-    if problem:
-        raise UserError(problem)
+    """Raises UserError naming the first key `config` has that tiny's locked config refuses (with
+    ml_collections' suggestion of the key meant), or one `config` lacks; the sections in `skip` are
+    checked elsewhere (config.model by run_setup.model_config). A config that starts from
+    tiny.get_config() has neither: its lock refused them as it loaded."""
+    _check(config.to_dict(), _tiny(), "config", skip)
 
 
-def _first_difference(given: dict, known: dict, where: str, skip: tuple[str, ...]) -> str | None:
-    for key in given:
+def _check(given: dict, locked: ConfigDict, where: str, skip: tuple[str, ...] = ()) -> None:
+    for key, value in given.items():
         if key in skip:
             continue
-        if key not in known:
-            close = difflib.get_close_matches(key, list(known), n=1)
-            hint = f"; did you mean {where}.{close[0]}?" if close else f" (known: {', '.join(sorted(known))})"
-            if named := ours(key):
-                hint = f"; gspmd_tp calls it {named}"
-            return f"{where}.{key} is not a key gspmd_tp reads{hint}"
-        if isinstance(known[key], dict) and isinstance(given[key], dict):
-            problem = _first_difference(given[key], known[key], f"{where}.{key}", ())
-            if problem:
-                return problem
-    for key in known:
+        if key not in locked:
+            try:
+                locked[key] = value  # refused: the key is not tiny's
+            except KeyError as e:
+                hint = refusal_hint(key, str(e.args[0]) if e.args else "")
+                raise UserError(f"{where}.{key} is not a key gspmd_tp reads{hint}") from None
+        if isinstance(value, dict) and isinstance(locked[key], ConfigDict):
+            _check(value, locked[key], f"{where}.{key}")
+    for key, value in locked.items():
         if key not in given and key not in skip:
-            tiny = f"configs/tiny.py sets {known[key]!r}"
-            return f"{where}.{key} is missing ({tiny}); start from configs/tiny.py get_config()"
-    return None
+            sets = f"configs/tiny.py sets {value.to_dict() if isinstance(value, ConfigDict) else value!r}"
+            raise UserError(f"{where}.{key} is missing ({sets}); start from configs/tiny.py get_config()")
+
+
+def refusal_hint(key: str, refusal: str) -> str:
+    """ " (gspmd_tp calls it config.PATH)" where another trainer calls a key `key`, else the
+    suggestion in a locked ConfigDict's `refusal` of it (" (Did you mean ...?)"), else ""."""
+    if named := ours(key):
+        return f" (gspmd_tp calls it {named})"
+    suggestion = re.search(r"Did you mean .*\?", refusal)
+    return f" ({suggestion.group(0)})" if suggestion else ""
 
 
 def changed(saved: dict, now: dict, skip: tuple[str, ...] = (), where: str = "") -> list[str]:

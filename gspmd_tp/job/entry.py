@@ -1,31 +1,21 @@
 """How every command starts: train.py, bench.py and each `python -m gspmd_tp.X` call begin() first
 thing under `__main__`, before jax is imported, and the tools run() their main() once imported.
 
-No jax import here (nor anything slow): begin() must run before it.
+No jax import here (nor anything slow): begin() must run before it. The simulated CPU devices are
+no reason to: each command asks for them once its flags are read (host_devices.request), jax
+imported or not.
 """
-
-import importlib
-import sys
 
 from gspmd_tp.job import errors
 
 
-def begin(devices: int | str | None = None) -> None:
-    """Until run() (train.py and bench.py: until signals.run_job), Ctrl-C exits at once with one
-    line; then `devices` simulated CPU devices are asked for: a count, or "module:function" naming a
-    function of argv that gives one (imported now: a module without jax). --config.host_device_count
-    on the command line wins. Without `devices`, none are asked for (the command asks once its flags
-    are read), and JAX_PLATFORMS=cpu is set on a host without accelerators."""
+def begin() -> None:
+    """Until run() (train and bench: until signals.run_job), Ctrl-C exits at once with one line;
+    JAX_PLATFORMS=cpu is set on a host without accelerators (before jax reads it, as it is imported)."""
     errors.exit_on_ctrl_c_while_importing()
     from gspmd_tp.job import host_devices
 
-    if devices is None:
-        host_devices.cpu_platform_where_alone()
-        return
-    if isinstance(devices, str):
-        module, function = devices.split(":")
-        devices = getattr(importlib.import_module(module), function)(sys.argv)
-    host_devices.request(host_devices.count_from_argv(sys.argv, devices))
+    host_devices.cpu_platform_where_alone()
 
 
 def run(main, flags_parser=None):

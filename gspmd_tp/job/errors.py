@@ -3,10 +3,15 @@ of the entry points (absl's, --config's), whose mistakes are reported the same w
 
 import contextlib
 import os
+import re
 import signal
 import sys
+from pathlib import Path
 
 from gspmd_tp.job import paths
+
+# The shipped configs: gspmd_tp/configs, the repository's configs/ (linked) or the wheel's copy of it.
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 class UserError(ValueError):
@@ -66,16 +71,35 @@ def no_positional_arguments(argv: list[str]) -> None:
         sys.exit(1)
 
 
-def define_config(default: str, help_text: str):
-    """The --config flag (ml_collections): a configs/*.py file plus --config.KEY=VALUE overrides.
+def shipped_config(argument: str) -> str:
+    """`--config=NAME[:ARG]` as the file of the shipped config NAME (configs/NAME.py), where NAME is no
+    path and no file here; any other argument as it is."""
+    name, colon, arg = argument.partition(":")
+    if "/" in name or name.endswith(".py") or os.path.exists(name) or not (CONFIGS / f"{name}.py").is_file():
+        return argument
+    return f"{CONFIGS / name}.py{colon}{arg}"
+
+
+def shipped_config_names() -> list[str]:
+    """The names `--config=NAME` takes."""
+    return sorted(p.stem for p in CONFIGS.glob("*.py") if p.stem != "__init__")
+
+
+def define_config(default: str | None, help_text: str):
+    """The --config flag (ml_collections): a config file, or the name of a shipped one (tiny,
+    gpt2_small, ...), plus --config.KEY=VALUE overrides; `default` is such a name.
 
     Without --config on the command line the default is loaded (and overridden) right here.
     """
+    from absl import flags
     from ml_collections import config_flags
 
     with _config_mistakes_exit(default=default):
-        holder = config_flags.DEFINE_config_file("config", default, help_text)
+        holder = config_flags.DEFINE_config_file("config", default and shipped_config(default), help_text)
     paths.expand_config_flag("config")  # --config=~/c.py, which bash leaves as it is
+    parser = flags.FLAGS["config"].parser
+    parse = parser.parse
+    parser.parse = lambda argument: parse(shipped_config(argument))
     return holder
 
 
@@ -198,7 +222,7 @@ def _where(e: BaseException, path: str) -> str:
     """ " (line N)" of the config file's own line the exception came through, where it did."""
     import traceback
 
-    target = os.path.abspath(paths.expand(path.split(":", 1)[0].split(" ", 1)[0]))
+    target = os.path.abspath(paths.expand(shipped_config(path.split(":", 1)[0].split(" ", 1)[0])))
     lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == target]
     return f" (line {lines[-1]})" if lines else ""
 
@@ -221,23 +245,38 @@ def _config_mistake(argv: list[str], e: Exception, default: str | None) -> str:
     overrides = [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
     if isinstance(e, OSError):
         path = _config_path(argv, default)
-        if not os.path.isfile(paths.expand(path.split(":", 1)[0].split(" ", 1)[0])):
-            return f"--config={path}: no such file (cwd {os.getcwd()})"
+        given = path.split(":", 1)[0].split(" ", 1)[0]
+        if not os.path.isfile(paths.expand(given)):
+            shipped = ", ".join(shipped_config_names())
+            named = "" if "/" in given or given.endswith(".py") else f", nor a shipped config ({shipped})"
+            return f"--config={path}: no such file (cwd {os.getcwd()}){named}"
         return f"--config={path}: {str(e).splitlines()[0]}"
     if isinstance(e, SyntaxError):
         return f"--config={_config_path(argv, default)}: {e.msg} (line {e.lineno}) in {e.filename}"
     if isinstance(e, AttributeError) and "has no attribute 'get_config'" in str(e):
         return f"--config={_config_path(argv, default)}: the file defines no get_config()"
     if isinstance(e, (KeyError, AttributeError)):
+        from gspmd_tp.job.config_keys import ours, refusal_hint  # it imports this module
+
         message = e
         while isinstance(message, BaseException) and message.args:
             message = message.args[0]  # ml_collections wraps a KeyError in an AttributeError
         lines = str(message).splitlines() or [""]
+        if lines[0].startswith("This ConfigDict is locked"):  # the config file deleted a key of tiny's
+            path = _config_path(argv, default)
+            locked = "deletes a key of tiny's config, whose keys are locked (set its value instead)"
+            return f"--config={path}: {locked}{_where(e, path)}"
+        # The config file set a key tiny's locked config lacks: ml_collections names it, and may
+        # suggest the one meant. (An override of a key the config lacks: below, as config_flags says it.)
+        refused = re.match(r'Key "(.+?)" does not exist and cannot be added', lines[0])
+        if refused:
+            path = _config_path(argv, default)
+            key = refused.group(1)
+            hint = refusal_hint(key, str(message))
+            return f"--config={path}: the config has no key {key!r}{hint}{_where(e, path)}"
         key = lines[0].strip("'\"")
         named = [o for o in overrides if key in o[len("--config.") :].split(".")]
         hint = "".join(f" ({line.strip()})" for line in lines[1:] if line.strip())
-        from gspmd_tp.job.config_keys import ours  # it imports this module
-
         if named_ours := ours(key):
             hint = f" (gspmd_tp calls it {named_ours})"
         return f"{named[0] if named else '--config'}: the config has no key {key!r}{hint}"

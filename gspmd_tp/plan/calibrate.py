@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import sys
 
-if __name__ == "__main__":  # simulated devices must be requested before jax is imported
+if __name__ == "__main__":  # before jax is imported: Ctrl-C while importing is one line
     from gspmd_tp.job import entry
 
-    entry.begin(devices=8)
+    entry.begin()  # main() asks for the devices once the flags are read
 
 import datetime
 import json
@@ -45,7 +45,7 @@ from absl import flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspmd_tp.job import output_paths
+from gspmd_tp.job import host_devices, output_paths
 from gspmd_tp.job.errors import UserError, exit_from_main, interrupted, loaded_config, no_positional_arguments
 from gspmd_tp.plan import calibration
 from gspmd_tp.sharding import hlo, hlo_cost
@@ -346,6 +346,9 @@ def _ints(text: str, flag: str) -> list[int]:
 def main(argv) -> None:
     """CLI: python -m gspmd_tp.plan calibrate --out=FILE [--meshes=... --sizes=...]."""
     no_positional_arguments(argv)
+    config = loaded_config() if flags.FLAGS["config"].present else None
+    count, tune = (config.host_device_count, config.host_malloc_tuning) if config else (8, True)  # tiny's
+    host_devices.request(count, tune)  # before jax's backend starts
     try:
         out = _OUT.value
         if not out:
@@ -365,8 +368,7 @@ def main(argv) -> None:
         matmul = _ints(_MATMUL_SIZES.value, "--matmul_sizes") if _MATMUL_SIZES.value else MATMUL_SIZES
         memory = _ints(_MEMORY_SIZES.value, "--memory_sizes") if _MEMORY_SIZES.value else MEMORY_SIZES
         products = set()
-        if flags.FLAGS["config"].present:
-            config = loaded_config()
+        if config is not None:
             rules = [r.strip() for r in _RULES.value.split(",")] if _RULES.value else [config.rules]
             products = config_products(config, rules, meshes)
             points = f"{len(rules)} rule files x {len(meshes)} meshes"

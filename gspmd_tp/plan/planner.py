@@ -33,15 +33,10 @@ from __future__ import annotations
 
 import sys
 
-if __name__ == "__main__":  # simulated devices must be requested before jax is imported
-    import os as _os
-
+if __name__ == "__main__":  # before jax is imported: Ctrl-C while importing is one line
     from gspmd_tp.job import entry
 
-    entry.begin(devices=8)
-    if any(a.startswith("--target") for a in sys.argv):
-        # Compile for a TPU or GPUs that are not attached: JAX must not try to open one.
-        _os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    entry.begin()  # main() asks for the config's devices once the flags are read
 
 import contextlib
 import copy
@@ -52,7 +47,7 @@ import os
 import jax
 import numpy as np
 
-from gspmd_tp.job import output_paths
+from gspmd_tp.job import host_devices, output_paths
 from gspmd_tp.job.errors import UserError, exit_from_main, interrupted, no_positional_arguments
 from gspmd_tp.plan import analysis, calibration, hardware
 from gspmd_tp.sharding import hlo
@@ -654,6 +649,10 @@ def main(argv) -> None:
 
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
+    if _TARGET.value and "JAX_PLATFORMS" not in os.environ:
+        # Compile for a TPU or GPUs that are not attached: JAX must not try to open one.
+        jax.config.update("jax_platforms", "cpu")
+    host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax's backend starts
     network = _NETWORK_GBPS.value
     try:
         cal = calibration.load(_CALIBRATION.value) if _CALIBRATION.value else None
@@ -706,7 +705,7 @@ if __name__ == "__main__":
     from gspmd_tp.job import paths
     from gspmd_tp.job.errors import define_config, parse_flags
 
-    _CONFIG = define_config("configs/tiny.py", "A configs/*.py file.")
+    _CONFIG = define_config("tiny", "A config file, or the name of a shipped one (configs/NAME.py).")
     _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the report.")
     _COMPARE = flags.DEFINE_string("compare", "", "Comma-separated rule files to compare side by side.")
     _MESHES = flags.DEFINE_string(

@@ -22,7 +22,8 @@ from gspmd_tp.job.errors import UserError
 from gspmd_tp.sharding.axes import BATCH, VOCABULARY
 from gspmd_tp.sharding.mesh import parse_mesh
 
-RULES_DIR = Path(__file__).resolve().parents[2] / "rules"
+# The shipped rule files: gspmd_tp/rules, the repository's rules/ (linked) or the wheel's copy of it.
+RULES_DIR = (Path(__file__).resolve().parents[1] / "rules").resolve()
 # In a tuple of logical names, a dimension left to GSPMD: no rule applies to it and it takes no mesh
 # axis away from the others (flax passes it through unchanged).
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
@@ -160,11 +161,6 @@ def resolve_path(name_or_path: str) -> Path:
     if shipped.is_file():
         return shipped
     names = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
-    if not names:  # a wheel: the shipped rule files live in the checkout's rules/, not the package
-        raise UserError(
-            f"rule file {name_or_path!r} not found, and no shipped rule files in {RULES_DIR} "
-            "(install the checkout with pip install -e, or give the rule file's path)"
-        )
     raise UserError(f"rule file {name_or_path!r} not found (shipped rule files: {', '.join(names)})")
 
 

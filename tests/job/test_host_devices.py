@@ -1,9 +1,13 @@
-"""host_devices: the device-count flag, and glibc malloc tuning left out where accelerators are."""
+"""host_devices: the device count asked of jax (the caller's wins), and glibc malloc tuning left out
+where accelerators are."""
 
 import ctypes
 import os
+import subprocess
+import sys
 
 import pytest
+from conftest import child_env
 
 from gspmd_tp.job import host_devices
 
@@ -15,13 +19,46 @@ def _glibc():
         return False
 
 
-def test_request_keeps_a_count_the_caller_set(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=3")
-    host_devices.request(8, tune=False)
-    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3"
+# Each in a fresh process (a backend starts once): the devices jax gives after host_devices.request(4),
+# asked for before jax is imported (as train.py does), once it is imported (as the tools do: plan
+# imports jax at its top), or once it has started.
+_REQUEST = """
+from gspmd_tp.job import host_devices
+{before}
+host_devices.request(4, tune=False)
+import jax
+print(jax.device_count(), jax.devices()[0].platform)
+"""
+
+
+@pytest.mark.parametrize(
+    "env, before, devices",
+    [
+        ({}, "", 4),
+        ({}, "import jax", 4),
+        ({"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}, "import jax", 3),  # the caller's count
+        ({"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}, "", 3),
+        ({"JAX_NUM_CPU_DEVICES": "5"}, "", 5),
+        ({}, "import jax; jax.config.update('jax_num_cpu_devices', 2)", 2),  # set in the process before
+        ({}, "import jax; jax.devices()", 1),  # the backend started already: its one device stays, no error
+    ],
+)
+def test_a_request_gives_the_devices_before_or_after_jax_is_imported_unless_a_count_was_chosen(
+    env, before, devices
+):
+    result = subprocess.run(
+        [sys.executable, "-c", _REQUEST.format(before=before)],
+        env=child_env(JAX_PLATFORMS="cpu", **env), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == [str(devices), "cpu"]
+
+
+def test_the_count_chosen_is_read_from_xla_flags_then_from_jax(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=3")
+    assert host_devices.chosen_count() == 3
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
-    host_devices.request(8, tune=False)
-    assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8"
+    assert host_devices.chosen_count() is None  # conftest chose its count through XLA_FLAGS alone
 
 
 def test_malloc_tuning_is_left_out_on_accelerator_hosts(monkeypatch):

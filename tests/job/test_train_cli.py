@@ -7,7 +7,6 @@ process is the subject (its exit status and stderr, its flags and config file)."
 import json
 import os
 import re
-import runpy
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from conftest import child_env, small_config
 from gspmd_tp.job.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ", ".join(sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem != "__init__"))
 SMALL = [
     "--config.batch_size=8",
     "--config.seq_len=32",
@@ -143,10 +143,16 @@ def test_a_tilde_in_the_rule_file_and_init_from_is_the_home_directory(tmp_path, 
             "--config.model.hidden_size: the config has no key 'hidden_size' "
             "(gspmd_tp calls it config.model.d_model)",
         ),
+        # A bare name is a shipped config's (configs/NAME.py), from any directory.
         (
-            ["train.py", "--workdir=WORKDIR"],
+            ["train.py", "--workdir=WORKDIR", "--config=tiny", "--config.steps=0"],
             "TMP",
-            "--config=configs/tiny.py (the default): no such file (cwd TMP)",
+            "config.steps must be positive, got 0",
+        ),
+        (
+            ["train.py", "--workdir=WORKDIR", "--config=tiny_"],
+            "TMP",
+            "--config=tiny_: no such file (cwd TMP), nor a shipped config (SHIPPED)",
         ),
     ],
 )
@@ -160,10 +166,9 @@ def test_config_file_and_key_mistakes_are_one_line(tmp_path, command, cwd, messa
         [sys.executable, *command], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 1, result.stderr[-2000:]
-    assert (
-        result.stderr.strip().splitlines()[-1]
-        == f"error: {message.replace('TMP', str(tmp_path)).replace('ROOT', str(ROOT))}"
-    )
+    for word, meaning in (("TMP", str(tmp_path)), ("ROOT", str(ROOT)), ("SHIPPED", SHIPPED)):
+        message = message.replace(word, meaning)
+    assert result.stderr.strip().splitlines()[-1] == f"error: {message}"
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
 
@@ -183,6 +188,10 @@ def test_flag_mistakes_are_one_line(args, message):
     assert result.returncode == 1
     assert result.stderr == f"error: {message} (--helpshort lists the flags)\n"
 
+
+_TINY = (
+    "from gspmd_tp.configs import tiny\ndef get_config():\n    c = tiny.get_config()\n    {}\n    return c\n"
+)
 
 # A config file's mistakes, read before jax is imported: {id: (the file, or None for none, and the
 # start of its one line, CFG standing for its path)}.
@@ -219,6 +228,20 @@ CONFIG_FILES = {
         "def get_config():\n    pass\n",
         "--config=CFG: get_config() returned a value of type NoneType (None), not",
     ),
+    # tiny.get_config() is locked: a key it lacks, or one taken away, is refused as the file loads.
+    "key-misspelt": (
+        _TINY.format("c.rule = 'dp'"),
+        """--config=CFG: the config has no key 'rule' (Did you mean "rules" instead of "rule"?) (line 4)""",
+    ),
+    "key-of-another-trainer": (
+        _TINY.format("c.optim.learning_rate = 1e-4"),
+        "--config=CFG: the config has no key 'learning_rate' (gspmd_tp calls it config.optim.lr) (line 4)",
+    ),
+    "key-deleted": (
+        _TINY.format("del c['loss_chunk']"),
+        "--config=CFG: deletes a key of tiny's config, whose keys are locked (set its value instead) "
+        "(line 4)",
+    ),
 }
 
 
@@ -243,24 +266,33 @@ def test_a_config_file_that_is_wrong_is_one_line(tmp_path, case, spelling):
     assert not (tmp_path / "run").exists()
 
 
-def test_config_keys_gspmd_tp_does_not_read_or_lacks_are_named(tmp_path):
-    """Checked once jax is imported (here in-process): a key misspelt, unknown or missing."""
+def test_config_keys_gspmd_tp_does_not_read_or_lacks_are_named_in_a_config_built_unlocked(tmp_path):
+    """A config that is not tiny's locked one (built by hand, or unlocked): checked once jax is
+    imported (here in-process), with ml_collections' suggestion where it has one. (A config file's
+    own mistakes, which the lock refuses as it loads: CONFIG_FILES.)"""
     from gspmd_tp.train import loop
 
-    cases = {
-        "c.optim.learning_rate = 1e-4": (
-            "config.optim.learning_rate is not a key gspmd_tp reads; gspmd_tp calls it config.optim.lr"
+    def unknown(c):
+        c.optim.learning_rate = 1e-4
+
+    cases = [
+        (
+            unknown,
+            "config.optim.learning_rate is not a key gspmd_tp reads (gspmd_tp calls it config.optim.lr)",
         ),
-        "c.wandb_project = 'x'": "config.wandb_project is not a key gspmd_tp reads (known: batch_size,",
-        "del c['loss_chunk']": "config.loss_chunk is missing (configs/tiny.py sets 0)",
-    }
-    for change, message in cases.items():
-        cfg = tmp_path / "mine.py"
-        cfg.write_text(
-            f"from configs import tiny\ndef get_config():\n c = tiny.get_config()\n {change}\n return c"
-        )
+        (lambda c: setattr(c, "rule", "dp"), 'config.rule is not a key gspmd_tp reads (Did you mean "rules"'),
+        (lambda c: setattr(c, "wandb_project", "x"), "config.wandb_project is not a key gspmd_tp reads"),
+        (
+            lambda c: c.data.__delitem__("seed"),
+            "config.data.seed is missing (configs/tiny.py sets 0); start from",
+        ),
+    ]
+    for change, message in cases:
+        config = small_config(steps=1)
+        with config.unlocked():
+            change(config)
         with pytest.raises(UserError) as e:
-            loop.train(runpy.run_path(str(cfg))["get_config"](), str(tmp_path / "run"))
+            loop.train(config, str(tmp_path / "run"))
         assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
     assert not (tmp_path / "run").exists()
 

@@ -23,7 +23,8 @@ def test_config_sets_up(name):
 
 def test_a_model_key_under_another_trainers_name_is_named_with_ours():
     config = importlib.import_module("configs.tiny").get_config()
-    config.model.num_hidden_layers = 2
+    with config.unlocked():  # a config file cannot: tiny's is locked
+        config.model.num_hidden_layers = 2
     with pytest.raises(
         UserError, match=r"^config.model has unknown key 'num_hidden_layers' \(gspmd_tp calls it"
     ):
@@ -32,7 +33,8 @@ def test_a_model_key_under_another_trainers_name_is_named_with_ours():
 
 def test_the_train_steps_gradient_dtype_is_not_a_model_key():
     config = importlib.import_module("configs.tiny").get_config()
-    config.model.grad_dtype = "bfloat16"
+    with config.unlocked():
+        config.model.grad_dtype = "bfloat16"
     with pytest.raises(UserError, match=r"^config.model.grad_dtype is the train step's, .*grad_reduce_dtype"):
         run_setup.model_config(config)
 

@@ -1,0 +1,42 @@
+"""Train a transformer whose sharding is a rule file.
+
+python -m gspmd_tp.train --config=tiny --workdir=runs/tiny [--config.KEY=VALUE ...]
+python train.py --config=configs/tiny.py --workdir=runs/tiny    # the same, in a checkout
+"""
+
+if __name__ == "__main__":
+    from gspmd_tp.job import entry
+
+    entry.begin()  # main() asks for the config's devices; signals.run_job then takes Ctrl-C over
+
+from absl import app, flags, logging
+
+from gspmd_tp.job import host_devices, job_flags, paths
+from gspmd_tp.job.errors import define_config, no_positional_arguments, parse_flags
+
+_CONFIG = define_config("tiny", "A config file, or the name of a shipped one (configs/NAME.py).")
+_WORKDIR = paths.define_flag("workdir", None, "Run directory: checkpoints, metrics, events.")
+flags.mark_flags_as_required(["workdir"])
+job_flags.define()
+flags.adopt_module_key_flags(job_flags)
+
+
+def main(argv):
+    no_positional_arguments(argv)
+    # Library INFO logs (orbax prints several lines per save) would bury the progress lines.
+    logging.set_verbosity(logging.WARNING)
+    config = _CONFIG.value
+    host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax's backend starts
+    from gspmd_tp.job import signals
+
+    def job():
+        from gspmd_tp.train.loop import train
+
+        job_flags.join()
+        train(config, _WORKDIR.value)
+
+    signals.run_job(job)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)
