@@ -1,0 +1,158 @@
+"""A run whose workdir is a bucket URL (gs://bkt/...) on a GCS emulator: it trains, resumes on
+another mesh and rule file, and reads back as a run on local disk does; a second trainer and bad
+buckets are refused before anything is written."""
+
+import json
+import os
+import time
+
+import pytest
+from conftest import small_config
+
+from gspmd_tp.job import bucket_lease, output_paths, paths
+from gspmd_tp.job.errors import UserError
+from gspmd_tp.train import loop, metrics
+
+
+def _objects(prefix: str) -> list[str]:
+    """Every object under the bucket URL `prefix`, as a sorted list of URLs."""
+    import gcsfs
+
+    fs = gcsfs.GCSFileSystem(skip_instance_cache=True)
+    return sorted(fs.find(prefix))
+
+
+def _losses(text: str) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in map(json.loads, text.splitlines())}
+
+
+def test_a_run_in_a_bucket_trains_and_resumes_as_on_local_disk(gcs_emulator, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where a path library that took the URL for a local path would write
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    local, bucket = str(tmp_path / "run"), "gs://bkt/runs/a"
+    for workdir in (local, bucket):
+        loop.train(small_config(), workdir)
+        loop.train(small_config(steps=6, rules="megatron_1d", mesh="dp=4,mp=2"), workdir)
+    on_disk = _losses((tmp_path / "run" / metrics.JSONL).read_text())
+    in_bucket = _losses(paths.of(f"{bucket}/{metrics.JSONL}").read_text())
+    assert sorted(in_bucket) == sorted(on_disk) and max(in_bucket) == 6
+    assert in_bucket == pytest.approx(on_disk, rel=1e-6)
+    found = _objects(bucket)
+    assert any("/checkpoints/6/state/" in f for f in found) and any("/checkpoints/4/" in f for f in found)
+    events = [f for f in found if "/tensorboard/events.out.tfevents." in f]
+    assert len(events) == 2  # one per start, uploaded whole
+    assert not any(f.endswith(output_paths.LOCK) for f in found)  # the lease is released
+    # Nothing beside the run on local disk: the working directory holds the local run and the cache.
+    assert sorted(os.listdir(tmp_path)) == ["cache", "run"]
+
+
+def test_a_second_trainer_is_refused_and_an_expired_lease_taken_over(gcs_emulator):
+    workdir = "gs://bkt/runs/b"
+    holder = bucket_lease.Lease(f"{workdir}/{output_paths.LOCK}", job=1)
+    holder.acquire()
+    try:
+        before = _objects(workdir)
+        with pytest.raises(
+            UserError, match=rf"--workdir={workdir} is in use by another job \(pid {os.getpid()} "
+        ):
+            loop.train(small_config(), workdir)
+        assert _objects(workdir) == before  # nothing read into being, nothing written
+        # The precondition itself: a lease is only created where none exists.
+        with pytest.raises(FileExistsError):
+            bucket_lease._upload(holder._fs, holder.url, b"pid 2\n", 0)
+    finally:
+        holder.release()
+    assert _objects(workdir) == []
+    # A lease its holder stopped renewing (expires in the past) is taken over; the old holder's
+    # renewal, conditional on the generation it wrote, then fails instead of overwriting it.
+    stale = bucket_lease.Lease(f"{workdir}/{output_paths.LOCK}", job=2)
+    stale.acquire()
+    stale._stop.set()
+    bucket_lease._upload(
+        stale._fs,
+        stale.url,
+        f"pid 9\ntoken {stale.token}\nexpires {time.time() - 1}\n".encode(),
+        stale.generation,
+    )
+    taker = bucket_lease.Lease(f"{workdir}/{output_paths.LOCK}", job=3)
+    taker.acquire()
+    assert f"token {taker.token}" in paths.of(taker.url).read_text()
+    with pytest.raises(FileExistsError):
+        bucket_lease._upload(stale._fs, stale.url, b"pid 9\n", stale.generation)
+    stale.release()  # not its lease any more: left as it is
+    assert f"token {taker.token}" in paths.of(taker.url).read_text()
+    taker.release()
+    assert _objects(workdir) == []
+
+
+@pytest.fixture
+def refusing_endpoint():
+    """An HTTP server on 127.0.0.1 that answers every request 401, as GCS answers bad credentials."""
+    import http.server
+    import threading
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"error": {"code": 401, "message": "Invalid Credentials"}}')
+
+        def log_message(self, *_):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_bad_buckets_are_one_line_before_anything_is_written(
+    gcs_emulator, refusing_endpoint, monkeypatch, tmp_path
+):
+    monkeypatch.chdir(tmp_path)
+
+    def refused(workdir: str) -> str:
+        with pytest.raises(UserError) as e:
+            loop.train(small_config(), workdir)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert (
+        refused("gs://nobkt/run")
+        == f"--workdir=gs://nobkt/run: bucket nobkt does not exist at {gcs_emulator}"
+    )
+    # No bucket was made: the emulator holds none but bkt.
+    import gcsfs
+
+    assert [b.rstrip("/") for b in gcsfs.GCSFileSystem(skip_instance_cache=True).ls("")] == ["bkt"]
+    assert "does not handle ftp:// URLs" in refused("ftp://host/run")
+    with socket_closed() as port:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+        assert refused("gs://bkt/run").startswith(
+            f"--workdir=gs://bkt/run: cannot reach http://127.0.0.1:{port} for bucket bkt"
+        )
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", refusing_endpoint)
+    assert refused("gs://bkt/run") == (
+        f"--workdir=gs://bkt/run: {refusing_endpoint} refused the credentials for bucket bkt "
+        "(HTTP 401: Invalid Credentials)"
+    )
+    monkeypatch.delenv("GOOGLE_AUTH_TOKEN_FOR_TESTING")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "absent.json"))
+    assert "no usable credentials for" in refused("gs://bkt/run")
+    assert _objects("gs://bkt/run") == [] and os.listdir(tmp_path) == []  # nothing written anywhere
+
+
+class socket_closed:
+    """A 127.0.0.1 port that nothing listens on (bound, then closed)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def __exit__(self, *_):
+        return False
