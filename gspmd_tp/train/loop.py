@@ -258,7 +258,10 @@ def _step_trace(s: Setup, workdir: str, start: int, train_step, mngr) -> profili
     c = s.config.profile
     first = start + 1 + c.skip_steps
     last = min(first + c.steps - 1, s.config.steps)
-    directory = os.path.join(workdir, profiling.PROFILE)
+    # The profiler writes local files: a run in a bucket keeps its traces in the local cache.
+    directory = os.path.join(
+        metrics.cache_dir(workdir) if paths.is_url(workdir) else workdir, profiling.PROFILE
+    )
     if jax.process_count() > 1:
         directory = os.path.join(directory, f"process_{jax.process_index()}")
     if c.steps and first > s.config.steps:

@@ -26,14 +26,32 @@ def _losses(text: str) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in map(json.loads, text.splitlines())}
 
 
-def test_a_run_in_a_bucket_trains_and_resumes_as_on_local_disk(gcs_emulator, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # where a path library that took the URL for a local path would write
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    local, bucket = str(tmp_path / "run"), "gs://bkt/runs/a"
-    for workdir in (local, bucket):
-        loop.train(small_config(), workdir)
-        loop.train(small_config(steps=6, rules="megatron_1d", mesh="dp=4,mp=2"), workdir)
-    on_disk = _losses((tmp_path / "run" / metrics.JSONL).read_text())
+@pytest.fixture(scope="module")
+def runs(gcs_emulator, tmp_path_factory):
+    """(local run, bucket run, the local directory that the bucket run's process worked in): the same
+    run trained 4 steps on dp=2,mp=4 with megatron_2d and resumed to 6 on dp=4,mp=2 with megatron_1d,
+    once on local disk and once in the bucket."""
+    cwd, tmp = os.getcwd(), tmp_path_factory.mktemp("bucket_runs")
+    cache = os.environ.get("XDG_CACHE_HOME")
+    os.chdir(tmp)  # where a path library that took the URL for a local path would write
+    os.environ["XDG_CACHE_HOME"] = str(tmp / "cache")
+    local, bucket = str(tmp / "run"), "gs://bkt/runs/a"
+    try:
+        for workdir in (local, bucket):
+            loop.train(small_config(), workdir)
+            loop.train(small_config(steps=6, rules="megatron_1d", mesh="dp=4,mp=2"), workdir)
+    finally:
+        os.chdir(cwd)
+        if cache is None:
+            os.environ.pop("XDG_CACHE_HOME")
+        else:
+            os.environ["XDG_CACHE_HOME"] = cache
+    return local, bucket, tmp
+
+
+def test_a_run_in_a_bucket_trains_and_resumes_as_on_local_disk(runs):
+    local, bucket, tmp = runs
+    on_disk = _losses((tmp / "run" / metrics.JSONL).read_text())
     in_bucket = _losses(paths.of(f"{bucket}/{metrics.JSONL}").read_text())
     assert sorted(in_bucket) == sorted(on_disk) and max(in_bucket) == 6
     assert in_bucket == pytest.approx(on_disk, rel=1e-6)
@@ -43,7 +61,51 @@ def test_a_run_in_a_bucket_trains_and_resumes_as_on_local_disk(gcs_emulator, tmp
     assert len(events) == 2  # one per start, uploaded whole
     assert not any(f.endswith(output_paths.LOCK) for f in found)  # the lease is released
     # Nothing beside the run on local disk: the working directory holds the local run and the cache.
-    assert sorted(os.listdir(tmp_path)) == ["cache", "run"]
+    assert sorted(os.listdir(tmp)) == ["cache", "run"]
+
+
+def test_the_readers_read_a_run_in_a_bucket_as_on_local_disk(runs, tmp_path, capsys):
+    import numpy as np
+
+    from gspmd_tp.checkpoint import tool
+    from gspmd_tp.convert import llama
+    from gspmd_tp.inference import evaluate, generate
+
+    local, bucket, _ = runs
+    said = {}
+    for where, workdir in (("local", local), ("bucket", bucket)):
+        assert evaluate.main(["--workdir", workdir, "--json", "--config.mesh=dp=8,mp=1"]) == 0
+        evaluated = json.loads(capsys.readouterr().out)
+        assert generate.main(["--workdir", workdir, "--prompt=def ", "--max_new_tokens=8"]) == 0
+        generated = capsys.readouterr().out
+        assert tool.main(["info", workdir]) == 0
+        info = capsys.readouterr().out.replace(workdir, "RUN")
+        out = f"{bucket}/exports/p.npz" if where == "bucket" else str(tmp_path / "p.npz")
+        assert tool.main(["export", workdir, out]) == 0
+        assert capsys.readouterr().out.rstrip().endswith(f" to {out}")
+        with paths.of(out).open("rb") as f, np.load(f) as npz:
+            exported = {k: npz[k] for k in npz.files}
+        hf_dir = f"{bucket}/hf" if where == "bucket" else str(tmp_path / "hf")
+        written = llama.to_hf(workdir, hf_dir)
+        hf = {os.path.basename(f): paths.of(f).read_bytes() for f in written}
+        said[where] = evaluated, generated, info, exported, hf
+    (eval_l, gen_l, info_l, npz_l, hf_l), (eval_b, gen_b, info_b, npz_b, hf_b) = said["local"], said["bucket"]
+    assert sorted(hf_b) == ["config.json", "model.safetensors"] and hf_b == hf_l
+    assert eval_b["step"] == eval_l["step"] == 6 and eval_b["loss"] == pytest.approx(eval_l["loss"], rel=1e-6)
+    assert gen_b == gen_l and gen_b.strip()
+    assert info_b.splitlines()[2:5] == info_l.splitlines()[2:5]  # the step, its mesh and model
+    assert sorted(npz_b) == sorted(npz_l) and all(np.array_equal(npz_b[k], npz_l[k]) for k in npz_l)
+    # config.init_from in the bucket: the same parameters, placed in a run's shardings.
+    import jax
+
+    from gspmd_tp.train import run_setup
+
+    target = run_setup.setup(small_config()).abstract_state.params
+    imported = tool.import_params(f"{bucket}/exports/p.npz", target)
+    flat = {k: np.asarray(v) for k, v in tool._flat(imported).items()}
+    assert sorted(flat) == sorted(npz_l) and all(np.array_equal(flat[k], npz_l[k]) for k in npz_l)
+    pairs = zip(jax.tree.leaves(imported), jax.tree.leaves(target), strict=True)
+    assert all(a.sharding == t.sharding for a, t in pairs)
 
 
 def test_a_second_trainer_is_refused_and_an_expired_lease_taken_over(gcs_emulator):
@@ -141,6 +203,8 @@ def test_bad_buckets_are_one_line_before_anything_is_written(
     monkeypatch.delenv("GOOGLE_AUTH_TOKEN_FOR_TESTING")
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "absent.json"))
     assert "no usable credentials for" in refused("gs://bkt/run")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+    monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "t")
     assert _objects("gs://bkt/run") == [] and os.listdir(tmp_path) == []  # nothing written anywhere
 
 
@@ -156,3 +220,31 @@ class socket_closed:
 
     def __exit__(self, *_):
         return False
+
+
+def test_data_files_and_shards_in_a_bucket_read_as_on_local_disk(gcs_emulator, tmp_path, monkeypatch):
+    import numpy as np
+    from conftest import data_config, write
+
+    from gspmd_tp.data import pipeline, prepare
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    texts = {f"d/{i}.txt": f"document {i} " * (20 + i) for i in range(12)}
+    texts["d/sub/x.jsonl"] = "".join(json.dumps({"text": f"line {i} " * 9}) + "\n" for i in range(5))
+    for name, text in texts.items():
+        write(tmp_path / "local" / name, text)
+        paths.of(f"gs://bkt/data/{name}").write_text(text)
+    corpora = {}
+    for where, root in (("local", str(tmp_path / "local")), ("bucket", "gs://bkt/data")):
+        data = data_config(train_files=f"{root}/d/*.txt,{root}/d/**/*.jsonl", eval_fraction=0.25)
+        train, held = pipeline.load_corpus(data)
+        out = f"{root}/shards"
+        prepare.prepare(data, out, chunk_tokens=16, records_per_file=4)
+        from_shards = pipeline.load_corpus(data_config(train_files="", shards=out))
+        corpora[where] = train, held, [split[0 : len(split)] for split in from_shards]
+    (train_l, held_l, shards_l), (train_b, held_b, shards_b) = corpora["local"], corpora["bucket"]
+    assert len(train_l) > 0 and len(held_l) > 0  # both splits hold documents
+    assert np.array_equal(train_b, train_l) and np.array_equal(held_b, held_l)
+    assert np.array_equal(shards_b[0], train_l) and np.array_equal(shards_b[1], held_l)
+    assert np.array_equal(shards_l[0], shards_b[0]) and np.array_equal(shards_l[1], shards_b[1])
+    assert any(f.endswith("/shards/shards.json") for f in _objects("gs://bkt/data/shards"))
