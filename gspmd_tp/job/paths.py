@@ -70,7 +70,7 @@ def check_scheme(path: str, flag: str = "") -> None:
         )
     if importlib.util.find_spec(CLIENTS[kind]) is None:
         raise UserError(f"{where}: {kind}:// needs the Python package {CLIENTS[kind]}; pip install it")
-    _quiet_gcsfs()
+    _configure_gcsfs()
 
 
 def endpoint() -> str:
@@ -81,10 +81,16 @@ def endpoint() -> str:
     return host or GCS_ENDPOINT
 
 
-def _quiet_gcsfs() -> None:
-    """Another endpoint than Google's has no storage-control API: gcsfs's probe of a bucket's layout
-    (its experimental zonal-bucket support) would print a warning on every bucket it opens. Only
-    where the user chose no setting, and before gcsfs is imported."""
+def _configure_gcsfs() -> None:
+    """Defaults for gcsfs, where the user set none (fsspec reads FSSPEC_GS_* variables too), before
+    the first instance is made. No cached listings: tensorstore writes a checkpoint's arrays, and
+    the other hosts their shards, past this process's gcsfs, so a cached listing of a run would miss
+    steps. And where STORAGE_EMULATOR_HOST is set, another endpoint than Google's has no
+    storage-control API: gcsfs's probe of a bucket's layout (its experimental zonal-bucket support)
+    would print a warning on every bucket it opens."""
+    import fsspec.config
+
+    fsspec.config.conf.setdefault("gs", {}).setdefault("use_listings_cache", False)
     if os.environ.get("STORAGE_EMULATOR_HOST"):
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 

@@ -248,3 +248,54 @@ def test_data_files_and_shards_in_a_bucket_read_as_on_local_disk(gcs_emulator, t
     assert np.array_equal(shards_b[0], train_l) and np.array_equal(shards_b[1], held_l)
     assert np.array_equal(shards_l[0], shards_b[0]) and np.array_equal(shards_l[1], shards_b[1])
     assert any(f.endswith("/shards/shards.json") for f in _objects("gs://bkt/data/shards"))
+
+
+def test_train_py_in_a_bucket_stops_on_sigterm_and_resumes_there(gcs_emulator, tmp_path):
+    """train.py in a process of its own, the endpoint given by the environment alone."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import child_env
+    from test_train_cli import ROOT, SMALL
+
+    workdir = f"gs://bkt/runs/sigterm-{time.time_ns()}"
+    flags = [*SMALL, "--config.steps=100000", "--config.checkpoint_every=100000"]
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}", *flags],
+        cwd=ROOT, env=child_env(XDG_CACHE_HOME=str(tmp_path / "cache")),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 240
+        while not paths.of(f"{workdir}/{metrics.JSONL}").exists():  # a first step logged there
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.5)
+        held = paths.of(f"{workdir}/{output_paths.LOCK}").read_text()
+        assert held.startswith(f"pid {proc.pid} on ")  # the lease names the trainer
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    stopped = [line for line in (out + err).splitlines() if line.startswith("stopped by SIGTERM after step ")]
+    assert stopped, (out + err)[-2000:]
+    step = int(stopped[0].split()[5].rstrip(":"))
+    found = _objects(workdir)
+    assert any(f"/checkpoints/{step}/state/" in f for f in found)
+    assert not any(f.endswith(output_paths.LOCK) for f in found)  # released on the way out
+    assert not (ROOT / "gs:").exists()
+    from configs import tiny
+
+    config = tiny.get_config()  # with SMALL's values, on another mesh and rule file
+    for flag in SMALL:
+        key, value = flag.removeprefix("--config.").split("=")
+        *parents, leaf = key.split(".")
+        target = config
+        for parent in parents:
+            target = target[parent]
+        target[leaf] = int(value)
+    config.update(steps=step + 2, rules="megatron_1d", mesh="dp=4,mp=2")
+    last = loop.train(config, workdir)
+    assert last["step"] == step + 2
+    logged = _losses(paths.of(f"{workdir}/{metrics.JSONL}").read_text())
+    assert max(logged) == step + 2 and min(logged) == 1
