@@ -299,3 +299,20 @@ def test_train_py_in_a_bucket_stops_on_sigterm_and_resumes_there(gcs_emulator, t
     assert last["step"] == step + 2
     logged = _losses(paths.of(f"{workdir}/{metrics.JSONL}").read_text())
     assert max(logged) == step + 2 and min(logged) == 1
+    # A newest step damaged in the bucket is set aside there, and the run resumes from the one before.
+    paths.of(f"{workdir}/checkpoints/{step + 2}/state/_METADATA").unlink()
+    warnings = []
+    config.update(steps=step + 3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "log", lambda line: warnings.append(line))
+        assert loop.train(config, workdir)["step"] == step + 3
+    assert any(f"skipping checkpoint {workdir}/checkpoints/{step + 2}: partial" in w for w in warnings), (
+        warnings
+    )
+    assert any(f"resumed from step {step} " in w for w in warnings), warnings
+    aside = [
+        f for f in _objects(f"{workdir}/corrupt_checkpoints") if f"/corrupt_checkpoints/{step + 2}-" in f
+    ]
+    assert any("/state/ocdbt.process_0/" in f for f in aside)  # moved whole, not deleted
+    # Trained again from step + 1 (checkpoint_every=2): saved whole where the damaged one was.
+    assert paths.of(f"{workdir}/checkpoints/{step + 2}/state/_METADATA").exists() == ((step + 2) % 2 == 0)
