@@ -67,13 +67,12 @@ def _upload(fs, url: str, body: bytes, generation: int) -> int:
 def _read(fs, url: str) -> tuple[dict, int] | None:
     """(the lease's fields, its generation), None where there is none."""
     bucket, key = _split(url)
-    try:
-        info = fs.call("GET", "b/{}/o/{}", bucket, key, json_out=True)
-        _, body = fs.call("GET", "b/{}/o/{}", bucket, key, alt="media")
+    try:  # one request: the body and the generation it is of (GCS sends it in x-goog-generation)
+        headers, body = fs.call("GET", "b/{}/o/{}", bucket, key, alt="media")
     except FileNotFoundError:
         return None
     fields = dict(line.split(" ", 1) for line in body.decode(errors="replace").splitlines() if " " in line)
-    return fields, int(info.get("generation") or 0)
+    return fields, int(headers.get("x-goog-generation") or 0)
 
 
 def _delete(fs, url: str, generation: int) -> None:

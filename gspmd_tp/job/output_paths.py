@@ -130,7 +130,10 @@ def _remove(path: str) -> None:
     with contextlib.suppress(OSError):  # the exception that cut the write short is the one to report
         if paths.is_url(path):
             target = paths.of(path)
-            target.rmtree() if target.is_dir() else target.unlink()
+            if target.is_dir():
+                target.rmtree()
+            else:
+                target.unlink()
         elif os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         else:
@@ -322,7 +325,7 @@ def _bucket_workdir_lock(workdir: str, warn):
             lease.acquire()
         except bucket_lease.Held as e:
             held_by, lease = str(e), None
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - OSError, gcsfs's HttpError (a 403 of read-only credentials)
             unwritable, lease = f"{type(e).__name__}: {e}", None
     outcome = distributed.from_process_0(1 if held_by is not None else 2 if unwritable else 0)
     process_0 = "as process 0 of this job found"

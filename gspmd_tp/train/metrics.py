@@ -2,7 +2,7 @@
 
 A run directory in a bucket gets the same files: a bucket object cannot be appended to, so the
 writer appends to a copy in a local cache directory (cache_dir) and uploads the file whole after
-each write; TensorBoard reads gs:// itself.
+each write.
 """
 
 from __future__ import annotations
