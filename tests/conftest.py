@@ -295,6 +295,7 @@ SHARED_WORK = {
     "test_resume": "test_resume",
     "test_trainer": "test_trainer",
     "test_reference": "test_reference",
+    "test_bucket": "test_bucket",  # one emulator, two runs trained in it
 }
 
 
