@@ -341,6 +341,7 @@ SHARED_WORK = {
     "test_resume": "test_resume",
     "test_trainer": "test_trainer",
     "test_reference": "test_reference",
+    "test_bucket": "test_bucket",  # one emulator, two runs trained in it
 }
 
 
@@ -353,3 +354,50 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group(SHARED_WORK[name]))
         elif "fsdp_job" in getattr(item, "fixturenames", ()):  # one job, damaged and read in order
             item.add_marker(pytest.mark.xdist_group("fsdp_job"))
+
+
+@pytest.fixture(scope="module")
+def gcs_emulator():
+    """A GCS emulator (gcp-storage-emulator, in memory, as tests/gcs_emulator.py adjusts it) on a free
+    127.0.0.1 port, for the tests of a
+    module, with a bucket `bkt`; the clients reach it through the standard variables alone
+    (STORAGE_EMULATOR_HOST for gcsfs, TENSORSTORE_GCS_HTTP_URL for orbax's arrays), set in
+    os.environ meanwhile (subprocesses inherit them). Yields the endpoint URL; stopped afterwards."""
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "gcs_emulator.py"), "start", "--in-memory",
+         "--host", "127.0.0.1", "--port", str(port), "--default-bucket", "bkt"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        "STORAGE_EMULATOR_HOST": url,
+        "TENSORSTORE_GCS_HTTP_URL": url,
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "t",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.1).close()
+                break
+            except OSError:
+                assert server.poll() is None, "the GCS emulator exited"
+                time.sleep(0.05)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(10)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -3,6 +3,7 @@ read, and the damaged ones named and set aside (to workdir/corrupt_checkpoints/,
 
 No jax and no orbax at import: the readers that choose how many devices to simulate list the steps
 here before jax starts. Reading a step's arrays is the caller's (checkpoint.py, restore.py).
+The run directory may be local or in a bucket: every path goes through paths.of (etils.epath).
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 
+from gspmd_tp.job import paths
 from gspmd_tp.job.errors import UserError
 
 STATE, DATA, META = "state", "data", "meta"  # the items of every step
@@ -20,7 +21,7 @@ STATE, DATA, META = "state", "data", "meta"  # the items of every step
 
 def checkpoint_dir(workdir: str) -> str:
     """Where a run's checkpoints live."""
-    return os.path.join(os.path.abspath(workdir), "checkpoints")
+    return os.path.join(paths.absolute(workdir), "checkpoints")
 
 
 CORRUPT_DIR = "corrupt_checkpoints"
@@ -80,29 +81,35 @@ def damage(e: BaseException) -> str | None:
 
 def steps_on_disk(ckpt_dir: str) -> list[int]:
     """Step directories, newest first; in-progress saves (`N.orbax-checkpoint-tmp`) are not steps."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    return sorted((int(n) for n in os.listdir(ckpt_dir) if n.isdigit()), reverse=True)
+    return sorted((int(n) for n in _listing(ckpt_dir) if n.isdigit()), reverse=True)
+
+
+def _listing(directory: str) -> list[str]:
+    """The names in `directory`; none where it does not exist."""
+    d = paths.of(directory)
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
 
 
 def _is_step_dir(path: str) -> bool:
     """Whether `path` is one step of a checkpoints directory (finished, partial or damaged)."""
 
     def has(name: str) -> bool:
-        return os.path.exists(os.path.join(path, name))
+        return paths.of(os.path.join(path, name)).exists()
 
     # Not `data` alone: a run directory named 1 may hold the user's data/.
-    named = os.path.basename(path).isdigit() and os.path.isdir(path)
+    named = os.path.basename(path).isdigit() and paths.of(path).is_dir()
     return named and (has("_CHECKPOINT_METADATA") or (has(STATE) and has(META)))
 
 
 def check_workdir_given(workdir: str, flag: str = "--workdir") -> None:
     """Raises UserError where `workdir` is a run's checkpoints directory or one of its steps rather
     than the run's directory (the checkpoint tool takes those): a run started there would write its
-    own checkpoints, metrics and lock inside the other run's, and a reader would find nothing."""
-    path = os.path.abspath(workdir)
+    own checkpoints, metrics and lock inside the other run's, and a reader would find nothing.
+    A bucket URL's bucket is checked first (paths.check_bucket)."""
+    paths.check_bucket(workdir, flag)
+    path = paths.absolute(workdir)
     parent = os.path.dirname(path)
-    if os.path.exists(path) and not os.path.isdir(path):
+    if paths.of(path).is_file():
         raise UserError(f"{flag}={workdir} is a file, not a run's directory")
     if _is_step_dir(path):
         run = os.path.dirname(parent)
@@ -121,21 +128,20 @@ def read_step_meta(step_dir: str) -> dict:
     """The meta item of a step, read as plain JSON; raises if the step is partial."""
     # orbax writes commit_success.txt last inside each finished item on file systems without
     # atomic rename; on local disks a missing item file means someone removed or truncated it.
+    step = paths.of(step_dir)
     for item in (STATE, DATA, META):
-        if not os.path.isdir(os.path.join(step_dir, item)):
+        if not (step / item).is_dir():
             raise FileNotFoundError(f"item {item!r} is missing")
-    if not os.path.isfile(os.path.join(step_dir, STATE, "_METADATA")):
+    if not (step / STATE / "_METADATA").is_file():
         raise FileNotFoundError("state/_METADATA is missing")
-    with open(os.path.join(step_dir, META, "metadata")) as f:
-        meta = json.load(f)
+    meta = json.loads((step / META / "metadata").read_text())
     if not isinstance(meta, dict):
         raise json.JSONDecodeError("not a JSON object", "", 0)
     return meta
 
 
 def _corrupt_steps(workdir: str) -> list[str]:
-    aside = os.path.join(os.path.abspath(workdir), CORRUPT_DIR)
-    return sorted(os.listdir(aside)) if os.path.isdir(aside) else []
+    return _listing(os.path.join(paths.absolute(workdir), CORRUPT_DIR))
 
 
 def _why_damaged(e: Exception, path: str) -> str:
@@ -200,9 +206,9 @@ def readable_checkpoints(workdir: str, warn=print) -> list[tuple[int, dict]]:
             f"corrupted; nothing was moved): repair them, or remove {ckpt_dir} to start this run afresh"
         )
     aside = os.path.join(os.path.dirname(ckpt_dir), CORRUPT_DIR)
-    if os.path.isdir(aside) and os.listdir(aside):
+    if _listing(aside):
         raise UserError(
-            f"{aside} holds checkpoints moved aside as damaged ({', '.join(sorted(os.listdir(aside)))}) and "
+            f"{aside} holds checkpoints moved aside as damaged ({', '.join(_listing(aside))}) and "
             f"{ckpt_dir} none: inspect them, then move a repaired one back to {ckpt_dir}/STEP, or remove "
             f"{aside} to start this run afresh"
         )
@@ -219,8 +225,8 @@ def move_aside(ckpt_dir: str, step: int, warn=print) -> None:
 
     if jax.process_index() == 0:
         aside = os.path.join(os.path.dirname(ckpt_dir), CORRUPT_DIR, f"{step}-{int(time.time())}")
-        os.makedirs(os.path.dirname(aside), exist_ok=True)
-        shutil.move(os.path.join(ckpt_dir, str(step)), aside)
+        paths.of(os.path.dirname(aside)).mkdir(parents=True, exist_ok=True)
+        paths.move(os.path.join(ckpt_dir, str(step)), aside)
         warn(f"warning: moved {os.path.join(ckpt_dir, str(step))} to {aside}")
     distributed.barrier()
 

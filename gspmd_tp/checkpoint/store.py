@@ -14,7 +14,6 @@ import dataclasses
 import logging as std_logging
 import os
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -35,7 +34,7 @@ from gspmd_tp.checkpoint.step_dirs import (
     readable_checkpoints,
 )
 from gspmd_tp.data.documents import absolute_patterns
-from gspmd_tp.job import distributed
+from gspmd_tp.job import distributed, paths
 from gspmd_tp.job.config_keys import laid_over, lookup
 from gspmd_tp.job.errors import JobError, UserError, warn
 from gspmd_tp.model.params import param_axes
@@ -321,7 +320,7 @@ def damage_warning(workdir: str, step: int, abstract_state) -> str | None:
 
 def _agreed_restore(abstract_state):
     """read(step directory) -> (state, data state), with one outcome on every process (agreed_read)."""
-    return lambda path: agreed_read(lambda p: _restore_step(Path(p), abstract_state), path)
+    return lambda path: agreed_read(lambda p: _restore_step(paths.of(p), abstract_state), path)
 
 
 # --- mismatches, named before anything is written ---

@@ -39,11 +39,12 @@ def _flat(tree) -> dict:
 
 def _locate(path: str, step: int | None) -> tuple[str, int | None]:
     """(checkpoints dir, step or None for the newest) for a workdir, its checkpoints dir or one step dir."""
-    path = os.path.abspath(path)
+    paths.check_bucket(path, "DIR")
+    path = paths.absolute(path)
     name = os.path.basename(path)
-    if os.path.exists(path) and not os.path.isdir(path):
+    if paths.of(path).is_file():
         raise UserError(f"{path} is a file, not a run's directory, its checkpoints or one of their steps")
-    if name.isdigit() and os.path.isdir(path) and not steps_on_disk(path):
+    if name.isdigit() and paths.of(path).is_dir() and not steps_on_disk(path):
         if step is not None and step != int(name):
             raise UserError(
                 f"{path} is the directory of step {name} but --step {step} was given; "
@@ -57,7 +58,7 @@ def _locate(path: str, step: int | None) -> tuple[str, int | None]:
 
 
 def _state_tree_metadata(step_dir: str) -> dict:
-    metadata = ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, STATE)).item_metadata
+    metadata = ocp.PyTreeCheckpointer().metadata(paths.of(os.path.join(step_dir, STATE))).item_metadata
     if metadata is None:  # orbax's answer where the array metadata's own files are gone or garbled
         raise FileNotFoundError(
             "state: the arrays' metadata does not read (its files are missing or cut short)"
@@ -80,7 +81,7 @@ def export_params(path: str, out: str, step: int | None = None) -> dict[str, tup
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), params_md)
         with store.quiet_after_a_failed_read():
             return ocp.PyTreeCheckpointer().restore(
-                os.path.join(step_dir, STATE),
+                paths.of(os.path.join(step_dir, STATE)),
                 args=ocp.args.PyTreeRestore(
                     item={"params": params_md}, restore_args={"params": restore_args}, partial_restore=True
                 ),
@@ -101,17 +102,19 @@ def import_params(path: str, abstract_params, digest=None):
     dtype, shape, values): files that give other parameters give another digest, without a read of
     its own.
     """
-    if not os.path.isfile(path):
+    if not paths.of(path).is_file():
         raise UserError(f"config.init_from: no file {path}")
     not_npz = (
         f"config.init_from={path} is not a readable .npz of parameters "
         "(python -m gspmd_tp.checkpoint export writes one)"
     )
-    if not zipfile.is_zipfile(path):  # np.load would take it for a pickle, and suggest loading it unsafely
+    with paths.of(path).open("rb") as f:  # read in ranges where it is in a bucket
+        is_zip = zipfile.is_zipfile(f)
+    if not is_zip:  # np.load would take it for a pickle, and suggest loading it unsafely
         raise UserError(f"{not_npz}: not a zip archive")
     try:
         have, non_finite = {}, []
-        with np.load(path) as npz:
+        with paths.of(path).open("rb") as f, np.load(f) as npz:
             for k in npz.files:  # each member read once, one at a time
                 value = npz[k]
                 have[k] = value.shape
@@ -136,7 +139,7 @@ def import_params(path: str, abstract_params, digest=None):
 
     def place(key_path, target):
 
-        with np.load(path) as npz:  # one parameter on the host at a time
+        with paths.of(path).open("rb") as f, np.load(f) as npz:  # one parameter on the host at a time
             value = npz[path_str(key_path)].astype(target.dtype)
         return jax.make_array_from_callback(value.shape, target.sharding, lambda idx: value[idx])
 
@@ -147,6 +150,11 @@ def import_params(path: str, abstract_params, digest=None):
 
 
 def _size(path: str) -> int:
+    if paths.is_url(path):
+        import fsspec
+
+        fs, _ = fsspec.core.url_to_fs(path)
+        return sum(info["size"] for info in fs.find(path, detail=True).values())
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
@@ -159,8 +167,8 @@ def info(path: str, step: int | None = None) -> str:
     ckpt_dir, step = _locate(path, step)
 
     def read(step_dir):
-        with open(os.path.join(step_dir, DATA, "metadata")) as f:
-            return read_step_meta(step_dir), _state_tree_metadata(step_dir), json.load(f)
+        data_state = json.loads(paths.of(os.path.join(step_dir, DATA, "metadata")).read_text())
+        return read_step_meta(step_dir), _state_tree_metadata(step_dir), data_state
 
     step, (meta, tree, data_state) = read_newest(ckpt_dir, step, read, warn=warn)
     step_dir = os.path.join(ckpt_dir, str(step))

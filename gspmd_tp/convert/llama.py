@@ -138,7 +138,8 @@ def _from_hf(hf_dir: str, workdir: str, config) -> run_setup.Setup:
 def check_empty(hf_dir: str) -> None:
     """UserError where `hf_dir` holds anything: an export over another would overwrite its weights
     and leave its other files (a generation config, old shards) beside the new ones."""
-    held = sorted(os.listdir(hf_dir)) if os.path.isdir(hf_dir) else []
+    directory = paths.of(hf_dir)
+    held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
     if held:
         shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
         raise UserError(f"--hf_dir={hf_dir} is not empty (it holds {shown}); export into a new directory")
@@ -174,19 +175,28 @@ def to_hf(
 
     if base is None and "hf" in meta:
         base = meta["hf"]["config"]
-    out = Path(hf_dir)
+    if paths.is_url(hf_dir):  # written locally, then uploaded: an upload cut short leaves no model
+        with output_paths.whole_file(hf_dir) as staging:
+            files = _write_hf(staging, s, params, dtype, base, hf_base, max_shard_bytes)
+        return [f"{hf_dir}/{os.path.relpath(f, staging)}" for f in files]
     # An export cut short (Ctrl-C, a full disk) is removed: weights without their config.json, or a
     # config.json without the tokenizer, would pass for a model, and block the next export there.
     with output_paths.removed_if_cut_short(hf_dir):
-        out.mkdir(parents=True, exist_ok=True)
-        tensors = hf_layout.hf_tensors(s.model_cfg, params)
-        files = hf_layout.write_safetensors(out, tensors, _DTYPES[dtype], max_shard_bytes)
-        conf = hf_layout.hf_config(s.model_cfg, dtype, s.config.seq_len, base)
-        (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
-        files.append(str(out / "config.json"))
-        for source, name in _carried(hf_base, s.config.data.get("tokenizer", "bytes")):
-            shutil.copy(source, out / name)
-            files.append(str(out / name))
+        return _write_hf(hf_dir, s, params, dtype, base, hf_base, max_shard_bytes)
+
+
+def _write_hf(hf_dir: str, s, params, dtype: str, base, hf_base, max_shard_bytes: int) -> list[str]:
+    """to_hf's files, written into local directory `hf_dir`; returns their paths."""
+    out = Path(hf_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = hf_layout.hf_tensors(s.model_cfg, params)
+    files = hf_layout.write_safetensors(out, tensors, _DTYPES[dtype], max_shard_bytes)
+    conf = hf_layout.hf_config(s.model_cfg, dtype, s.config.seq_len, base)
+    (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+    files.append(str(out / "config.json"))
+    for source, name in _carried(hf_base, s.config.data.get("tokenizer", "bytes")):
+        shutil.copy(source, out / name)
+        files.append(str(out / name))
     return files
 
 

@@ -22,7 +22,7 @@ from gspmd_tp.job.errors import UserError
 def absolute_patterns(patterns: str) -> str:
     """Comma-separated file patterns made absolute, so that a saved run's data is found from any
     working directory and one file spelled two ways is one run's data."""
-    return ",".join(os.path.abspath(paths.expand(p.strip())) for p in patterns.split(",") if p.strip())
+    return ",".join(paths.absolute(p.strip()) for p in patterns.split(",") if p.strip())
 
 
 def _name_under_pattern(pattern: str, path: str) -> str:
@@ -44,6 +44,8 @@ def _is_pattern(text: str) -> bool:
 def _inside(path: str, directory: str | None) -> bool:
     if not directory:
         return False
+    if paths.is_url(path) or paths.is_url(directory):  # a bucket has no links: the names decide
+        return path == directory or path.startswith(directory.rstrip("/") + "/")
     directory = os.path.realpath(directory)
     return os.path.commonpath([os.path.realpath(path), directory]) == directory
 
@@ -62,7 +64,7 @@ def matched_files(
     # ~ as the shell would have expanded it: `--config.data.train_files=~/data/*.txt` is left as it is
     # by bash (the word is no assignment), and glob does not expand it.
     for pattern in [paths.expand(p.strip()) for p in patterns.split(",") if p.strip()]:
-        matched = sorted(glob.glob(pattern, recursive=True))
+        matched = sorted(_glob(pattern))
         if not matched:
             raise UserError(f"config.data.{what}: no file matches {pattern!r}")
         files = []
@@ -72,6 +74,16 @@ def matched_files(
         if not matched:
             raise UserError(f"config.data.{what}: no file matches {pattern!r} outside the run's {workdir}")
         for path in matched:
+            if paths.is_url(path):
+                if paths.of(path).is_dir():
+                    if _is_pattern(pattern):
+                        continue
+                    raise UserError(f"config.data.{what}: {path} is a directory; give a glob of its files")
+                if not path.endswith(extensions):
+                    kinds = " nor ".join(", ".join(extensions).rsplit(", ", 1))
+                    raise UserError(f"config.data.{what}: {path} is neither {kinds}")
+                files.append((pattern, path))
+                continue
             if os.path.isdir(path):
                 if _is_pattern(pattern):  # `data/**` also matches the directories it walks through
                     continue
@@ -96,6 +108,20 @@ def matched_files(
             raise UserError(f"config.data.{what}: {pattern!r} matches directories only, no file")
         found += files
     return found
+
+
+def _glob(pattern: str) -> list[str]:
+    """The paths glob `pattern` matches (`**` any depth of directories); a bucket's through fsspec,
+    as URLs."""
+    if not paths.is_url(pattern):
+        return glob.glob(pattern, recursive=True)
+    import fsspec
+
+    paths.check_scheme(pattern, "config.data")
+    fs, _ = fsspec.core.url_to_fs(pattern)
+    scheme = paths.scheme(pattern)
+    found = fs.glob(pattern) if _is_pattern(pattern) else ([pattern] if fs.exists(pattern) else [])
+    return [p if paths.is_url(p) else f"{scheme}://{p}" for p in found]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +156,7 @@ def iter_documents(matched: list[tuple[str, str]], field: str, what: str, column
                 for row, text in _parquet_documents(path, column):
                     yield f"{name}:{row}", text
             else:
-                yield name, Path(path).read_bytes()  # tokens are bytes: any encoding trains
+                yield name, paths.of(path).read_bytes()  # tokens are bytes: any encoding trains
         except OSError as e:
             raise UserError(f"config.data.{what}: cannot read {path}: {e.strerror or e}") from None
 
@@ -157,7 +183,7 @@ def _not_utf8(path: str, line: int, raw: bytes, e: UnicodeDecodeError) -> UserEr
 def _jsonl_documents(path: str, field: str):
     """Yields (line number, text) of each non-blank line's `field`."""
     # Binary lines split on "\n" only, as editors number them (text mode also splits on a lone "\r").
-    with open(path, "rb") as f:
+    with paths.of(path).open("rb") as f:
         for i, line in enumerate(f):
             try:
                 line_text = line.decode("utf-8")
@@ -242,16 +268,21 @@ def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+def _real(path: str) -> str:
+    """One spelling of a file: a local one's links resolved; a URL as it is (a bucket has no links)."""
+    return path if paths.is_url(path) else os.path.realpath(path)
+
+
 def files_in_both(matches: Matches) -> list[str]:
     """Real paths of the files that config.data.train_files and eval_files both match (a held-out
     loss measured on text the run trains on); [] without eval_files."""
-    held = {os.path.realpath(path) for _, path in matches.eval}
-    return sorted({os.path.realpath(path) for _, path in matches.train} & held)
+    held = {_real(path) for _, path in matches.eval}
+    return sorted({_real(path) for _, path in matches.train} & held)
 
 
 def files_matched_twice(matches: Matches) -> list[str]:
     """Real paths of the files that config.data.train_files' globs match more than once (read, and
     trained on, as many times: `data/*.txt,data/**/*.txt` matches data/a.txt twice, since ** also
     matches no directory)."""
-    counts = collections.Counter(os.path.realpath(path) for _, path in matches.train)
+    counts = collections.Counter(_real(path) for _, path in matches.train)
     return sorted(path for path, n in counts.items() if n > 1)

@@ -82,8 +82,10 @@ def prepare(
     pipeline.check(data)
     if chunk_tokens < 1 or records_per_file < 1:
         raise UserError("--chunk_tokens and --records_per_file must be 1 or more")
-    out = os.path.abspath(paths.expand(out))
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    out = paths.absolute(out)
+    output_paths.check_dir(out, "--out")  # a bucket's first: before anything reads there
+    target = paths.of(out)
+    if target.is_file() or (target.is_dir() and any(True for _ in target.iterdir())):
         raise UserError(f"--out={out} exists and is not an empty directory; shards go to a new one")
     output_paths.check_dir(out, "--out")
     tok = tokenizer_lib.load(data.tokenizer)
@@ -150,7 +152,7 @@ def summary(meta: dict, out: str, seconds: float) -> str:
             f"{split}: {s['documents']:,} documents, {s['tokens']:,} tokens in {s['records']:,} records of "
             f"{meta['chunk_tokens']:,} tokens, {len(s['files'])} file(s); sha256 {s['sha256']}"
         )
-    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+    size = sum(f.stat().length for f in paths.of(out).iterdir())
     lines.append(
         f"wrote {out} ({size / 2**20:.1f} MiB) in {seconds:.1f}s; train with --config.data.shards={out}"
     )
@@ -169,7 +171,7 @@ def main(argv) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(interrupted(f"--out={out} not written"))
-    print(summary(meta, os.path.abspath(paths.expand(out)), time.perf_counter() - t0))
+    print(summary(meta, paths.absolute(out), time.perf_counter() - t0))
 
 
 if __name__ == "__main__":

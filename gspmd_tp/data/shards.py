@@ -19,6 +19,7 @@ import os
 import numpy as np
 
 from gspmd_tp.data import tokenizer as tokenizer_lib
+from gspmd_tp.job import paths as paths_lib
 from gspmd_tp.job.errors import UserError
 
 META = "shards.json"
@@ -98,13 +99,13 @@ def read_meta(directory: str) -> dict:
     """shards.json of a shards directory (config.data.shards); UserError, one line, where it is
     missing, unreadable or of another format, or a file it lists is missing."""
     where = f"config.data.shards={directory}"
+    paths_lib.check_bucket(directory, "config.data.shards")
     path = os.path.join(directory, META)
-    if not os.path.isfile(path):
-        what = "no such directory" if not os.path.isdir(directory) else f"no {META} in it"
+    if not paths_lib.of(path).is_file():
+        what = "no such directory" if not paths_lib.of(directory).is_dir() else f"no {META} in it"
         raise UserError(f"{where}: {what}; make shards with python -m gspmd_tp.data.prepare")
     try:
-        with open(path) as f:
-            meta = json.load(f)
+        meta = json.loads(paths_lib.of(path).read_text())
         fmt = meta["format"]
         splits = {split: meta["splits"][split] for split in SPLITS}
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -112,7 +113,7 @@ def read_meta(directory: str) -> dict:
     if fmt != FORMAT:
         raise UserError(f"{where}: shards of format {fmt}, this version reads format {FORMAT}")
     for split, entry in splits.items():
-        missing = [f for f in entry["files"] if not os.path.isfile(os.path.join(directory, f))]
+        missing = [f for f in entry["files"] if not paths_lib.of(os.path.join(directory, f)).is_file()]
         if missing:
             raise UserError(f"{where}: {split} file {missing[0]} is missing; make the shards again")
     return meta
@@ -133,6 +134,24 @@ def check_tokenizer(meta: dict, tok: tokenizer_lib.Tokenizer, directory: str) ->
         )
 
 
+def local_copy(url: str) -> str:
+    """A local copy of shard file `url` in the cache ($XDG_CACHE_HOME or ~/.cache, gspmd_tp/shards/),
+    fetched where it is missing or of another size: ArrayRecord's reader opens local files only.
+    The copy is fetched under a temporary name and renamed, so a fetch cut short is fetched again."""
+    import fsspec
+
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    local = os.path.join(root, "gspmd_tp", "shards", paths_lib.scheme(url), url.split("://", 1)[1])
+    fs, _ = fsspec.core.url_to_fs(url)
+    size = fs.info(url)["size"]
+    if not os.path.isfile(local) or os.path.getsize(local) != size:
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        partial = f"{local}.{os.getpid()}.partial"
+        fs.get_file(url, partial)
+        os.replace(partial, local)
+    return local
+
+
 class ShardedTokens:
     """One split's token stream in a shards directory, read as a 1-D array is: len(), dtype and
     slices [a:b], each read from the records it overlaps (np.ndarray of dtype)."""
@@ -149,6 +168,8 @@ class ShardedTokens:
             import grain
 
             paths = [os.path.join(directory, f) for f in entry["files"]]
+            if paths_lib.is_url(directory):
+                paths = [local_copy(p) for p in paths]
             self._source = grain.sources.ArrayRecordDataSource(paths)
         found = len(self._source) if self._source is not None else 0
         if found != entry["records"]:

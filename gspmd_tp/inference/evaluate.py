@@ -101,19 +101,18 @@ def read_metrics(workdir: str) -> list[dict]:
     the later row of a step is the one the run went on from, so it replaces the earlier.
     """
     path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.isfile(path):
+    if not paths.of(path).is_file():
         raise UserError(f"{path}: no such file (train.py writes it)")
     rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    if not line.endswith("\n"):  # the last line, cut short by a kill mid-write
-                        warn(f"note: {path}:{i + 1} was cut short (the run was killed writing it); left out")
-                        continue
-                    raise UserError(f"{path}:{i + 1}: not a JSON object") from None
+    for i, line in enumerate(paths.of(path).read_text().splitlines(keepends=True)):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if not line.endswith("\n"):  # the last line, cut short by a kill mid-write
+                    warn(f"note: {path}:{i + 1} was cut short (the run was killed writing it); left out")
+                    continue
+                raise UserError(f"{path}:{i + 1}: not a JSON object") from None
     if not any("loss" in r for r in rows):
         raise UserError(f"{path}: no row has a loss")
     by_step = {r.get("step"): r for r in rows}
@@ -142,8 +141,8 @@ def plot_losses(rows: list[dict], path: str, title: str, evaluated: dict | None 
     ax.legend()
     fig.tight_layout()
     try:
-        output_paths.make_parent(path)
-        fig.savefig(path, dpi=110)
+        with output_paths.whole_file(path) as partial:  # a bucket's is uploaded once written
+            fig.savefig(partial, dpi=110, format=os.path.splitext(path)[1].lstrip(".").lower())
     except OSError as e:
         raise UserError(f"--plot={path}: {e}") from None
     finally:
@@ -228,7 +227,7 @@ def _evaluate(config_args: list[str]) -> str | None:
     if not first:
         return None
     if FLAGS.plot:
-        plot_losses(rows, FLAGS.plot, f"{os.path.abspath(FLAGS.workdir)}", result)
+        plot_losses(rows, FLAGS.plot, f"{paths.absolute(FLAGS.workdir)}", result)
     lines = [] if result is None else [json.dumps(result) if FLAGS.json else _report(result, FLAGS.workdir)]
     if FLAGS.plot and not FLAGS.json:
         lines.append(f"plot: {FLAGS.plot}")

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import math
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from absl import flags
@@ -181,7 +180,7 @@ def _read_params(workdir: str, step: int, s: run_setup.Setup):
     from gspmd_tp.checkpoint import store
 
     target = s.abstract_state.params
-    path = Path(files.checkpoint_dir(workdir), str(step), files.STATE)  # the handler calls .exists()
+    path = paths.of(os.path.join(files.checkpoint_dir(workdir), str(step), files.STATE))  # it calls .exists()
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     # The handler, not a Checkpointer: the Checkpointer's barrier after the read would wait for a
     # process whose own read failed (checkpoint.agreed_read settles the outcome instead).

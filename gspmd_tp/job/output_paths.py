@@ -1,13 +1,15 @@
 """Output paths checked before any work (a command that computes for minutes must not fail when it
 comes to write), written whole or not at all, and the workdir's lock.
 
-The checks write nothing, unless asked to probe by writing (then they leave nothing behind). No jax
-import at module level, so entry points can check their flags first.
+Each path may be local or a bucket URL (paths.is_url). The checks write nothing, unless asked to
+probe a local path by writing (then they leave nothing behind); a bucket's are reads only
+(paths.check_bucket). No jax import at module level, so entry points can check their flags first.
 """
 
 import contextlib
 import fcntl
 import os
+import pathlib
 import secrets
 import shutil
 import socket
@@ -15,6 +17,7 @@ import sys
 import tempfile
 import time
 
+from gspmd_tp.job import paths
 from gspmd_tp.job.errors import JobError, UserError
 
 LOCK = "train.lock"  # in a workdir: held by the training job that runs on it
@@ -68,6 +71,11 @@ def check_dir(path: str, flag: str, probe: bool = False) -> None:
     `probe`, found so by writing there too (write_refused)."""
     if not path:
         raise UserError(f"{flag} is empty")  # an unset shell variable, say: not the current directory
+    if paths.is_url(path):
+        paths.check_bucket(path, flag)
+        if paths.of(path).is_file():
+            raise UserError(f"{flag}={path}: is an object (a file), not a directory")
+        return
     reason = _not_creatable(os.path.abspath(path))
     if reason:
         raise UserError(f"{flag}={path}: {reason}")
@@ -81,6 +89,11 @@ def check_file(path: str, flag: str, probe: bool = False) -> None:
     read-only, its directory writable or creatable); with `probe`, found so by writing too."""
     if not path:
         raise UserError(f"{flag} is empty")
+    if paths.is_url(path):
+        paths.check_bucket(path, flag)
+        if paths.of(path).is_dir():
+            raise UserError(f"{flag}={path}: is a directory, not a file")
+        return
     full = os.path.abspath(path)
     if os.path.isdir(full):
         raise UserError(f"{flag}={path}: is a directory, not a file")
@@ -107,13 +120,21 @@ def check_image(path: str, flag: str) -> None:
 
 
 def make_parent(path: str) -> None:
-    """Creates the directory that file `path` goes in, where it is missing."""
+    """Creates the directory that file `path` goes in, where it is missing (a bucket has none)."""
+    if paths.is_url(path):
+        return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
 def _remove(path: str) -> None:
     with contextlib.suppress(OSError):  # the exception that cut the write short is the one to report
-        if os.path.isdir(path) and not os.path.islink(path):
+        if paths.is_url(path):
+            target = paths.of(path)
+            if target.is_dir():
+                target.rmtree()
+            else:
+                target.unlink()
+        elif os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         else:
             os.remove(path)
@@ -123,7 +144,15 @@ def _remove(path: str) -> None:
 def whole_file(path: str):
     """Yields a temporary name beside file `path` for the body to write: renamed to `path` once the
     body is done, removed where it raises (Ctrl-C too), so a write cut short leaves no file that
-    looks complete and an older one as it was."""
+    looks complete and an older one as it was.
+
+    For a bucket URL the temporary name is local (a file, or a directory the body makes) and is
+    uploaded once the body is done: an object appears whole when its upload ends.
+    """
+    if paths.is_url(path):
+        with _uploaded(path) as partial:
+            yield partial
+        return
     make_parent(path)
     partial = f"{path}.{os.getpid()}.partial"
     try:
@@ -135,19 +164,50 @@ def whole_file(path: str):
 
 
 @contextlib.contextmanager
+def _uploaded(url: str):
+    """Yields a local name (in a temporary directory, with `url`'s file name) for the body to write,
+    then uploads it (a directory recursively) to `url`; the local copy is removed either way."""
+    staging = tempfile.mkdtemp(prefix="gspmd_tp-upload-")
+    partial = os.path.join(staging, os.path.basename(url) or "upload")
+    try:
+        yield partial
+        target = paths.of(url)
+        if os.path.isdir(partial):
+            if target.exists():
+                target.rmtree()
+            for root, _, files in os.walk(partial):
+                for name in files:
+                    local = os.path.join(root, name)
+                    (target / os.path.relpath(local, partial)).write_bytes(pathlib.Path(local).read_bytes())
+        else:
+            target.write_bytes(pathlib.Path(partial).read_bytes())
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _names(directory: str) -> set[str] | None:
+    """The names in `directory`, None where it does not exist (a bucket's: where nothing is under it)."""
+    if paths.is_url(directory):
+        found = {p.name for p in paths.of(directory).iterdir()} if paths.of(directory).exists() else set()
+        return found or None
+    return set(os.listdir(directory)) if os.path.isdir(directory) else None
+
+
+@contextlib.contextmanager
 def removed_if_cut_short(directory: str):
     """Runs the body, which writes into `directory`; where it raises (Ctrl-C too), removes what it
     added there (and the directory, if it was new), so a write cut short neither looks complete nor
     stands in the next one's way. Nothing that was there before is touched."""
-    existed = os.path.isdir(directory)
-    before = set(os.listdir(directory)) if existed else set()
+    names = _names(directory)
+    existed, before = names is not None, names or set()
     try:
         yield
     except BaseException:
-        if os.path.isdir(directory):
-            for name in set(os.listdir(directory)) - before:
+        now = _names(directory)
+        if now is not None:
+            for name in now - before:
                 _remove(os.path.join(directory, name))
-            if not existed:
+            if not existed and not paths.is_url(directory):
                 with contextlib.suppress(OSError):
                     os.rmdir(directory)  # where nothing else has appeared there meanwhile
         raise
@@ -177,7 +237,13 @@ def workdir_lock(workdir: str, warn=print):
 
     Every process of the job must then read the number process 0 wrote in the lock file: one given
     another --workdir, or storage process 0 does not write to, would save its shards elsewhere and
-    wait in the save's barriers. JobError on every process instead, naming the first."""
+    wait in the save's barriers. JobError on every process instead, naming the first.
+
+    A workdir in a bucket is held by a lease object instead (bucket_lease), the same way."""
+    if paths.is_url(workdir):
+        with _bucket_workdir_lock(workdir, warn):
+            yield
+        return
     import jax
 
     from gspmd_tp.job import distributed
@@ -244,6 +310,42 @@ def workdir_lock(workdir: str, warn=print):
             _created.remove(workdir)
 
 
+@contextlib.contextmanager
+def _bucket_workdir_lock(workdir: str, warn):
+    """workdir_lock for a workdir in a bucket: process 0 holds the lease WORKDIR/train.lock."""
+    import jax
+
+    from gspmd_tp.job import bucket_lease, distributed
+
+    path, lease, held_by, unwritable, job = f"{workdir}/{LOCK}", None, None, None, 0
+    if jax.process_index() == 0:
+        job = secrets.randbelow(2**31 - 1) + 1  # int32, never 0
+        lease = bucket_lease.Lease(path, job, warn)
+        try:
+            lease.acquire()
+        except bucket_lease.Held as e:
+            held_by, lease = str(e), None
+        except Exception as e:  # noqa: BLE001 - OSError, gcsfs's HttpError (a 403 of read-only credentials)
+            unwritable, lease = f"{type(e).__name__}: {e}", None
+    outcome = distributed.from_process_0(1 if held_by is not None else 2 if unwritable else 0)
+    process_0 = "as process 0 of this job found"
+    try:
+        if outcome == 2:
+            raise JobError(f"--workdir={workdir}: cannot write there ({unwritable or process_0})")
+        if outcome == 1:
+            raise JobError(
+                f"--workdir={workdir} is in use by another job ({held_by or process_0}; {path}): let it "
+                "finish or stop it (SIGTERM saves and exits), then run again; a lease its holder no "
+                f"longer renews expires {bucket_lease.LEASE_S / 60:.0f} minutes after its last renewal"
+            )
+        if jax.process_count() > 1:
+            _check_one_workdir(workdir, path, distributed.from_process_0(job))
+        yield
+    finally:
+        if lease is not None:
+            lease.release()
+
+
 def _remove_if_only_the_lock(workdir: str) -> None:
     """Removes `workdir` where it holds only the lock file and empty directories (orbax makes the
     checkpoints directory before the first save): a run stopped before writing anything."""
@@ -279,8 +381,7 @@ def _check_one_workdir(workdir: str, path: str, job: int) -> None:
         return
     for _ in range(3):  # a host's cached view of the shared directory may lag a moment
         try:
-            with open(path) as f:
-                sees = f"{_JOB}{job}" in f.read().splitlines()
+            sees = f"{_JOB}{job}" in paths.of(path).read_text().splitlines()
         except OSError:
             sees = False
         if sees or jax.process_index() == 0:

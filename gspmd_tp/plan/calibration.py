@@ -20,6 +20,7 @@ import json
 
 import numpy as np
 
+from gspmd_tp.job import paths
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.sharding import hlo, hlo_cost
 
@@ -132,8 +133,7 @@ def _well_formed(xs, ys, positive: bool = True) -> bool:
 def load(path: str) -> Calibration:
     """Reads and checks a calibration file; a UserError (one line) where it cannot serve."""
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = json.loads(paths.of(path).read_text())  # local, or in a bucket
     except OSError as e:
         raise UserError(f"--calibration={path}: cannot read it ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

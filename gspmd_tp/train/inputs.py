@@ -11,7 +11,7 @@ import jax
 
 from gspmd_tp.checkpoint import tool
 from gspmd_tp.data import documents, pipeline, tokenizer
-from gspmd_tp.job import distributed
+from gspmd_tp.job import distributed, paths
 from gspmd_tp.job.errors import JobError, UserError
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def read(s: Setup, resuming: bool, workdir: str, log):
     eval_ds = pipeline.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
     imported, digest = None, None
     if not resuming and c.init_from:  # read only by a fresh run: a resumed one may have lost the file
-        if not os.path.isfile(c.init_from):
+        if not paths.of(c.init_from).is_file():  # local, or in a bucket
             raise UserError(f"config.init_from: no file {c.init_from}")
         # Compared between processes only: one digest of what the import reads anyway.
         digest = hashlib.sha256() if jax.process_count() > 1 else None

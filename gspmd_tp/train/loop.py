@@ -65,17 +65,18 @@ def train(config, workdir: str) -> dict:
     A SIGTERM/SIGINT saves at the next step boundary and returns with "stopped" set; a second
     exits at once. A NaN/Inf loss or gradient raises UserError (or is skipped, per config).
     """
+    paths.check_bucket(workdir, "--workdir")  # a bucket's first: before anything reads there
     inputs.recorded_tokenizer(config, workdir, log)  # an imported model's, left at the default bytes
     # First, on every process: what fails on one process alone fails every process, named on each.
     s = distributed.agreed_setup(config, _checked_setup, config, workdir)
     checkpoint_dir = step_dirs.checkpoint_dir(workdir)
     c = s.config
-    workdir = os.path.abspath(workdir)
+    workdir = paths.absolute(workdir)
     # Saved absolute, so that evaluate, generate and a resume find the files from any directory.
     c.data.train_files = documents.absolute_patterns(c.data.train_files)
     c.data.eval_files = documents.absolute_patterns(c.data.eval_files)
     c.data.tokenizer = tokenizer.resolve(c.data.tokenizer)
-    c.data.shards = os.path.abspath(paths.expand(c.data.shards)) if c.data.shards else ""
+    c.data.shards = paths.absolute(c.data.shards) if c.data.shards else ""
     if os.path.isfile(paths.expand(c.rules)):  # a rule file of the user's: found from anywhere
         c.rules = os.path.abspath(paths.expand(c.rules))
     c.init_from = paths.expand(c.init_from)  # bash leaves `--config.init_from=~/p.npz` as it is
@@ -257,7 +258,10 @@ def _step_trace(s: Setup, workdir: str, start: int, train_step, mngr) -> profili
     c = s.config.profile
     first = start + 1 + c.skip_steps
     last = min(first + c.steps - 1, s.config.steps)
-    directory = os.path.join(workdir, profiling.PROFILE)
+    # The profiler writes local files: a run in a bucket keeps its traces in the local cache.
+    directory = os.path.join(
+        metrics.cache_dir(workdir) if paths.is_url(workdir) else workdir, profiling.PROFILE
+    )
     if jax.process_count() > 1:
         directory = os.path.join(directory, f"process_{jax.process_index()}")
     if c.steps and first > s.config.steps:

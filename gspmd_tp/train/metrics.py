@@ -1,4 +1,9 @@
-"""Throughput, MFU, and the metric writers (metrics.jsonl and TensorBoard, process 0 only)."""
+"""Throughput, MFU, and the metric writers (metrics.jsonl and TensorBoard, process 0 only).
+
+A run directory in a bucket gets the same files: a bucket object cannot be appended to, so the
+writer appends to a copy in a local cache directory (cache_dir) and uploads the file whole after
+each write.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import os
 import re
 import sys
 import time
+
+from gspmd_tp.job import paths
 
 # Dense bf16 peak FLOP/s per device, from the vendors' data sheets. Matched against
 # jax's device_kind as whole words, first match wins. An unknown device logs no MFU.
@@ -69,8 +76,25 @@ def _row(line: str) -> dict | None:
     return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
 
 
+def _lines(path: str) -> list[str] | None:
+    """The lines of file `path` (local or in a bucket), None where there is none."""
+    file = paths.of(path)
+    return file.read_text().splitlines(keepends=True) if file.exists() else None
+
+
+def cache_dir(workdir: str) -> str:
+    """Where the writer keeps its local copies of a run in a bucket: under $XDG_CACHE_HOME (or
+    ~/.cache), gspmd_tp/runs/SCHEME/BUCKET/PATH."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(root, "gspmd_tp", "runs", paths.scheme(workdir), workdir.split("://", 1)[1])
+
+
 def _rewrite(path: str, lines: list[str]) -> None:
-    """Replaces file `path` by `lines` at once: a kill leaves the old file or the new one."""
+    """Replaces file `path` by `lines` at once: a kill leaves the old file or the new one (a bucket's
+    object is replaced whole by its upload)."""
+    if paths.is_url(path):
+        paths.of(path).write_text("".join(lines))
+        return
     with open(path + ".tmp", "w") as f:
         f.writelines(lines)
     os.replace(path + ".tmp", path)
@@ -83,25 +107,22 @@ def set_aside_after(workdir: str, step: int) -> int:
     A last line cut short by a kill (no newline) goes too, so that the next row starts a line.
     """
     path = os.path.join(workdir, JSONL)
-    if not os.path.exists(path):
+    lines = _lines(path)
+    if lines is None:
         return 0
     keep, later, cut = [], [], []
-    with open(path) as f:
-        for line in f:
-            if not line.endswith("\n"):
-                cut.append(line + "\n")
-                continue
-            row = _row(line)
-            (later if row and row["step"] > step else keep).append(line)
+    for line in lines:
+        if not line.endswith("\n"):
+            cut.append(line + "\n")
+            continue
+        row = _row(line)
+        (later if row and row["step"] > step else keep).append(line)
     if later or cut:
         replaced = os.path.join(workdir, REPLACED)
         # A kill between this append and the replace below moves the same rows again next time.
-        there = set()
-        if os.path.exists(replaced):
-            with open(replaced) as f:
-                there = set(f)
-        with open(replaced, "a") as f:
-            f.writelines(line for line in later + cut if line not in there)
+        before = _lines(replaced) or []
+        there = set(before)
+        _rewrite(replaced, before + [line for line in later + cut if line not in there])
         _rewrite(path, keep)
     return len(later)
 
@@ -109,11 +130,9 @@ def set_aside_after(workdir: str, step: int) -> int:
 def has_value(workdir: str, step: int, key: str) -> bool:
     """Whether workdir's metrics.jsonl has a row of `step` with `key` (the later row of a step
     logged twice)."""
-    path = os.path.join(workdir, JSONL)
-    if not os.path.exists(path):
-        return False
-    with open(path) as f:
-        rows = [row for row in map(_row, f) if row and row["step"] == step]
+    rows = [
+        row for row in map(_row, _lines(os.path.join(workdir, JSONL)) or []) if row and row["step"] == step
+    ]
     return bool(rows) and key in rows[-1]
 
 
@@ -150,9 +169,14 @@ class MetricsWriter:
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
+        self._remote = workdir if paths.is_url(workdir) else None  # uploaded to after each write
         if enabled:
-            os.makedirs(workdir, exist_ok=True)
-            self._jsonl = open(os.path.join(workdir, JSONL), "a")  # noqa: SIM115
+            local = cache_dir(workdir) if self._remote else workdir
+            os.makedirs(local, exist_ok=True)
+            if self._remote:  # the bucket's copy is the run's: the cache starts from it
+                with open(os.path.join(local, JSONL), "w") as f:
+                    f.writelines(_lines(os.path.join(workdir, JSONL)) or [])
+            self._jsonl = open(os.path.join(local, JSONL), "a")  # noqa: SIM115
             EventsWriter, self._event, SessionLog, self._summary = _event_protos()  # process 0's
 
             # Written here, in the caller's thread, and flushed after each step: tensorboardX's
@@ -160,13 +184,24 @@ class MetricsWriter:
             # flush_secs and, with flush_secs=0, polls its queue without pause (a core kept busy).
             # The file is named by the second it was opened and the host: a writer opened in the
             # same second would truncate its predecessor's file but for the suffix, in opening order.
-            tb_dir = os.path.join(workdir, TENSORBOARD)
+            tb_dir = os.path.join(local, TENSORBOARD)
             os.makedirs(tb_dir, exist_ok=True)
             self._tb = EventsWriter(os.path.join(tb_dir, "events"), f".{time.time_ns()}")
             # A session start at step start + 1: TensorBoard drops what earlier files hold of that
             # step and later ones, which this run trains again.
             self._tb.write_event(self._event(step=start + 1, session_log=SessionLog(status=SessionLog.START)))
-            self._tb.flush()
+            self._flush_tb()
+
+    def _upload(self, local: str, name: str) -> None:
+        """Replaces the bucket's object `name` (relative to the run) by local file `local`."""
+        if self._remote:
+            with open(local, "rb") as f:
+                paths.of(f"{self._remote}/{name}").write_bytes(f.read())
+
+    def _flush_tb(self) -> None:
+        self._tb.flush()
+        local = self._tb._file_name  # tensorboardX's EventsWriter: the events file it writes
+        self._upload(local, f"{TENSORBOARD}/{os.path.basename(local)}")
 
     def write(self, step: int, metrics: dict) -> None:
         """Records `metrics` for `step`. A None or non-finite value goes to JSON only, as null."""
@@ -174,6 +209,7 @@ class MetricsWriter:
             return
         self._jsonl.write(_json_line({"step": int(step), **metrics}))
         self._jsonl.flush()
+        self._upload(self._jsonl.name, JSONL)
         self._to_tensorboard(step, metrics)
 
     def amend(self, step: int, metrics: dict) -> None:
@@ -193,6 +229,7 @@ class MetricsWriter:
             lines[at] = _json_line({**rows[at], **metrics})
         _rewrite(path, lines)
         self._jsonl = open(path, "a")  # noqa: SIM115
+        self._upload(path, JSONL)
         self._to_tensorboard(step, metrics)
 
     def _to_tensorboard(self, step: int, metrics: dict) -> None:
@@ -204,12 +241,13 @@ class MetricsWriter:
         if values:
             summary = self._summary(value=values)
             self._tb.write_event(self._event(wall_time=time.time(), step=int(step), summary=summary))
-            self._tb.flush()
+            self._flush_tb()
 
     def close(self) -> None:
         """Flushes and closes the files."""
         if self.enabled:
             self._jsonl.close()
+            self._flush_tb()
             self._tb.close()
 
 

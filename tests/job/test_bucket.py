@@ -1,0 +1,318 @@
+"""A run whose workdir is a bucket URL (gs://bkt/...) on a GCS emulator: it trains, resumes on
+another mesh and rule file, and reads back as a run on local disk does; a second trainer and bad
+buckets are refused before anything is written."""
+
+import json
+import os
+import time
+
+import pytest
+from conftest import small_config
+
+from gspmd_tp.job import bucket_lease, output_paths, paths
+from gspmd_tp.job.errors import UserError
+from gspmd_tp.train import loop, metrics
+
+
+def _objects(prefix: str) -> list[str]:
+    """Every object under the bucket URL `prefix`, as a sorted list of URLs."""
+    import gcsfs
+
+    fs = gcsfs.GCSFileSystem(skip_instance_cache=True)
+    return sorted(fs.find(prefix))
+
+
+def _losses(text: str) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in map(json.loads, text.splitlines())}
+
+
+@pytest.fixture(scope="module")
+def runs(gcs_emulator, tmp_path_factory):
+    """(local run, bucket run, the local directory that the bucket run's process worked in): the same
+    run trained 4 steps on dp=2,mp=4 with megatron_2d and resumed to 6 on dp=4,mp=2 with megatron_1d,
+    once on local disk and once in the bucket."""
+    cwd, tmp = os.getcwd(), tmp_path_factory.mktemp("bucket_runs")
+    cache = os.environ.get("XDG_CACHE_HOME")
+    os.chdir(tmp)  # where a path library that took the URL for a local path would write
+    os.environ["XDG_CACHE_HOME"] = str(tmp / "cache")
+    local, bucket = str(tmp / "run"), "gs://bkt/runs/a"
+    try:
+        for workdir in (local, bucket):
+            loop.train(small_config(), workdir)
+            loop.train(small_config(steps=6, rules="megatron_1d", mesh="dp=4,mp=2"), workdir)
+    finally:
+        os.chdir(cwd)
+        if cache is None:
+            os.environ.pop("XDG_CACHE_HOME")
+        else:
+            os.environ["XDG_CACHE_HOME"] = cache
+    return local, bucket, tmp
+
+
+def test_a_run_in_a_bucket_trains_and_resumes_as_on_local_disk(runs):
+    local, bucket, tmp = runs
+    on_disk = _losses((tmp / "run" / metrics.JSONL).read_text())
+    in_bucket = _losses(paths.of(f"{bucket}/{metrics.JSONL}").read_text())
+    assert sorted(in_bucket) == sorted(on_disk) and max(in_bucket) == 6
+    assert in_bucket == pytest.approx(on_disk, rel=1e-6)
+    found = _objects(bucket)
+    assert any("/checkpoints/6/state/" in f for f in found) and any("/checkpoints/4/" in f for f in found)
+    events = [f for f in found if "/tensorboard/events.out.tfevents." in f]
+    assert len(events) == 2  # one per start, uploaded whole
+    assert not any(f.endswith(output_paths.LOCK) for f in found)  # the lease is released
+    # Nothing beside the run on local disk: the working directory holds the local run and the cache.
+    assert sorted(os.listdir(tmp)) == ["cache", "run"]
+
+
+def test_the_readers_read_a_run_in_a_bucket_as_on_local_disk(runs, tmp_path, capsys):
+    import numpy as np
+
+    from gspmd_tp.checkpoint import tool
+    from gspmd_tp.convert import llama
+    from gspmd_tp.inference import evaluate, generate
+
+    local, bucket, _ = runs
+    said = {}
+    for where, workdir in (("local", local), ("bucket", bucket)):
+        assert evaluate.main(["--workdir", workdir, "--json", "--config.mesh=dp=8,mp=1"]) == 0
+        evaluated = json.loads(capsys.readouterr().out)
+        assert generate.main(["--workdir", workdir, "--prompt=def ", "--max_new_tokens=8"]) == 0
+        generated = capsys.readouterr().out
+        assert tool.main(["info", workdir]) == 0
+        info = capsys.readouterr().out.replace(workdir, "RUN")
+        out = f"{bucket}/exports/p.npz" if where == "bucket" else str(tmp_path / "p.npz")
+        assert tool.main(["export", workdir, out]) == 0
+        assert capsys.readouterr().out.rstrip().endswith(f" to {out}")
+        with paths.of(out).open("rb") as f, np.load(f) as npz:
+            exported = {k: npz[k] for k in npz.files}
+        hf_dir = f"{bucket}/hf" if where == "bucket" else str(tmp_path / "hf")
+        written = llama.to_hf(workdir, hf_dir)
+        hf = {os.path.basename(f): paths.of(f).read_bytes() for f in written}
+        said[where] = evaluated, generated, info, exported, hf
+    (eval_l, gen_l, info_l, npz_l, hf_l), (eval_b, gen_b, info_b, npz_b, hf_b) = said["local"], said["bucket"]
+    assert sorted(hf_b) == ["config.json", "model.safetensors"] and hf_b == hf_l
+    assert eval_b["step"] == eval_l["step"] == 6 and eval_b["loss"] == pytest.approx(eval_l["loss"], rel=1e-6)
+    assert gen_b == gen_l and gen_b.strip()
+    assert info_b.splitlines()[2:5] == info_l.splitlines()[2:5]  # the step, its mesh and model
+    assert sorted(npz_b) == sorted(npz_l) and all(np.array_equal(npz_b[k], npz_l[k]) for k in npz_l)
+    # config.init_from in the bucket: the same parameters, placed in a run's shardings.
+    import jax
+
+    from gspmd_tp.train import run_setup
+
+    target = run_setup.setup(small_config()).abstract_state.params
+    imported = tool.import_params(f"{bucket}/exports/p.npz", target)
+    flat = {k: np.asarray(v) for k, v in tool._flat(imported).items()}
+    assert sorted(flat) == sorted(npz_l) and all(np.array_equal(flat[k], npz_l[k]) for k in npz_l)
+    pairs = zip(jax.tree.leaves(imported), jax.tree.leaves(target), strict=True)
+    assert all(a.sharding == t.sharding for a, t in pairs)
+
+
+def test_a_second_trainer_is_refused_and_an_expired_lease_taken_over(gcs_emulator):
+    workdir = "gs://bkt/runs/b"
+    holder = bucket_lease.Lease(f"{workdir}/{output_paths.LOCK}", job=1)
+    holder.acquire()
+    try:
+        before = _objects(workdir)
+        with pytest.raises(
+            UserError, match=rf"--workdir={workdir} is in use by another job \(pid {os.getpid()} "
+        ):
+            loop.train(small_config(), workdir)
+        assert _objects(workdir) == before  # nothing read into being, nothing written
+        # The precondition itself: a lease is only created where none exists.
+        with pytest.raises(FileExistsError):
+            bucket_lease._upload(holder._fs, holder.url, b"pid 2\n", 0)
+    finally:
+        holder.release()
+    assert _objects(workdir) == []
+    # A lease its holder stopped renewing (expires in the past) is taken over; the old holder's
+    # renewal, conditional on the generation it wrote, then fails instead of overwriting it.
+    stale = bucket_lease.Lease(f"{workdir}/{output_paths.LOCK}", job=2)
+    stale.acquire()
+    stale._stop.set()
+    bucket_lease._upload(
+        stale._fs,
+        stale.url,
+        f"pid 9\ntoken {stale.token}\nexpires {time.time() - 1}\n".encode(),
+        stale.generation,
+    )
+    taker = bucket_lease.Lease(f"{workdir}/{output_paths.LOCK}", job=3)
+    taker.acquire()
+    assert f"token {taker.token}" in paths.of(taker.url).read_text()
+    with pytest.raises(FileExistsError):
+        bucket_lease._upload(stale._fs, stale.url, b"pid 9\n", stale.generation)
+    stale.release()  # not its lease any more: left as it is
+    assert f"token {taker.token}" in paths.of(taker.url).read_text()
+    taker.release()
+    assert _objects(workdir) == []
+
+
+@pytest.fixture
+def refusing_endpoint():
+    """An HTTP server on 127.0.0.1 that answers every request 401, as GCS answers bad credentials."""
+    import http.server
+    import threading
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"error": {"code": 401, "message": "Invalid Credentials"}}')
+
+        def log_message(self, *_):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_bad_buckets_are_one_line_before_anything_is_written(
+    gcs_emulator, refusing_endpoint, monkeypatch, tmp_path
+):
+    monkeypatch.chdir(tmp_path)
+
+    def refused(workdir: str) -> str:
+        with pytest.raises(UserError) as e:
+            loop.train(small_config(), workdir)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert (
+        refused("gs://nobkt/run")
+        == f"--workdir=gs://nobkt/run: bucket nobkt does not exist at {gcs_emulator}"
+    )
+    # No bucket was made: the emulator holds none but bkt.
+    import gcsfs
+
+    assert [b.rstrip("/") for b in gcsfs.GCSFileSystem(skip_instance_cache=True).ls("")] == ["bkt"]
+    assert "does not handle ftp:// URLs" in refused("ftp://host/run")
+    with socket_closed() as port:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+        assert refused("gs://bkt/run").startswith(
+            f"--workdir=gs://bkt/run: cannot reach http://127.0.0.1:{port} for bucket bkt"
+        )
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", refusing_endpoint)
+    assert refused("gs://bkt/run") == (
+        f"--workdir=gs://bkt/run: {refusing_endpoint} refused the credentials for bucket bkt "
+        "(HTTP 401: Invalid Credentials)"
+    )
+    monkeypatch.delenv("GOOGLE_AUTH_TOKEN_FOR_TESTING")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "absent.json"))
+    assert "no usable credentials for" in refused("gs://bkt/run")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+    monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "t")
+    assert _objects("gs://bkt/run") == [] and os.listdir(tmp_path) == []  # nothing written anywhere
+
+
+class socket_closed:
+    """A 127.0.0.1 port that nothing listens on (bound, then closed)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def __exit__(self, *_):
+        return False
+
+
+def test_data_files_and_shards_in_a_bucket_read_as_on_local_disk(gcs_emulator, tmp_path, monkeypatch):
+    import numpy as np
+    from conftest import data_config, write
+
+    from gspmd_tp.data import pipeline, prepare
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    texts = {f"d/{i}.txt": f"document {i} " * (20 + i) for i in range(12)}
+    texts["d/sub/x.jsonl"] = "".join(json.dumps({"text": f"line {i} " * 9}) + "\n" for i in range(5))
+    for name, text in texts.items():
+        write(tmp_path / "local" / name, text)
+        paths.of(f"gs://bkt/data/{name}").write_text(text)
+    corpora = {}
+    for where, root in (("local", str(tmp_path / "local")), ("bucket", "gs://bkt/data")):
+        data = data_config(train_files=f"{root}/d/*.txt,{root}/d/**/*.jsonl", eval_fraction=0.25)
+        train, held = pipeline.load_corpus(data)
+        out = f"{root}/shards"
+        prepare.prepare(data, out, chunk_tokens=16, records_per_file=4)
+        from_shards = pipeline.load_corpus(data_config(train_files="", shards=out))
+        corpora[where] = train, held, [split[0 : len(split)] for split in from_shards]
+    (train_l, held_l, shards_l), (train_b, held_b, shards_b) = corpora["local"], corpora["bucket"]
+    assert len(train_l) > 0 and len(held_l) > 0  # both splits hold documents
+    assert np.array_equal(train_b, train_l) and np.array_equal(held_b, held_l)
+    assert np.array_equal(shards_b[0], train_l) and np.array_equal(shards_b[1], held_l)
+    assert np.array_equal(shards_l[0], shards_b[0]) and np.array_equal(shards_l[1], shards_b[1])
+    assert any(f.endswith("/shards/shards.json") for f in _objects("gs://bkt/data/shards"))
+
+
+def test_train_py_in_a_bucket_stops_on_sigterm_and_resumes_there(gcs_emulator, tmp_path):
+    """train.py in a process of its own, the endpoint given by the environment alone."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import child_env
+    from test_train_cli import ROOT, SMALL
+
+    workdir = f"gs://bkt/runs/sigterm-{time.time_ns()}"
+    flags = [*SMALL, "--config.steps=100000", "--config.checkpoint_every=100000"]
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}", *flags],
+        cwd=ROOT, env=child_env(XDG_CACHE_HOME=str(tmp_path / "cache")),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 240
+        while not paths.of(f"{workdir}/{metrics.JSONL}").exists():  # a first step logged there
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.5)
+        held = paths.of(f"{workdir}/{output_paths.LOCK}").read_text()
+        assert held.startswith(f"pid {proc.pid} on ")  # the lease names the trainer
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    stopped = [line for line in (out + err).splitlines() if line.startswith("stopped by SIGTERM after step ")]
+    assert stopped, (out + err)[-2000:]
+    step = int(stopped[0].split()[5].rstrip(":"))
+    found = _objects(workdir)
+    assert any(f"/checkpoints/{step}/state/" in f for f in found)
+    assert not any(f.endswith(output_paths.LOCK) for f in found)  # released on the way out
+    assert not (ROOT / "gs:").exists()
+    from configs import tiny
+
+    config = tiny.get_config()  # with SMALL's values, on another mesh and rule file
+    for flag in SMALL:
+        key, value = flag.removeprefix("--config.").split("=")
+        *parents, leaf = key.split(".")
+        target = config
+        for parent in parents:
+            target = target[parent]
+        target[leaf] = int(value)
+    config.update(steps=step + 2, rules="megatron_1d", mesh="dp=4,mp=2")
+    last = loop.train(config, workdir)
+    assert last["step"] == step + 2
+    logged = _losses(paths.of(f"{workdir}/{metrics.JSONL}").read_text())
+    assert max(logged) == step + 2 and min(logged) == 1
+    # A newest step damaged in the bucket is set aside there, and the run resumes from the one before.
+    paths.of(f"{workdir}/checkpoints/{step + 2}/state/_METADATA").unlink()
+    warnings = []
+    config.update(steps=step + 3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "log", lambda line: warnings.append(line))
+        assert loop.train(config, workdir)["step"] == step + 3
+    assert any(f"skipping checkpoint {workdir}/checkpoints/{step + 2}: partial" in w for w in warnings), (
+        warnings
+    )
+    assert any(f"resumed from step {step} " in w for w in warnings), warnings
+    aside = [
+        f for f in _objects(f"{workdir}/corrupt_checkpoints") if f"/corrupt_checkpoints/{step + 2}-" in f
+    ]
+    assert any("/state/ocdbt.process_0/" in f for f in aside)  # moved whole, not deleted
+    # Trained again from step + 1 (checkpoint_every=2): saved whole where the damaged one was.
+    assert paths.of(f"{workdir}/checkpoints/{step + 2}/state/_METADATA").exists() == ((step + 2) % 2 == 0)
