@@ -9,7 +9,8 @@
 - `project` and `spread` (model.grad_dtype): a product with a weight, and a weight copied per batch
   shard, whose gradients are made in that dtype (config.optim.grad_reduce_dtype).
 
-Each stays for a gain measured on the platform it serves (docs/benchmarks.md, "Options measured against the defaults").
+Each stays for a gain measured on the platform it serves (docs/benchmarks.md, "Options measured
+against the defaults").
 Logical axis names only, as in transformer.py: a rule file decides where each operand lives.
 """
 
