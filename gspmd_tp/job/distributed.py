@@ -79,14 +79,6 @@ def initialize(
         return
     where = f"--coordinator_address={coordinator_address}"  # as the messages name the coordinator
     how = given if explicit else "--distributed"
-    local_device_ids = None
-    found = None if explicit else cluster_job(join_timeout_s)
-    if found is not None:
-        coordinator_address, num_processes, process_id, local_device_ids = found
-        port = coordinator_address.rpartition(":")[2]
-        explicit = True
-        where = f"--distributed's coordinator {coordinator_address} (JAX_COORDINATOR_PORT sets its port)"
-        how = f"--distributed (process {process_id} of {num_processes}, coordinator {coordinator_address})"
     if explicit and process_id == 0 and _port_taken(int(port)):
         raise UserError(
             f"{where}: port {port} is already in use on this host (another job's coordinator?); choose "
@@ -104,11 +96,8 @@ def initialize(
         "shutdown_timeout_seconds": heartbeat_timeout_s,
         "initialization_timeout": join_timeout_s + 60,  # after _join's one line
     }
-    if explicit:
-        job = dict(coordinator_address=coordinator_address, num_processes=num_processes)
-        job.update(process_id=process_id, local_device_ids=local_device_ids)
-    else:
-        job = {}
+    job = dict(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
+    job = job if explicit else {}  # jax.distributed.initialize finds a TPU pod's or SLURM job's itself
     try:
         _join({**job, **timeouts}, join_timeout_s, how)
     except (ValueError, RuntimeError) as e:  # no cluster found for --distributed, a port taken, ...
@@ -334,23 +323,6 @@ def _wait_for_the_others(deadline: float) -> None:
                 return
         except jax.errors.JaxRuntimeError:
             return
-
-
-def cluster_job(timeout_s: int) -> tuple[str, int, int, list[int] | None] | None:
-    """(coordinator address, process count, process id, local device ids) of the cluster job (SLURM,
-    a TPU pod) that jax.distributed.initialize() would find; None where it finds no job of two
-    processes or more, or this jax has no such lookup (its initialize() then finds the job alone)."""
-    try:
-        from jax._src.clusters import ClusterEnv
-
-        address, count, process_id, local = ClusterEnv.auto_detect_unset_distributed_params(
-            None, None, None, None, None, timeout_s
-        )
-    except (ImportError, AttributeError, TypeError, ValueError, RuntimeError):
-        return None  # a lookup that fails here fails in initialize() too, which says why
-    if address is None or count is None or process_id is None or count < 2:
-        return None
-    return address, count, process_id, None if local is None else list(local)
 
 
 def check_device_counts() -> None:

@@ -194,14 +194,18 @@ def _peer_stopped(signum: int, process: int):
     _stopped(own or signal.Signals(signum), None if own else process)
 
 
+_HOW = "killed, crashed, or silent for --heartbeat_timeout_s"
+_HOW_IN_TRAINING = "killed, crashed, exited at once, or silent for --heartbeat_timeout_s"
+
+
 def _peer_died(process: int):
     if not _job().training_has_begun():
-        _peer_ended(f"stopped: process {process} died (killed or crashed) {_BEFORE}")
+        _peer_ended(f"stopped: process {process} died ({_HOW}) {_BEFORE}")
     # During training the peer may also have exited at once (a second stop signal, a failed step),
     # and a save of this process may be in flight (left unfinished: the next start removes it).
     _peer_ended(
-        f"stopped: process {process} died during training (killed or crashed, or exited at once); "
-        "run again to resume from the newest complete checkpoint"
+        f"stopped: process {process} died during training ({_HOW_IN_TRAINING}); run again to resume "
+        "from the newest complete checkpoint"
     )
 
 
