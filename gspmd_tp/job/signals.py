@@ -132,7 +132,7 @@ def _failed(e: Exception) -> None:
     d = _job()
     if d.a_peer_died(d.heartbeat_timeout_s() + 5):
         time.sleep(15)
-    # Exit now: the normal exit would wait at jax.distributed's shutdown barrier for that peer.
+    # Exit now, alone: leaving together would wait at the job's last barrier for that peer.
     with _STOPPING:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         what = f"error: process {jax.process_index()}: {type(e).__name__}: {first}"
