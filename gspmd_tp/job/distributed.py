@@ -174,7 +174,6 @@ _MESSAGE_CHARS = 1000  # of an error's first line: the others print it within a 
 _job: dict = {}  # client, me, count, timeout: once this process joined a job of several
 _watcher: threading.Thread | None = None
 _telling = threading.Event()  # joined, and this process's training loop not begun: stops are told
-_began = threading.Event()  # this process's training loop began
 _done = threading.Event()  # this process leaves: a peer's exit is no more a death
 _heard = threading.Event()  # the watcher heard a peer's stop or error, or saw a peer die
 _told_once = threading.Lock()
@@ -262,12 +261,6 @@ def before_training() -> bool:
 def training_began() -> None:
     """From now on this process's stops are the training loop's, which every process sees."""
     _telling.clear()
-    _began.set()
-
-
-def training_has_begun() -> bool:
-    """Whether this process's training loop began (training_began)."""
-    return _began.is_set()
 
 
 def a_peer_died(seconds: float) -> bool:

@@ -199,7 +199,7 @@ _HOW_IN_TRAINING = "killed, crashed, exited at once, or silent for --heartbeat_t
 
 
 def _peer_died(process: int):
-    if not _job().training_has_begun():
+    if _job().before_training():
         _peer_ended(f"stopped: process {process} died ({_HOW}) {_BEFORE}")
     # During training the peer may also have exited at once (a second stop signal, a failed step),
     # and a save of this process may be in flight (left unfinished: the next start removes it).
