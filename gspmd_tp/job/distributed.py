@@ -1,6 +1,8 @@
-"""Joining JAX's multi-controller runtime (jax.distributed), and the small exchanges between the
-job's processes that the trainer and the tools make: jax.experimental.multihost_utils underneath,
-whose device collectives fail as soon as a dead peer's connection closes."""
+"""Joining JAX's multi-controller runtime (jax.distributed), and what the job's processes tell each
+other through its coordination service: the key-value store and barriers on jax.distributed's client
+for the job flags and for a stop or error before training, and the service's liveness (what
+multihost_utils.live_devices is made of) for a peer that died or hangs. The values the trainer and
+the tools compare go through jax.experimental.multihost_utils."""
 
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ import os
 import socket
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
+from jax._src import distributed as jax_distributed
 from jax.experimental import multihost_utils
 
-from gspmd_tp.job import peer_socket
 from gspmd_tp.job.errors import JobError, UserError
 
 
@@ -45,9 +48,9 @@ def initialize(
     """Joins the job's processes: given explicitly (address, count, id), or found on TPU pods and
     SLURM (`auto`); neither: a single process. A second call is harmless.
 
-    Bad flags are one UserError before anything joins; peer_socket checks that the processes' flags
-    agree and tells stops and deaths until training begins; a job not all joined in
-    `join_timeout_s` exits with one line, status 1; a peer silent for `heartbeat_timeout_s` ends it."""
+    Bad flags are one UserError before anything joins, another process count than process 0's one
+    UserError on both once they joined; a job not all joined in `join_timeout_s` exits with one
+    line, status 1; a peer dead or silent for `heartbeat_timeout_s` ends the job (follow)."""
     if jax.distributed.is_initialized():
         return
     if num_processes < 1:
@@ -76,75 +79,57 @@ def initialize(
         return
     where = f"--coordinator_address={coordinator_address}"  # as the messages name the coordinator
     how = given if explicit else "--distributed"
-    local_device_ids = None
-    found = None if explicit else cluster_job(join_timeout_s)
-    if found is not None:  # a cluster's job goes through the same handshake as one given by flags
-        coordinator_address, num_processes, process_id, local_device_ids = found
-        host, _, port = coordinator_address.rpartition(":")
-        explicit = True
-        where = f"--distributed's coordinator {coordinator_address} (JAX_COORDINATOR_PORT sets its port)"
-        how = f"--distributed (process {process_id} of {num_processes}, coordinator {coordinator_address})"
     if explicit and process_id == 0 and _port_taken(int(port)):
-        peer_socket.ask_the_first_process_0(host, int(port), num_processes)
         raise UserError(
             f"{where}: port {port} is already in use on this host (another job's coordinator?); choose "
             "a free port for process 0"
         )
     # CPU processes exchange collectives over gloo; accelerators bring their own transport.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Without it the service ends every process at a peer's death with a fatal log and a stack dump,
+    # and the client's missed_heartbeat_callback (the way to end it with one line) aborts the process
+    # with std::bad_cast in jaxlib 0.10.2, as measured. With it, follow() tells the death in one line;
+    # the price is the shutdown barrier, which leave() makes explicit.
+    jax.config.update("jax_enable_recoverability", True)
     timeouts = {
         "heartbeat_timeout_seconds": heartbeat_timeout_s,
         "shutdown_timeout_seconds": heartbeat_timeout_s,
-        "initialization_timeout": join_timeout_s + 60,  # after _give_up_unless's one line
+        "initialization_timeout": join_timeout_s + 60,  # after _join's one line
     }
-    joined = threading.Event()
-    threading.Thread(target=_give_up_unless, args=(joined, join_timeout_s, how), daemon=True).start()
+    job = dict(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
+    job = job if explicit else {}  # jax.distributed.initialize finds a TPU pod's or SLURM job's itself
     try:
-        if explicit:
-            if process_id == 0:
-                peer_socket.gather(int(port), num_processes, coordinator_address)
-            else:
-                peer_socket.report(host, int(port), process_id, num_processes, coordinator_address)
-            jax.distributed.initialize(
-                coordinator_address,
-                num_processes=num_processes,
-                process_id=process_id,
-                local_device_ids=local_device_ids,
-                **timeouts,
-            )
-        else:
-            jax.distributed.initialize(**timeouts)
-    except UserError:
-        raise
+        _join({**job, **timeouts}, join_timeout_s, how)
     except (ValueError, RuntimeError) as e:  # no cluster found for --distributed, a port taken, ...
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         failed = "--distributed (no TPU pod or SLURM job found?)" if not explicit else where
         raise UserError(f"{failed}: joining the job failed: {first}") from None
-    finally:
-        joined.set()
+    joined = jax_distributed.global_state  # not jax.process_count(): that would make the backend
+    if joined.num_processes > 1:
+        _job.update(client=joined.client, me=joined.process_id, count=joined.num_processes)
+        _job.update(timeout=heartbeat_timeout_s)
+        _same_process_count(joined, join_timeout_s)
+        _telling.set()
     check_device_counts()
 
 
-def cluster_job(timeout_s: int) -> tuple[str, int, int, list[int] | None] | None:
-    """(coordinator address, process count, process id, local device ids) of the cluster job (SLURM,
-    a TPU pod) that jax.distributed.initialize() would find; None where it finds no job of two
-    processes or more, or this jax has no such lookup (its initialize() then finds the job alone)."""
-    try:
-        from jax._src.clusters import ClusterEnv
+def _join(kwargs: dict, seconds: int, how: str) -> None:
+    """jax.distributed.initialize(**kwargs) on a thread of its own: the main thread runs a stop
+    signal's handler meanwhile (inside initialize it would run only once the job joined), and prints
+    one line where the job has not all joined within `seconds` (JAX's own abort is a stack trace
+    that blames a dead task)."""
+    failed: list[Exception] = []
 
-        address, count, process_id, local = ClusterEnv.auto_detect_unset_distributed_params(
-            None, None, None, None, None, timeout_s
-        )
-    except (ImportError, AttributeError, TypeError, ValueError, RuntimeError):
-        return None  # a lookup that fails here fails in initialize() too, which says why
-    if address is None or count is None or process_id is None or count < 2:
-        return None
-    return address, count, process_id, None if local is None else list(local)
+    def join():
+        try:
+            jax.distributed.initialize(**kwargs)
+        except Exception as e:  # noqa: BLE001 - raised again on the main thread
+            failed.append(e)
 
-
-def _give_up_unless(joined: threading.Event, seconds: int, how: str) -> None:
-    # One line instead of JAX's own abort (a stack trace that blames a dead task).
-    if not joined.wait(seconds):
+    thread = threading.Thread(target=join, name="join", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
         print(
             f"error: {how}: the job's processes did not all join within --join_timeout_s={seconds}: start "
             "every process, each with the same coordinator address and process count and its own process "
@@ -153,6 +138,184 @@ def _give_up_unless(joined: threading.Event, seconds: int, how: str) -> None:
             flush=True,
         )
         os._exit(1)
+    if failed:
+        raise failed[0]
+
+
+def _same_process_count(joined, seconds: int) -> None:
+    """JobError, on process 0 and each process started with another --num_processes than its own:
+    JAX lets such a process join without a word (and it would wait for processes that never come)."""
+    client, process_id, count = joined.client, joined.process_id, joined.num_processes
+    address, key = joined.coordinator_address, "gspmd_tp/num_processes/"
+    try:
+        client.key_value_set(f"{key}{process_id}", str(count))
+    except jax.errors.JaxRuntimeError:  # ALREADY_EXISTS: JAX took this process for a restart of one
+        raise UserError(
+            f"two processes of the job at {address} were started with --process_id={process_id}: give each "
+            f"its own id, from 0 to {count - 1}"
+        ) from None
+    others = range(1, count) if process_id == 0 else [0]
+    theirs = {p: int(client.blocking_key_value_get(f"{key}{p}", seconds * 1000)) for p in others}
+    client.wait_at_barrier("gspmd_tp/num_processes", seconds * 1000)  # each read before any exits
+    for p, n in theirs.items():
+        if n != count:
+            one, its, zero = (p, n, count) if process_id == 0 else (process_id, count, n)
+            raise JobError(
+                f"process {one} was started with --num_processes={its} and process 0 (the coordinator, "
+                f"{address}) with --num_processes={zero}: start every process with the same count"
+            )
+
+
+# ---- What the processes tell each other, and a peer's death: one thread per process follows both.
+
+_TOLD = "gspmd_tp/told/"  # + the teller's process id: "stop SIGNUM" or "error MESSAGE"
+_ROUND_S = 0.5  # between two liveness rounds: how late a stop or error told is seen
+_MESSAGE_CHARS = 1000  # of an error's first line: the others print it within a line of their own
+_job: dict = {}  # client, me, count, timeout: once this process joined a job of several
+_watcher: threading.Thread | None = None
+_telling = threading.Event()  # joined, and this process's training loop not begun: stops are told
+_done = threading.Event()  # this process leaves: a peer's exit is no more a death
+_heard = threading.Event()  # the watcher heard a peer's stop or error, or saw a peer die
+_told_once = threading.Lock()
+_others_leave = threading.Event()  # they leave too (leave): process 0 waits for them
+_alone = threading.Event()  # process 0 saw the others gone
+_in_callback = threading.Event()  # the watcher's rounds are over: it calls on_told or on_death
+
+
+def follow(on_told, on_death) -> None:
+    """Where this process joined a job of several, on a thread of its own: calls
+    on_told(process, kind, text) once another process told its stop ("stop", the signal's number) or
+    its error ("error", its first line) before training, or on_death(process) once the coordination
+    service sees a process gone or silent for --heartbeat_timeout_s (its liveness rounds are
+    barriers: a process whose thread stops calling is waited for until then)."""
+    global _watcher
+    if _job:
+        _watcher = threading.Thread(target=_watch, args=(on_told, on_death), name="peers", daemon=True)
+        _watcher.start()
+
+
+def _watch(on_told, on_death) -> None:
+    client, me, everyone = _job["client"], _job["me"], list(range(_job["count"]))
+    while True:
+        try:
+            live = client.get_live_nodes(everyone)
+            told = client.key_value_dir_get(_TOLD)
+        except jax.errors.JaxRuntimeError:  # the service is gone (process 0 died): JAX ends this process
+            _in_callback.set()
+            return
+        if _done.is_set():  # leaving: process 0 hosts the service, and leaves once the others left
+            if len(live) == 1:
+                _alone.set()
+            if me != 0 or not _others_leave.is_set() or _alone.is_set():
+                return
+            continue
+        news = sorted((int(k.rpartition("/")[2]), v) for k, v in told if k.rpartition("/")[2] != str(me))
+        if news:
+            _heard.set()
+            _in_callback.set()
+            _hear_told()
+            process, text = news[0]
+            kind, _, rest = text.partition(" ")
+            on_told(process, kind, rest)
+            return
+        if len(live) < len(everyone):
+            _heard.set()
+            _in_callback.set()
+            on_death(min(set(everyone) - set(live)))
+            return
+        time.sleep(_ROUND_S)
+
+
+def _hear_told(seconds: float = 10) -> None:
+    """Waits, at most `seconds`, until every process read what one told (the teller and each
+    other process call this once): a teller that exits first would be taken for dead, and process
+    0's exit ends the coordination service."""
+    if _told_once.acquire(blocking=False):
+        try:
+            _job["client"].wait_at_barrier("gspmd_tp/told", int(seconds * 1000))
+        except jax.errors.JaxRuntimeError:
+            pass  # a process gone or silent meanwhile: its death ends the others
+
+
+def tell(kind: str, text: str) -> bool:
+    """Tells the other processes that this one stops (`kind` "stop", `text` the signal's number, or
+    "error" and its message) before its training loop began, and returns once they read it; whether
+    it told them (see before_training)."""
+    if not before_training():
+        return False
+    first = (text.strip().splitlines() or [""])[0][:_MESSAGE_CHARS]
+    try:
+        _job["client"].key_value_set(f"{_TOLD}{_job['me']}", f"{kind} {first}")
+    except jax.errors.JaxRuntimeError:
+        return False  # told once already (a second signal)
+    _hear_told()
+    return True
+
+
+def before_training() -> bool:
+    """Whether this process is in a multi-process job that joined and its training loop has not
+    begun: where tell() tells the others."""
+    return _telling.is_set()
+
+
+def training_began() -> None:
+    """From now on this process's stops are the training loop's, which every process sees."""
+    _telling.clear()
+
+
+def a_peer_died(seconds: float) -> bool:
+    """Whether the thread that follow() started hears of a peer's death (or its stop or error),
+    waiting at most `seconds`: a collective may fail on a dead peer's closed connection first."""
+    return bool(_job and _watcher) and _heard.wait(seconds)
+
+
+def heartbeat_timeout_s() -> float:
+    """The job's --heartbeat_timeout_s: the longest a peer's death goes unseen."""
+    return _job.get("timeout", 0)
+
+
+def leave(together: bool = True) -> None:
+    """This process leaves the job: every process at this point where `together` (the run's end, or
+    an error that each reports itself), else this one alone. Process 0, which hosts the coordination
+    service, leaves last where the others leave too (its exit aborts their JAX clients); the
+    others disconnect at once, so that the service sees them gone, not dead. The barrier here stands
+    in for JAX's shutdown barrier, which recoverability turns off."""
+    if not _job or _done.is_set():
+        return
+    seconds = _job["timeout"]
+    if together:
+        try:
+            _job["client"].wait_at_barrier("gspmd_tp/leave", seconds * 1000)
+        except jax.errors.JaxRuntimeError:
+            pass  # a peer gone meanwhile: this process leaves all the same
+    if together or _heard.is_set() or _told_once.locked():
+        _others_leave.set()
+    _done.set()
+    deadline = time.monotonic() + seconds
+    # Until the watcher stopped calling the service (a client shut down under a call of its own, or
+    # two liveness rounds of one process at once, are not ours to try): it returns after its round.
+    while _watcher is not None and _watcher.is_alive() and not _in_callback.is_set():
+        if time.monotonic() > deadline:
+            break
+        _watcher.join(0.05)
+    if _job["me"] == 0 and _others_leave.is_set() and _in_callback.is_set():
+        _wait_for_the_others(deadline)
+    # At once: the service sees this process gone, not dead. On process 0 once the others have
+    # gone (as measured, an exit that ends the service at once may still cut the answer to the last
+    # one's disconnection, which aborts it); with others still there, its exit ends them anyway.
+    if _job["me"] != 0 or _alone.is_set():
+        jax.distributed.shutdown()
+
+
+def _wait_for_the_others(deadline: float) -> None:
+    """Process 0, where its watcher no longer runs its rounds: runs them until the others have gone."""
+    while time.monotonic() < deadline:
+        try:
+            if len(_job["client"].get_live_nodes(list(range(_job["count"])))) == 1:
+                _alone.set()
+                return
+        except jax.errors.JaxRuntimeError:
+            return
 
 
 def check_device_counts() -> None:

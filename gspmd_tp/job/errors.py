@@ -21,7 +21,7 @@ class UserError(ValueError):
 class JobError(UserError):
     """A UserError that every process of a multi-process job raises at the same point (an exchange
     told each the outcome): each prints its own line. Any other UserError before training began is
-    this process's alone, and train.py tells the others of it (handshake.tell_error)."""
+    this process's alone, and signals.run_job tells the others of it (distributed.tell)."""
 
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C

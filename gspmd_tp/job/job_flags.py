@@ -54,9 +54,11 @@ def join(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         v["heartbeat_timeout_s"],
         v["join_timeout_s"],
     )
-    # Again: jax.distributed.initialize's preemption notifier takes SIGTERM over (and only logs it)
-    # in a multi-process job.
+    # Again: jax.distributed.initialize's preemption notifier takes SIGTERM over (and only logs it; its
+    # sync point, multihost_utils.reached_preemption_sync_point, would see no Ctrl-C, nor a second
+    # signal that must exit at once): the loop's StopSignal agrees on the step itself.
     signals.take_stop_signals()
+    signals.follow_the_peers()
 
 
 def _asks_for_a_job(flag_values: flags.FlagValues) -> bool:

@@ -1,5 +1,6 @@
 """How a job stops: SIGTERM and Ctrl-C, inside the training loop and around it, and another
-process's stop, death or error (told by peer_socket); each ends in one line and an exit status.
+process's stop, death or error (told through JAX's coordination service: distributed.follow); each
+ends in one line and an exit status.
 
 Inside the loop, StopSignal makes a first signal a checkpoint at the next step boundary, the same
 one on every process. Around it (joining the job, compiling, restoring, exiting), and in bench.py's
@@ -16,7 +17,7 @@ import threading
 import time
 import traceback
 
-from gspmd_tp.job import output_paths, peer_socket
+from gspmd_tp.job import output_paths
 from gspmd_tp.job.errors import JobError, UserError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -62,6 +63,23 @@ _STOPPING = threading.RLock()
 _own: _Deliveries | None = None  # this process's stop signals, for the thread that follows the peers
 
 
+def _job():
+    """gspmd_tp.job.distributed where this process imported it (and may have joined a job), else
+    None: this module imports no jax."""
+    return sys.modules.get("gspmd_tp.job.distributed")
+
+
+def follow_the_peers() -> None:
+    """Another process stopped, died or failed before training: this one stops at once too, rather
+    than wait for it in a collective. After it died during training: at once as well."""
+    _job().follow(_peer_told, _peer_died)
+
+
+def _leave(together: bool) -> None:
+    if (job := _job()) is not None:
+        job.leave(together)
+
+
 def run_job(job, before: str = "", after: str = "") -> None:
     """Runs job() (join the job's processes, then train) with this module's stops in place; every
     failure ends in one line and an exit status. Call before jax is imported. A job that does not
@@ -71,28 +89,24 @@ def run_job(job, before: str = "", after: str = "") -> None:
     _OUTSIDE_THE_LOOP = _BEFORE
     take_stop_signals()  # from the start: while the job's processes join, too
     _own = _Deliveries()
-    # Another process stopped, died or failed before training: this one stops at once too, rather
-    # than wait for it in a collective until the heartbeat timeout.
-    peer_socket.follow(_peer_stopped, _peer_died, _peer_failed)
     try:
         job()
-        peer_socket.leave()  # the others do not take this process's exit for a death
-        # What is left is the exit, which in a multi-process job waits at jax.distributed's
-        # shutdown barrier for the slowest peer.
+        # What is left is the exit, which in a multi-process job waits for the slowest peer.
         _OUTSIDE_THE_LOOP = after or "after the run ended; its checkpoints are written"
         _ENDED = True
+        _leave(together=True)
     except JobError as e:
-        peer_socket.leave()  # each process says its own (distributed.agreed): nothing to tell
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        _leave(together=True)  # each process says its own (distributed.agreed): nothing to tell
         sys.exit(1)
     except UserError as e:
         with _STOPPING:
             print(f"error: {e}", file=sys.stderr, flush=True)
             # This process's alone (a file or a limit of its host), before training: the others are
-            # told and stop too. Then out at once, not through jax.distributed's shutdown barrier.
-            if peer_socket.tell_error(str(e)):
+            # told and stop too.
+            if (d := _job()) is not None and d.tell("error", str(e)):
                 _exit(None, 1)
-            peer_socket.leave()
+            _leave(together=False)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C where a library put Python's own handler back
         _stopped(signal.SIGINT)
@@ -112,21 +126,22 @@ def _failed(e: Exception) -> None:
             )
             sys.exit(1)
         raise e
-    # A failed collective in a multi-process job almost always means a peer died. Where it died
-    # before training, the thread that follows the peers names it and exits (its line, not this
-    # guess); gloo may see the closed connection a moment before it does.
-    if peer_socket.a_peer_died(1):
+    # A failed collective in a multi-process job almost always means a peer died: the thread that
+    # follows the peers names it and exits (its line, not this guess) once the coordination service
+    # sees it gone, within the heartbeat timeout; gloo sees the closed connection first.
+    d = _job()
+    if d.a_peer_died(d.heartbeat_timeout_s() + 5):
         time.sleep(15)
-    # Exit now: the normal exit would wait at jax.distributed's shutdown barrier for that peer.
+    # Exit now, alone: leaving together would wait at the job's last barrier for that peer.
     with _STOPPING:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         what = f"error: process {jax.process_index()}: {type(e).__name__}: {first}"
-        if peer_socket.before_training():
+        if d.before_training():
             # No peer was seen to die: most likely this process's own error (a bug), whose traceback
             # says where. The others are told: they would wait for this process in a collective.
             traceback.print_exception(e)
             print(what, file=sys.stderr, flush=True)
-            peer_socket.tell_error(f"{type(e).__name__}: {first}")
+            d.tell("error", f"{type(e).__name__}: {first}")
             _exit(None, 1)
         _exit(f"{what} (another process of the job has probably died)", 1)
 
@@ -146,23 +161,30 @@ def _stop_outside_the_loop(signum, frame):
 
 def _stopped(sig: signal.Signals, process: int | None = None):
     """One line, and out at once: a normal exit while XLA's compiler threads run can segfault.
-    Before training, the other processes are told (peer_socket.tell_stop); `process`: the one
-    signalled, where it is another."""
+    Before training, the other processes are told (distributed.tell); `process`: the one signalled,
+    where it is another."""
     with _STOPPING:
         name = "Ctrl-C" if sig == signal.SIGINT else sig.name
-        if process is None and not _ENDED:
-            peer_socket.tell_stop(sig)
+        if process is None and not _ENDED and (d := _job()) is not None:
+            d.tell("stop", str(int(sig)))
         where = "" if process is None else f" on process {process}"
         _exit(f"stopped by {name}{where} {_OUTSIDE_THE_LOOP}", 128 + sig)
 
 
 def _exit(line: str | None, status: int):
     """Prints `line` and exits at once, removing the workdir this process made where it holds only
-    the lock (what the lock's own exit would have done)."""
+    the lock (what the lock's own exit would have done), and leaving the job alone."""
     if line is not None:
         print(line, file=sys.stderr, flush=True)
     output_paths.remove_created_workdirs()
+    _leave(together=False)
     os._exit(status)
+
+
+def _peer_told(process: int, kind: str, text: str):
+    if kind == "stop":
+        _peer_stopped(int(text), process)
+    _peer_failed(process, text)
 
 
 def _peer_stopped(signum: int, process: int):
@@ -172,14 +194,18 @@ def _peer_stopped(signum: int, process: int):
     _stopped(own or signal.Signals(signum), None if own else process)
 
 
+_HOW = "killed, crashed, or silent for --heartbeat_timeout_s"
+_HOW_IN_TRAINING = "killed, crashed, exited at once, or silent for --heartbeat_timeout_s"
+
+
 def _peer_died(process: int):
-    if not peer_socket.training_has_begun():
-        _peer_ended(f"stopped: process {process} died (killed or crashed) {_BEFORE}")
+    if _job().before_training():
+        _peer_ended(f"stopped: process {process} died ({_HOW}) {_BEFORE}")
     # During training the peer may also have exited at once (a second stop signal, a failed step),
     # and a save of this process may be in flight (left unfinished: the next start removes it).
     _peer_ended(
-        f"stopped: process {process} died during training (killed or crashed, or exited at once); "
-        "run again to resume from the newest complete checkpoint"
+        f"stopped: process {process} died during training ({_HOW_IN_TRAINING}); run again to resume "
+        "from the newest complete checkpoint"
     )
 
 
@@ -194,7 +220,7 @@ def _peer_failed(process: int, message: str):
 
 def _peer_ended(line: str):
     # At once: a collective that failed on the closed connection waits for this line
-    # (peer_socket.a_peer_died). And no wait for a signal of this process's own still on its way:
+    # (distributed.a_peer_died). And no wait for a signal of this process's own still on its way:
     # where process 0 died, JAX's client aborts this process as soon as it sees the service gone.
     with _STOPPING:
         own = _own_signal(waits=(0,))  # a job stopped as a whole: this process's own line
@@ -236,7 +262,8 @@ class StopSignal:
         self._finishing = False  # the loop is over; the run waits for its last save
 
     def __enter__(self) -> StopSignal:
-        peer_socket.training_began()  # a stop from here on is seen by every process at a step boundary
+        if (d := _job()) is not None:
+            d.training_began()  # a stop from here on is seen by every process at a step boundary
         # signal.signal works on the main thread only; elsewhere (a library caller's worker thread)
         # the process keeps its own handlers.
         if threading.current_thread() is threading.main_thread():
@@ -278,14 +305,10 @@ class StopSignal:
             "(send again to exit at once)"
         )
 
-    def finishing(self, failed: bool = False) -> None:
+    def finishing(self) -> None:
         """The loop is over: a first signal now only says that the run exits once its last checkpoint
-        is written; a second still exits at once. A peer's close is from now on its own exit
-        (peer_socket.training_ended), unless the loop `failed`: a failed step most likely saw a peer
-        die, whose socket may close only after it."""
+        is written; a second still exits at once."""
         self._finishing = True
-        if not failed:
-            peer_socket.training_ended()
 
     def requested(self) -> bool:
         """True once a stop signal arrived on any process of the job. Every process calls it at the

@@ -177,7 +177,7 @@ def _loop(
     c, state = s.config, run.state
     watch = faults.NonFiniteWatch(c.skip_nonfinite_steps, log, run.start, run.skipped)
     batches = None
-    finish_saves, failed = True, False
+    finish_saves = True
     # Entered until the run returns: a signal while the last save finishes waits for it too.
     with signals.StopSignal(log) as stop:
         report = Reporter(
@@ -207,10 +207,9 @@ def _loop(
             # would wait for it in its own collectives until the coordination service aborts. The
             # caller exits instead; the next start removes the unfinished save.
             finish_saves = jax.process_count() == 1 or isinstance(e, UserError)
-            failed = True
             raise
         finally:
-            stop.finishing(failed)  # a first signal from here on waits for the save in flight
+            stop.finishing()  # a first signal from here on waits for the save in flight
             trace.close(settle=finish_saves)
             if batches is not None:
                 batches.close()

@@ -346,19 +346,28 @@ def wait_for_training(workdir):
     assert metrics.exists(), "the job never started training"
 
 
-def test_a_peer_killed_during_training_stops_the_others_at_once(tmp_path):
-    """Its end of the handshake socket closes without `bye` while the others' loops run. Before,
-    a collective in flight failed on gloo's closed connection (a guess, "another process ... has
-    probably died"), or, for 3 of 16 kills, the others waited until the heartbeat timeout and JAX
-    ended them with its own message and thread dumps."""
-    procs = start(tmp_path / "run", 100_000, "--config.checkpoint_every=100000", "--heartbeat_timeout_s=100")
+# The job's --heartbeat_timeout_s in the tests of a dead or silent peer, and the slack a loaded machine
+# adds to it before the survivors have exited.
+HEARTBEAT = ("--heartbeat_timeout_s=10",)
+SLACK_S = 25
+# How the survivors' line says a peer went.
+HOW = "killed, crashed, or silent for --heartbeat_timeout_s"
+IN_TRAINING = "killed, crashed, exited at once, or silent for --heartbeat_timeout_s"
+
+
+def test_a_peer_killed_during_training_stops_the_others_within_the_heartbeat_timeout(tmp_path):
+    """The coordination service no longer lists it among the live processes. Before (without
+    recoverability), a collective in flight failed on gloo's closed connection (a guess, "another
+    process ... has probably died"), or the others waited until the heartbeat timeout and JAX ended
+    them with its own fatal message and stack dumps."""
+    procs = start(tmp_path / "run", 100_000, "--config.checkpoint_every=100000", *HEARTBEAT)
     err, took = process_1_killed(procs, once=lambda: wait_for_training(tmp_path / "run"))
     assert procs[0].returncode == 1, err[-2000:]
     assert err.strip().splitlines()[-1] == (
-        "stopped: process 1 died during training (killed or crashed, or exited at once); run again to "
-        "resume from the newest complete checkpoint"
+        f"stopped: process 1 died during training ({IN_TRAINING}); run again to resume from the newest "
+        "complete checkpoint"
     )
-    assert took < 30, took
+    assert took < 10 + SLACK_S, took
 
 
 def test_a_stop_signal_stops_every_process_at_one_step(tmp_path):
@@ -403,19 +412,19 @@ def test_sigterm_to_one_process_before_training_stops_every_process_at_once(tmp_
 
 
 @pytest.mark.parametrize("job", ["flags", "distributed"])
-def test_a_process_killed_before_training_stops_the_others_at_once(tmp_path, job):
-    """SIGKILL (as the OOM killer; a crash alike) says nothing, but its end of the handshake socket
-    closes. Before, process 0 waited for it in a collective until the heartbeat timeout (100 s)
-    and JAX aborted it with a stack trace, leaving the new workdir behind. `distributed`: the job as
-    --distributed finds it (a SLURM job here; a TPU pod alike) goes through the same handshake."""
+def test_a_process_killed_before_training_stops_the_others_within_the_heartbeat_timeout(tmp_path, job):
+    """SIGKILL (as the OOM killer; a crash alike) says nothing: the coordination service misses its
+    heartbeats. Before recoverability, JAX aborted process 0 with a stack trace, leaving the new
+    workdir behind. `distributed`: the job as --distributed finds it (a SLURM job here; a TPU pod
+    alike) is followed the same way."""
     launch = start if job == "flags" else slurm_job
-    procs = launch(tmp_path / "run", 100_000, "--heartbeat_timeout_s=100")
+    procs = launch(tmp_path / "run", 100_000, *HEARTBEAT)
     err, took = process_1_killed(procs, once=lambda: compiling(procs[0]))
     assert procs[0].returncode == 1, err[-2000:]
     assert err.strip().splitlines()[-1] == (
-        "stopped: process 1 died (killed or crashed) before training began; no checkpoint was written"
+        f"stopped: process 1 died ({HOW}) before training began; no checkpoint was written"
     )
-    assert took < 20, took
+    assert took < 10 + SLACK_S, took
     assert not (tmp_path / "run").exists()
 
 
@@ -458,26 +467,27 @@ def test_an_error_of_one_process_alone_before_training_stops_the_others_at_once(
     assert not (tmp_path / "run").exists()
 
 
-# A silent peer is seen one of two ways: the coordination service misses its heartbeats and JAX
-# ends the process (its own message), or a collective in flight fails first (our one line).
-OURS = "error: process 0:"
-JAX_S = "JAX distributed service detected fatal errors"
+def test_a_silent_peer_ends_the_job_after_the_heartbeat_timeout_and_the_newest_checkpoint_reads(tmp_path):
+    """A stopped process keeps its connections open: only --heartbeat_timeout_s ends this. Before,
+    the coordination service aborted process 0 with its fatal message and a stack dump (exit 134)."""
+    from gspmd_tp.checkpoint import step_dirs
 
-
-def test_a_silent_peer_ends_the_job_after_the_heartbeat_timeout(tmp_path):
-    # A stopped process keeps its sockets open: only --heartbeat_timeout_s (default 100 s) ends this.
-    procs = start(tmp_path / "run", 100_000, "--config.checkpoint_every=100000", "--heartbeat_timeout_s=5")
-    wait_for_training(tmp_path / "run")
+    run = tmp_path / "run"
+    procs = start(run, 100_000, "--config.checkpoint_every=2", *HEARTBEAT)
+    wait_for_training(run)
+    time.sleep(3)  # a few steps and saves
     procs[1].send_signal(signal.SIGSTOP)
     stopped = time.time()
     try:
-        _, err = procs[0].communicate(timeout=90)
+        _, err = procs[0].communicate(timeout=120)
     finally:
         procs[1].kill()
         procs[1].communicate()
-    assert procs[0].returncode != 0
-    assert time.time() - stopped < 40, time.time() - stopped
-    assert JAX_S in err or any(line.startswith(OURS) for line in err.splitlines()), err[-2000:]
+    assert procs[0].returncode == 1, err[-2000:]
+    assert time.time() - stopped < 10 + SLACK_S, time.time() - stopped
+    assert err.strip().splitlines()[-1].startswith("stopped: process 1 died during training"), err[-2000:]
+    readable = [step for step, _ in step_dirs.readable_checkpoints(str(run), warn=lambda _: None)]
+    assert readable and max(readable) == max(step_dirs.steps_on_disk(str(run / "checkpoints"))), readable
 
 
 def test_a_job_that_never_fully_joins_is_one_line_after_join_timeout_s(tmp_path):
@@ -559,17 +569,14 @@ def test_bad_job_flags_are_named_before_joining(args, message):
         distributed.initialize(*args)
 
 
-def test_a_coordinator_port_already_taken_is_one_line(monkeypatch):
+def test_a_coordinator_port_already_taken_is_one_line():
     """Process 0 checks the port before jax's coordination service binds it (whose failed bind
     could take the whole process down with a segmentation fault)."""
     import socket
 
-    from gspmd_tp.job import distributed, peer_socket
+    from gspmd_tp.job import distributed
     from gspmd_tp.job.errors import UserError
 
-    # What listens there never answers whether it is a process 0 still waiting for its job: that
-    # question's wait (5 s) is cut to half a second.
-    monkeypatch.setattr(peer_socket, "_READ_S", 0.5)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -586,22 +593,6 @@ def test_share_gives_each_process_its_row():
 
     assert distributed.read(distributed.share([3, -5, 7])).tolist() == [[3, -5, 7]]
     assert distributed.read(distributed.share(np.int32(4))).tolist() == [[4]]
-
-
-def test_cluster_job_is_what_jax_finds(monkeypatch):
-    from gspmd_tp.job import distributed
-
-    for name in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"):
-        monkeypatch.delenv(name, raising=False)
-    assert distributed.cluster_job(5) is None  # no cluster: jax.distributed.initialize() says so
-    slurm = dict(
-        SLURM_JOB_ID="7", SLURM_STEP_NODELIST="node[003-010],gpu2", SLURM_NTASKS="16", SLURM_PROCID="9"
-    )
-    for name, value in {**slurm, "SLURM_LOCALID": "1", "JAX_COORDINATOR_PORT": "1234"}.items():
-        monkeypatch.setenv(name, value)
-    assert distributed.cluster_job(5) == ("node003:1234", 16, 9, [1])
-    monkeypatch.setenv("SLURM_NTASKS", "1")
-    assert distributed.cluster_job(5) is None  # one process: nothing to join
 
 
 # python -c: bench.py as `python bench.py` runs it, its matmul roofline timed on 256 x 256 products,
@@ -630,7 +621,7 @@ def bench_job(*extra, only=((), ())):
     port = free_port()
     args = [
         *SMALL[:5], "--rules=megatron_1d", "--meshes=dp=2,mp=4", "--steps=1", "--warmup=0", *extra,
-        f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+        f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", *HEARTBEAT,
     ]  # fmt: skip
     other_host = "socket.gethostname = lambda: 'another-host'\n"
     return [
@@ -672,24 +663,22 @@ def test_bench_processes_given_other_flags_are_refused_before_compiling():
                      "process with the same flags"] * 2  # fmt: skip
 
 
-def test_a_bench_process_killed_stops_the_others_at_once():
-    """bench.py's job ends as train.py's does before training: one line, at once. Before, process 0
-    printed a failed collective's traceback and waited at JAX's shutdown barrier until the heartbeat
-    timeout (100 s), then aborted (exit 134)."""
+def test_a_bench_process_killed_stops_the_others_within_the_heartbeat_timeout():
+    """bench.py's job ends as train.py's does before training: one line."""
     procs = bench_job("--steps=100000", "--json_out=report.json")
     err, took = process_1_killed(procs, once=lambda: joined(procs[0]))
     assert procs[0].returncode == 1, err[-2000:]
     assert err.strip().splitlines()[-1] == (
-        "stopped: process 1 died (killed or crashed) (--json_out=report.json is as it was)"
+        f"stopped: process 1 died ({HOW}) (--json_out=report.json is as it was)"
     )
-    assert took < 30, took
+    assert took < 10 + SLACK_S, took
 
 
 def reader_job(module, *args, only=((), ()), cwd=(ROOT, ROOT)):
     """python -m gspmd_tp.MODULE as 2 processes, each simulating the devices the command chooses
     (the saved mesh's, shared between the two), process i adding `only[i]`, started in `cwd[i]`."""
     port = free_port()
-    job = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
+    job = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", *HEARTBEAT]
     return [
         subprocess.Popen(
             [sys.executable, "-m", f"gspmd_tp.{module}", *args, *job, f"--process_id={i}", *only[i]],
@@ -760,13 +749,12 @@ def test_evaluating_processes_that_read_other_held_out_files_are_refused(fsdp_jo
         assert last.startswith(differs), last
 
 
-def test_a_reader_process_killed_stops_the_others_at_once(fsdp_job):
-    """A reader's job ends as bench.py's does: one line, at once, instead of process 0 waiting in a
-    collective for the dead one until the heartbeat timeout."""
+def test_a_reader_process_killed_stops_the_others_within_the_heartbeat_timeout(fsdp_job):
+    """A reader's job ends as bench.py's does: one line."""
     procs = reader_job("generate", f"--workdir={fsdp_job[0]}", "--prompt=a", "--max_new_tokens=20")
     err, took = process_1_killed(procs, once=lambda: joined(procs[0]))
     assert procs[0].returncode == 1, err[-2000:]
     assert err.strip().splitlines()[-1] == (
-        "stopped: process 1 died (killed or crashed) (nothing in the workdir was written)"
+        f"stopped: process 1 died ({HOW}) (nothing in the workdir was written)"
     )
-    assert took < 30, took
+    assert took < 10 + SLACK_S, took

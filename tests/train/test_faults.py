@@ -256,8 +256,8 @@ def test_damaged_newest_checkpoints_are_skipped_and_a_signal_at_the_end_waits_fo
     once the loop is over, the last step's save in flight, waits for that save."""
     original = signals.StopSignal.finishing
 
-    def signalled(stop, failed):
-        original(stop, failed)
+    def signalled(stop):
+        original(stop)
         os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(signals.StopSignal, "finishing", signalled)
