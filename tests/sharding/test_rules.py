@@ -24,11 +24,16 @@ def _logical(names) -> str:
     return "(" + ", ".join(str(n) for n in names) + ")"
 
 
-def spec_table(rules_name: str) -> str:
+# The small test model as a mixture of experts (8 experts, 2 a token, one shared).
+MOE = {"model.num_experts": 8, "model.expert_mlp_dim": 32, "model.shared_experts": 1}
+
+
+def spec_table(rules_name: str, **overrides) -> str:
     """'path  (logical names)  PartitionSpec' for every parameter of the small test model."""
     rules = load_rules(rules_name)
-    model_cfg = run_setup.model_config(small_config())
-    lines = [f"# rules/{rules_name}.yaml: parameter, logical axes, PartitionSpec (small test model)"]
+    model_cfg = run_setup.model_config(small_config(**overrides))
+    what = "small MoE test model" if overrides else "small test model"
+    lines = [f"# rules/{rules_name}.yaml: parameter, logical axes, PartitionSpec ({what})"]
     for path, (_, names) in sorted(param_axes(model_cfg).items()):
         lines.append(f"{path:<24} {_logical(names):<42} {rules.spec(names)}")
     return "\n".join(lines) + "\n"
@@ -39,6 +44,18 @@ def test_golden_parameter_specs(rules_name):
     """Set GOLDEN_UPDATE=1 to rewrite tests/sharding/golden/*.txt after an intended change; then read them."""
     path = GOLDEN / f"specs_{rules_name}.txt"
     table = spec_table(rules_name)
+    if os.environ.get("GOLDEN_UPDATE"):
+        path.write_text(table)
+    assert table == path.read_text()
+
+
+@pytest.mark.parametrize("rules_name", SHIPPED)
+def test_golden_parameter_specs_of_a_mixture_of_experts(rules_name):
+    """The MoE model's parameters (router, experts, shared experts) under every rule file:
+    experts over the expert axis where a file maps them, replicated where it gives [experts, null]
+    (GOLDEN_UPDATE=1 rewrites tests/sharding/golden/specs_moe_*.txt)."""
+    path = GOLDEN / f"specs_moe_{rules_name}.txt"
+    table = spec_table(rules_name, **MOE)
     if os.environ.get("GOLDEN_UPDATE"):
         path.write_text(table)
     assert table == path.read_text()
