@@ -115,7 +115,8 @@ def experts(cfg: ModelConfig, x_ble, weights_blk, ids_blk, w_in, w_out):
     one_pass_gradient = kernels.mlp_implementation(cfg) == "one_pass"
     layout = _layout()
     if layout is not None and _divides(layout, x_ble.shape, w_in.shape):
-        return _sharded(layout, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gradient)
+        grad_dtype = kernels._gradient_dtype(cfg.grad_dtype, w_in.dtype)
+        return _sharded(layout, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gradient, grad_dtype)
     b, length, d = x_ble.shape
     k = ids_blk.shape[-1]
     y_td = _grouped(
@@ -156,19 +157,23 @@ def _layout() -> dict | None:
     """Where the rules being traced with place the dispatch's operands: `batch` and `length` (the
     tokens' mesh axes), `experts` (the experts' weights' mesh axes, those of the tokens' length left
     out), `hidden` (the mesh axes of the experts' hidden width: those of `mlp` in the activations),
-    `gather` (the experts' axes that also split the batch: the tokens are gathered over them) and
-    `rest` (the experts' axes that do not: the tokens are already whole there). None with no mesh or
-    inside another shard_map."""
+    `fsdp` (the mesh axes the weights' model width lies over: gathered inside the map, their
+    gradient reduce-scattered back), `gather` (the experts' axes that also split the batch: the
+    tokens are gathered over them) and `rest` (the experts' axes that do not: the tokens are already
+    whole there). None with no mesh or inside another shard_map."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or jax.sharding.AxisType.Manual in mesh.axis_types:
         return None
     batch, length, hidden = (axes_of(a) for a in nn.logical_to_mesh_axes((BATCH, LENGTH, MLP)))
-    split = tuple(a for a in axes_of(nn.logical_to_mesh_axes(EXPERT_IN)[0]) if a not in length)
+    weight = [axes_of(a) for a in nn.logical_to_mesh_axes(EXPERT_IN)]
+    split = tuple(a for a in weight[0] if a not in length)
+    hidden = tuple(a for a in hidden if a not in split)
     return {
         "batch": batch,
         "length": length,
         "experts": split,
-        "hidden": tuple(a for a in hidden if a not in split),
+        "hidden": hidden,
+        "fsdp": tuple(a for a in weight[1] if a not in split + hidden),
         "gather": tuple(a for a in split if a in batch),
         "rest": tuple(a for a in split if a not in batch),
     }
@@ -184,18 +189,21 @@ def _divides(layout: dict, x_shape: tuple, w_in_shape: tuple) -> bool:
         and x_shape[1] % ways(layout["length"]) == 0
         and w_in_shape[0] % ways(layout["experts"]) == 0
         and w_in_shape[-1] % ways(layout["hidden"]) == 0
+        and w_in_shape[1] % ways(layout["fsdp"]) == 0
     )
 
 
-def _sharded(layout: dict, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gradient: bool):
+def _sharded(layout: dict, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gradient: bool, grad_dtype):
     """`experts` as a shard_map over the mesh: each device gathers the tokens of the devices that
     share its batch shard's other axes (layout["gather"]), applies its own experts (its share of
     each one's hidden width) to them, and the sums are reduce-scattered back over those axes and
     added over the hidden width's and the other experts' axes."""
-    gather, split = layout["gather"], layout["experts"]
+    gather, split, fsdp = layout["gather"], layout["experts"], layout["fsdp"]
     reduce = layout["hidden"] + layout["rest"]
 
     def body(x, w, ids, wi, wo):
+        if fsdp:  # ZeRO-3: the weights gathered here, their gradients reduce-scattered onto the shards
+            wi, wo = kernels._gather(wi, fsdp, 1, grad_dtype), kernels._gather(wo, fsdp, 2, grad_dtype)
         if gather:
             x, w, ids = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, w, ids))
         b, length, d = x.shape
@@ -209,10 +217,10 @@ def _sharded(layout: dict, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gr
 
     tokens = nn.logical_to_mesh_axes((BATCH, LENGTH, None))
     # The weights' specs: experts over the layout's expert axes, the hidden width over its hidden
-    # axes, the model width whole (gathered where the rules split it: FSDP).
-    mine = ((EXPERTS, split or None), (MLP, layout["hidden"] or None))
+    # axes, the model width over its FSDP axes.
+    mine = ((EXPERTS, split or None), (MLP, layout["hidden"] or None), (EMBED, fsdp or None))
     w_in_spec, w_out_spec = (
-        nn.logical_to_mesh_axes(n, mine) for n in ((EXPERTS, None, None, MLP), (EXPERTS, MLP, None))
+        nn.logical_to_mesh_axes(n, mine) for n in ((EXPERTS, EMBED, None, MLP), (EXPERTS, MLP, EMBED))
     )
     return jax.shard_map(
         body,
