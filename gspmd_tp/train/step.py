@@ -1,6 +1,6 @@
 """The jit-compiled train and eval steps of a Setup: loss sums, gradient accumulation over
-microbatches (reduced over data parallelism once per step where the sharding allows), clipping and
-AdamW with the state donated.
+microbatches (reduced over data parallelism once per step where the sharding allows), a mixture of
+experts' router losses in the objective, clipping and AdamW with the state donated.
 """
 
 from __future__ import annotations

@@ -182,3 +182,26 @@ def test_moe_config_problems_are_one_line_each(changes, message):
     problems = dataclasses.replace(CFG, **changes).validate()
     assert len(problems) == 1 and "\n" not in problems[0]
     assert re.fullmatch(message, problems[0]) or re.match(message, problems[0])
+
+
+@pytest.mark.parametrize("remat", ["full", "dots_no_batch"])
+def test_remat_changes_neither_the_gradient_nor_the_router_stats(remat):
+    """The router's stats are sown inside the rematerialized, scanned block: the same rows, and
+    the gradient of the logits plus the aux loss the same, as without remat."""
+    tokens = np.arange(16, dtype=np.int32).reshape(2, 8)
+    params = Transformer(CFG).init(jax.random.key(0), tokens)["params"]
+
+    def objective(cfg):
+        def f(p):
+            logits, state = Transformer(cfg).apply({"params": p}, tokens, mutable=["intermediates"])
+            losses = moe.router_losses(state["intermediates"], cfg.experts_per_token)
+            return logits.mean() + losses["aux_loss"], losses
+
+        return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+
+    (_, want_stats), want = objective(CFG)
+    (_, got_stats), got = objective(dataclasses.replace(CFG, remat=remat))
+    for key in want_stats:
+        assert float(got_stats[key]) == pytest.approx(float(want_stats[key]), rel=1e-6)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
