@@ -52,7 +52,9 @@ def _param_axes(model_cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tupl
 
 @functools.cache
 def param_count(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts: total, and those in matrix products (the N of the MFU formula)."""
+    """Parameter counts: total, and those in matrix products that each token meets (the N of the
+    MFU formula): in a mixture of experts the router's, its k experts' and the shared experts'
+    (the active parameters), not every expert's."""
     d, hd, h, k, m, v, n = (
         cfg.d_model,
         cfg.head_dim,
@@ -62,17 +64,24 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
         cfg.vocab_size,
         cfg.num_layers,
     )
-    per_layer_matmul = d * (h + 2 * k) * hd + h * hd * d + 3 * d * m
+    attention = d * (h + 2 * k) * hd + h * hd * d
+    per_layer, per_layer_active = attention + 3 * d * m, attention + 3 * d * m
+    if cfg.num_experts:
+        expert, shared = 3 * d * cfg.expert_width, 3 * d * cfg.shared_experts * cfg.expert_width
+        router = d * cfg.num_experts
+        per_layer = attention + router + cfg.num_experts * expert + shared
+        per_layer_active = attention + router + cfg.experts_per_token * expert + shared
     norms = n * 2 * d + d
     embedding = v * d
     # The output projection takes part in a matmul whether or not it is tied to the embedding.
-    matmul = n * per_layer_matmul + v * d
-    total = n * per_layer_matmul + norms + embedding + (0 if cfg.tie_embeddings else v * d)
+    matmul = n * per_layer_active + v * d
+    total = n * per_layer + norms + embedding + (0 if cfg.tie_embeddings else v * d)
     return {"total": total, "matmul": matmul}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (PaLM appendix B): 6N + 12·L·H·Q·T, attention halved (causal)."""
+    """Training FLOPs per token (PaLM appendix B): 6N + 12·L·H·Q·T, attention halved (causal); N
+    the active parameters of a mixture of experts (param_count's matmul)."""
     n = param_count(cfg)["matmul"]
     attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
     return 6 * n + attention / 2

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from gspmd_tp.model import kernels
+from gspmd_tp.model import kernels, moe
 from gspmd_tp.sharding.axes import (
     BATCH,
     EMBED,
@@ -131,6 +131,26 @@ class ModelConfig:
     # step sets it from config.optim.grad_reduce_dtype where GSPMD places the data-parallel
     # reduction (kernels.project).
     grad_dtype: str = ""
+    # Mixture of experts (moe.py). 0: the dense MLP. > 0: each block's MLP is that many SwiGLU experts
+    # of hidden width expert_mlp_dim (0: mlp_dim), each token sent to experts_per_token of them by a
+    # softmax router over all of them (Mixtral, Qwen3-MoE), the k weights renormalised to sum to 1
+    # where router_renormalize; plus, with shared_experts > 0, a dense SwiGLU MLP of hidden width
+    # shared_experts * expert_mlp_dim that every token goes through (DeepSeekMoE's shared experts).
+    # Dropless: every token reaches its k experts on any mesh.
+    num_experts: int = 0
+    experts_per_token: int = 2
+    expert_mlp_dim: int = 0
+    shared_experts: int = 0
+    router_renormalize: bool = True
+    # The weights of the router's losses in the training objective, averaged over the layers: Switch's
+    # load-balancing loss (1 when balanced) and ST-MoE's z-loss (moe.router_losses).
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.001
+
+    @property
+    def expert_width(self) -> int:
+        """The hidden width of one expert: expert_mlp_dim, or mlp_dim where it is 0."""
+        return self.expert_mlp_dim or self.mlp_dim
 
     @property
     def saved_names(self) -> tuple[str, ...]:
@@ -201,6 +221,7 @@ class ModelConfig:
                 "model.mlp_grad 'fused' writes the whole MLP's backward, which model.mlp_slices "
                 f"{self.mlp_slices} slices: set one of the two"
             )
+        problems += self._moe_problems()
         if self.attention not in kernels.ATTENTION_IMPLEMENTATIONS:
             problems.append(
                 f"model.attention {self.attention!r} is not one of {kernels.ATTENTION_IMPLEMENTATIONS}"
@@ -211,6 +232,22 @@ class ModelConfig:
             problems.append(
                 f"model.attention_block={self.attention_block} applies to einsum attention only; with "
                 f"model.attention {self.attention!r} set it to 0"
+            )
+        return problems
+
+    def _moe_problems(self) -> list[str]:
+        """Problems with the mixture-of-experts keys, as one-line messages."""
+        problems = []
+        for name in ("num_experts", "expert_mlp_dim", "shared_experts"):
+            if getattr(self, name) < 0:
+                problems.append(f"model.{name} must be 0 or more, got {getattr(self, name)}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if not getattr(self, name) >= 0:  # "not >=" so that NaN is refused too
+                problems.append(f"model.{name} must be 0 or more, got {getattr(self, name)}")
+        if self.num_experts > 0 and not 1 <= self.experts_per_token <= self.num_experts:
+            problems.append(
+                f"model.experts_per_token must be in 1..model.num_experts ({self.num_experts}), "
+                f"got {self.experts_per_token}"
             )
         return problems
 
@@ -418,6 +455,33 @@ class FeedForward(nn.Module):
         return _constrain(_constrain_cotangent(y_ble, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))
 
 
+class MoeFeedForward(nn.Module):
+    """Mixture of SwiGLU experts (moe.py): a router's top-k experts per token, dropless, plus the
+    shared experts where model.shared_experts > 0. Sows the router's statistics (moe.STATS) into
+    "intermediates" for the router's losses."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_ble):
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        e, d, m = cfg.num_experts, cfg.d_model, cfg.expert_width
+        w_router = _param(self, "router", _INIT, (d, e), moe.ROUTER_AXES)
+        w_in = _param(self, "gate_up", _INIT, (e, d, 2, m), moe.EXPERT_IN)
+        w_out = _param(self, "down", _out_init(cfg), (e, m, d), moe.EXPERT_OUT)
+        k, renormalize = cfg.experts_per_token, cfg.router_renormalize
+        weights_blk, ids_blk, stats = moe.route(x_ble, w_router, k, renormalize)
+        for name, value in stats.items():
+            self.sow("intermediates", name, value)
+        w_in, w_out = _weight(w_in, dtype, moe.EXPERT_IN), _weight(w_out, dtype, moe.EXPERT_OUT)
+        y_ble = moe.experts(cfg, x_ble, weights_blk, ids_blk, w_in, w_out)
+        y_ble = _constrain(_constrain_cotangent(y_ble, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))
+        if cfg.shared_experts:
+            shared = dataclasses.replace(cfg, mlp_dim=cfg.shared_experts * m)
+            y_ble = y_ble + FeedForward(shared, name="shared")(x_ble)
+        return y_ble
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -434,7 +498,8 @@ class Block(nn.Module):
         x_ble = x_ble + checkpoint_name(Attention(cfg, name="attn")(h, positions), "attn_out")
         h = _constrain(RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_ble), (BATCH, NORM_LENGTH, EMBED))
         h = checkpoint_name(_constrain(h, _WHOLE_WIDTH), "mlp_in")
-        x_ble = x_ble + checkpoint_name(FeedForward(cfg, name="mlp")(h), "mlp_out")
+        mlp = MoeFeedForward(cfg, name="moe") if cfg.num_experts else FeedForward(cfg, name="mlp")
+        x_ble = x_ble + checkpoint_name(mlp(h), "mlp_out")
         return _constrain(x_ble, (BATCH, NORM_LENGTH, EMBED)), None
 
 
@@ -465,7 +530,8 @@ class Transformer(nn.Module):
         if cfg.scan_layers:
             stack = nn.scan(
                 block,
-                variable_axes={"params": 0, "cache": 0},  # each layer its own cache
+                # each layer its own cache, and its own row of the router's statistics (MoE)
+                variable_axes={"params": 0, "cache": 0, "intermediates": 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast,),
                 length=cfg.num_layers,

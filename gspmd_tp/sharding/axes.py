@@ -14,6 +14,7 @@ Rule files map these names onto mesh axes. The model never names a mesh axis.
 | `mlp` | params and activations | feed-forward hidden width |
 | `vocab` | params and logits | vocabulary |
 | `layers` | params | the stacked layer axis made by `nn.scan` |
+| `experts` | params (MoE) | the expert dimension of the experts' weights and the router's |
 """
 
 BATCH = "batch"
@@ -26,6 +27,7 @@ HEAD_DIM = "head_dim"
 MLP = "mlp"
 VOCAB = "vocab"
 LAYERS = "layers"
+EXPERTS = "experts"
 
 # name -> (where it appears, what it means); the table above in data form.
 VOCABULARY: dict[str, tuple[str, str]] = {
@@ -42,7 +44,9 @@ VOCABULARY: dict[str, tuple[str, str]] = {
     MLP: ("params and activations", "feed-forward hidden width"),
     VOCAB: ("params and logits", "vocabulary"),
     LAYERS: ("params", "the stacked layer axis made by nn.scan"),
+    EXPERTS: ("params (MoE)", "the expert dimension of the experts' weights and the router's"),
 }
 
-# Names that appear on activations only (parameters are discovered from the model itself).
+# Names that appear on activations only (parameters are discovered from the model itself). `experts`
+# names parameters only, so a dense model asks no rule file for it.
 ACTIVATION_AXES = (BATCH, LENGTH, NORM_LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB)

@@ -256,6 +256,9 @@ def progress_line(step: int, total: int, m: dict) -> str:
     parts = [f"step {step:>{len(str(total))}}/{total}", f"loss {m['loss']:.4f}"]
     if "eval_loss" in m:
         parts.append(f"eval_loss {m['eval_loss']:.4f}")
+    if "router_aux_loss" in m:  # a mixture of experts: its balance (1 when even) and its largest expert
+        parts.append(f"aux {m['router_aux_loss']:.3f}")
+        parts.append(f"max_load {m['expert_max_load']:.2f}x")
     parts += [
         f"grad_norm {m['grad_norm']:.3f}",
         f"lr {m['learning_rate']:.2e}",

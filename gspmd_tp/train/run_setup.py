@@ -20,7 +20,7 @@ from gspmd_tp.model.kernels import attention_implementation, mlp_implementation,
 from gspmd_tp.model.transformer import ModelConfig
 from gspmd_tp.sharding import axes
 from gspmd_tp.sharding.mesh import make_mesh, mesh_string
-from gspmd_tp.sharding.rules import Rules, load_rules, mesh_ways
+from gspmd_tp.sharding.rules import Rules, axes_of, load_rules, mesh_ways
 from gspmd_tp.train import optimizer
 from gspmd_tp.train import state as state_lib
 from gspmd_tp.train import step as step_lib
@@ -158,6 +158,7 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
         mlp_grad = mlp_implementation(model_cfg, platform)
     if model_cfg.mlp_slices > 1:
         _check_mlp_slices(model_cfg, rules, mesh)
+    _check_experts(model_cfg, rules, mesh)
     model_cfg = dataclasses.replace(
         model_cfg,
         mlp_grad=mlp_grad,
@@ -238,6 +239,25 @@ def _check_mlp_slices(model_cfg: ModelConfig, rules: Rules, mesh) -> None:
                 f" split {ways} ways over {', '.join(layout['mlp'])} ({model_cfg.mlp_dim // ways} a device)"
             )
         raise UserError(f"config.model.mlp_slices={k}: {share} does not divide into {k} equal slices")
+
+
+def _check_experts(model_cfg: ModelConfig, rules: Rules, mesh) -> None:
+    """UserError where the mesh axes the rule file splits `experts` over do not divide
+    model.num_experts; a warning where it splits them but the model is dense (nothing has them)."""
+    split = axes_of(rules.spec((axes.EXPERTS,))[0])
+    if not split:
+        return
+    ways, sizes = mesh_ways(mesh.shape, split)
+    if not model_cfg.num_experts:
+        warn(
+            f"warning: {rules.source} splits experts over mesh axes {sizes} but config.model.num_experts "
+            "is 0 (a dense model): no weight has experts, the file's other rules apply as written"
+        )
+    elif model_cfg.num_experts % ways:
+        raise UserError(
+            f"config.model.num_experts={model_cfg.num_experts} is not divisible by the mesh axes {sizes} "
+            f"that {rules.source} splits experts over"
+        )
 
 
 _TRAIN_STEP_FIX = (

@@ -154,8 +154,8 @@ def _tensors(model_cfg: ModelConfig, micro_batch: int, seq_len: int):
             (micro_batch, seq_len, model_cfg.num_heads, model_cfg.head_dim),
             (axes.BATCH, axes.LENGTH, axes.HEADS, axes.HEAD_DIM),
         ),
-        "activation mlp hidden": (
-            (micro_batch, seq_len, model_cfg.mlp_dim),
+        "activation mlp hidden": (  # a mixture of experts': each expert's
+            (micro_batch, seq_len, model_cfg.expert_width if model_cfg.num_experts else model_cfg.mlp_dim),
             (axes.BATCH, axes.LENGTH, axes.MLP),
         ),
         "activation logits": (

@@ -1,6 +1,6 @@
 """The jit-compiled train and eval steps of a Setup: loss sums, gradient accumulation over
-microbatches (reduced over data parallelism once per step where the sharding allows), clipping and
-AdamW with the state donated.
+microbatches (reduced over data parallelism once per step where the sharding allows), a mixture of
+experts' router losses in the objective, clipping and AdamW with the state donated.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from gspmd_tp.data import pipeline
+from gspmd_tp.model import moe
 from gspmd_tp.model.transformer import Transformer
 from gspmd_tp.sharding import axes
 from gspmd_tp.sharding.rules import axes_of, batch_mesh_axes, mesh_ways
@@ -31,16 +32,60 @@ def _loss_sums(model: Transformer, params, tokens, loss_chunk: int = 0, padded: 
     loss_chunk > 0 computes the logits that many positions at a time (see gspmd_tp/loss.py).
     padded: the tokens may hold data.PAD (an evaluation pass's last batch), whose targets do not count.
     """
+    return _loss_sums_and_router(model, params, tokens, loss_chunk, padded)[:2]
+
+
+def _loss_sums_and_router(model: Transformer, params, tokens, loss_chunk: int = 0, padded: bool = False):
+    """_loss_sums and the router's losses of a mixture-of-experts model over these tokens
+    (moe.router_losses; {} for a dense model)."""
     inputs, targets, valid = tokens[:, :-1], tokens[:, 1:], None
     if padded:
         valid = targets != pipeline.PAD
         inputs, targets = (jnp.where(t == pipeline.PAD, 0, t) for t in (inputs, targets))
+    out, router = _apply(model, params, inputs, return_hidden=bool(loss_chunk))
     if loss_chunk:
-        hidden, head = model.apply({"params": params}, inputs, return_hidden=True)
-        return loss_lib.chunked_cross_entropy_sums(
+        hidden, head = out
+        sums = loss_lib.chunked_cross_entropy_sums(
             hidden, head, targets, loss_chunk, valid, model.cfg.vocab_tokens, model.cfg.grad_dtype
         )
-    return loss_lib.cross_entropy_sums(model.apply({"params": params}, inputs), targets, valid)
+    else:
+        sums = loss_lib.cross_entropy_sums(out, targets, valid)
+    return (*sums, router)
+
+
+def _apply(model: Transformer, params, inputs, return_hidden: bool):
+    """(model.apply's output, the router's losses): an MoE model's layers sow their router
+    statistics, read here; a dense model's apply is as it always was."""
+    if not model.cfg.num_experts:
+        return model.apply({"params": params}, inputs, return_hidden=return_hidden), {}
+    out, state = model.apply(
+        {"params": params}, inputs, return_hidden=return_hidden, mutable=["intermediates"]
+    )
+    return out, moe.router_losses(state["intermediates"], model.cfg.experts_per_token)
+
+
+# The router's losses in a step's stats (mean over the microbatches), by moe.router_losses' names.
+ROUTER_STATS = {"aux_loss": "router_aux_loss", "z_loss": "router_z_loss", "max_load": "expert_max_load"}
+
+
+def _objective_and_grad(model: Transformer, params, tokens_i, count: int, accum: int, loss_chunk: int):
+    """((loss, router stats), gradient) of one microbatch: loss its token losses' sum over the
+    whole batch's `count` tokens; the gradient that loss's plus, for an MoE model, the router's
+    losses weighted by model.router_aux_loss_coef and model.router_z_loss_coef, each a mean over
+    the `accum` microbatches (as are the stats, ROUTER_STATS' names)."""
+    cfg = model.cfg
+
+    def objective(p):
+        total, _, router = _loss_sums_and_router(model, p, tokens_i, loss_chunk)
+        loss = total / count
+        if not router:
+            return loss, (loss, {})
+        extra = cfg.router_aux_loss_coef * router["aux_loss"] + cfg.router_z_loss_coef * router["z_loss"]
+        stats = {ROUTER_STATS[k]: v / accum for k, v in router.items()}
+        return loss + extra / accum, (loss, stats)
+
+    (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    return aux, grads
 
 
 def accumulated_grads(
@@ -70,24 +115,50 @@ def accumulated_grads(
     gradients, a few floats per layer, stay float32). For one microbatch the shard_map would sum
     nothing locally, and under tensor parallelism the TPU compiler moves more bytes with it.
     """
+    loss, grads, _ = accumulated_grads_and_stats(
+        model, accum, param_shardings, params, tokens, loss_chunk, reduce_dtype
+    )
+    return loss, grads
+
+
+def accumulated_grads_and_stats(
+    model: Transformer,
+    accum: int,
+    param_shardings,
+    params,
+    tokens,
+    loss_chunk: int = 0,
+    reduce_dtype: str = "float32",
+):
+    """accumulated_grads, and the router's stats of a mixture-of-experts model ({} for a dense one):
+    its losses (in the gradient, weighted by their model.router_*_coef) and balance, each a mean
+    over the microbatches (ROUTER_STATS' names). The loss returned is the token loss alone."""
     b, t = tokens.shape
     count = b * (t - 1)
     batch_axes = batch_mesh_axes()
-    if accum > 1 and sums_per_batch_shard(batch_axes, param_shardings, b // accum):
+    # The router's losses are not sums over tokens, so an MoE model's microbatch is never split into
+    # per-shard partial sums: each shard's would be its own tokens' balance, not the microbatch's.
+    moe_model = bool(model.cfg.num_experts)
+    if accum > 1 and not moe_model and sums_per_batch_shard(batch_axes, param_shardings, b // accum):
         micro = _microbatches(tokens, accum)
-        return _shard_partial_sums(
+        loss, grads = _shard_partial_sums(
             model, micro, count, batch_axes, params, param_shardings, loss_chunk, reduce_dtype
         )
+        return loss, grads, {}
     if reduce_dtype != "float32":
         # GSPMD reduces each gradient where the backward pass makes it, in the dtype it is made in.
         model = Transformer(dataclasses.replace(model.cfg, grad_dtype=reduce_dtype))
 
     def loss_and_grad(tokens_i):
-        return jax.value_and_grad(lambda p: _loss_sums(model, p, tokens_i, loss_chunk)[0] / count)(params)
+        return _objective_and_grad(model, params, tokens_i, count, accum, loss_chunk)
 
     if accum == 1:
-        return loss_and_grad(tokens)
-    return _summed_over_microbatches(loss_and_grad, _microbatches(tokens, accum), params, param_shardings)
+        (loss, stats), grads = loss_and_grad(tokens)
+    else:
+        (loss, stats), grads = _summed_over_microbatches(
+            loss_and_grad, _microbatches(tokens, accum), params, param_shardings
+        )
+    return loss, grads, stats
 
 
 def _microbatches(tokens, accum: int):
@@ -99,19 +170,21 @@ def _microbatches(tokens, accum: int):
 
 
 def _summed_over_microbatches(loss_and_grad, micro, params, param_shardings):
-    """loss_and_grad's (loss, gradients) summed over the microbatches, the sum laid out as the
-    parameters are."""
+    """loss_and_grad's (values, gradients) summed over the microbatches (values: a tree of float32
+    arrays, the loss and stats), the gradients' sum laid out as the parameters are."""
 
     def body(carry, tokens_i):
-        grads_acc, loss_acc = carry
-        loss_i, grads_i = loss_and_grad(tokens_i)
+        grads_acc, values_acc = carry
+        values_i, grads_i = loss_and_grad(tokens_i)
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads_i)
         grads_acc = jax.lax.with_sharding_constraint(grads_acc, param_shardings)
-        return (grads_acc, loss_acc + loss_i), None
+        return (grads_acc, jax.tree.map(jnp.add, values_acc, values_i)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
-    return loss, grads
+    # The loss and stats' shapes, from a trace of one microbatch (nothing computed).
+    values = jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), jax.eval_shape(loss_and_grad, micro[0])[0])
+    (grads, values), _ = jax.lax.scan(body, (zeros, values), micro)
+    return values, grads
 
 
 def sums_per_batch_shard(batch_axes: tuple, param_shardings, micro_batch: int) -> bool:
@@ -191,7 +264,7 @@ def make_train_step(s: Setup):
     skip_nonfinite = s.config.skip_nonfinite_steps
 
     def step(state: state_lib.TrainState, tokens):
-        loss, grads = accumulated_grads(
+        loss, grads, router = accumulated_grads_and_stats(
             model,
             s.config.grad_accum,
             s.shardings.params,
@@ -212,7 +285,7 @@ def make_train_step(s: Setup):
         # The rate this update used: the optimizer's own step count, which a skipped step leaves.
         counts = optax.tree_utils.tree_get_all_with_path(state.opt_state, "count")
         lr = s.schedule(counts[0][1] if counts else state.step)
-        stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr}
+        stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr, **router}
         return new_state, stats
 
     replicated = state_lib.replicated(s.mesh)

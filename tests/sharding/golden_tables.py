@@ -33,11 +33,17 @@ def _logical(names) -> str:
     return "(" + ", ".join(str(n) for n in names) + ")"
 
 
-def spec_table(rules_name: str) -> str:
-    """'path  (logical names)  PartitionSpec' for every parameter of the small test model."""
+# The small test model as a mixture of experts (8 experts, 2 a token, one shared).
+MOE = {"model.num_experts": 8, "model.expert_mlp_dim": 32, "model.shared_experts": 1}
+
+
+def spec_table(rules_name: str, **overrides) -> str:
+    """'path  (logical names)  PartitionSpec' for every parameter of the small test model (with
+    `overrides` of its config: MOE for the mixture of experts)."""
     rules = load_rules(rules_name)
-    model_cfg = run_setup.model_config(small_config())
-    lines = [f"# rules/{rules_name}.yaml: parameter, logical axes, PartitionSpec (small test model)"]
+    model_cfg = run_setup.model_config(small_config(**overrides))
+    what = "small MoE test model" if overrides else "small test model"
+    lines = [f"# rules/{rules_name}.yaml: parameter, logical axes, PartitionSpec ({what})"]
     for path, (_, names) in sorted(param_axes(model_cfg).items()):
         lines.append(f"{path:<24} {_logical(names):<42} {rules.spec(names)}")
     return "\n".join(lines) + "\n"
@@ -80,7 +86,11 @@ def activation_table(rules_name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-TABLES = {"specs": spec_table, "activations": activation_table}
+TABLES = {
+    "specs": spec_table,
+    "specs_moe": lambda rules_name: spec_table(rules_name, **MOE),
+    "activations": activation_table,
+}
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ import flax.linen as nn
 import jax
 import pytest
 from conftest import small_config
-from golden_tables import GOLDEN, SHIPPED, activation_names, activation_table, spec_table
+from golden_tables import GOLDEN, MOE, SHIPPED, activation_names, activation_table, spec_table
 from shipped_rules import mesh_for
 
 from gspmd_tp.job.errors import UserError
@@ -25,6 +25,13 @@ def _golden(kind: str, rules_name: str) -> str:
 def test_golden_parameter_specs(rules_name):
     """Each parameter's PartitionSpec is the one checked in (tests/sharding/golden/specs_*.txt)."""
     assert spec_table(rules_name) == _golden("specs", rules_name), REGENERATE
+
+
+@pytest.mark.parametrize("rules_name", SHIPPED)
+def test_golden_parameter_specs_of_a_mixture_of_experts(rules_name):
+    """The MoE model's parameters (router, experts, shared experts) under every rule file: experts
+    over the expert axis where a file maps them, replicated where it gives [experts, null]."""
+    assert spec_table(rules_name, **MOE) == _golden("specs_moe", rules_name), REGENERATE
 
 
 @pytest.mark.parametrize("rules_name", SHIPPED)

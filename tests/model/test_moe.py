@@ -1,0 +1,207 @@
+"""Mixture of experts: the layer against a float64 numpy reference, the router's losses worked by
+hand, the dense model untouched by the MoE keys, the active-parameter count, and the checks."""
+
+import dataclasses
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gspmd_tp.model import moe
+from gspmd_tp.model.params import flops_per_token, param_count
+from gspmd_tp.model.transformer import ModelConfig, MoeFeedForward, Transformer
+
+CFG = ModelConfig(
+    vocab_size=64,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=64,
+    num_experts=4,
+    experts_per_token=2,
+    expert_mlp_dim=16,
+)
+X = np.random.default_rng(0).normal(size=(2, 6, 32)).astype(np.float32)
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def reference_moe(cfg, p, x):
+    """The MoE layer in float64 numpy, token by token: softmax over all experts, the top k,
+    renormalised or not, each chosen expert's SwiGLU weighted and summed; plus the shared MLP."""
+    x = x.astype(np.float64).reshape(-1, x.shape[-1])
+    w = {k: np.asarray(v, np.float64) for k, v in p.items() if k != "shared"}
+    out = np.zeros_like(x)
+    for t, row in enumerate(x):
+        logits = row @ w["router"]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        top = np.argsort(-probs, kind="stable")[: cfg.experts_per_token]
+        weights = probs[top] / (probs[top].sum() if cfg.router_renormalize else 1.0)
+        for e, g in zip(top, weights, strict=True):
+            gate_up = np.einsum("d,dtm->tm", row, w["gate_up"][e])
+            out[t] += g * ((_silu(gate_up[0]) * gate_up[1]) @ w["down"][e])
+    if "shared" in p:
+        s = {k: np.asarray(v, np.float64) for k, v in p["shared"].items()}
+        gate_up = np.einsum("nd,dtm->ntm", x, s["gate_up"])
+        out += (_silu(gate_up[:, 0]) * gate_up[:, 1]) @ s["down"]
+    return out
+
+
+def layer_params(cfg):
+    """The MoE layer's parameters (with a router scaled up, so that the routing is far from even)."""
+    p = nn.meta.unbox(MoeFeedForward(cfg).init(jax.random.key(1), X)["params"])
+    return {**p, "router": p["router"] * 50}
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"router_renormalize": False},
+        {"shared_experts": 2},
+        {"experts_per_token": 1},
+        {"experts_per_token": 4},
+    ],
+)
+def test_the_layer_equals_a_float64_reference(changes):
+    cfg = dataclasses.replace(CFG, **changes)
+    p = layer_params(cfg)
+    got, state = jax.jit(lambda p, x: MoeFeedForward(cfg).apply({"params": p}, x, mutable=["intermediates"]))(
+        p, X
+    )
+    want = reference_moe(cfg, p, X).reshape(X.shape)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    counts = state["intermediates"]["expert_counts"][0]
+    assert float(counts.sum()) == X.shape[0] * X.shape[1] * cfg.experts_per_token
+    assert float(counts.min()) < X.shape[0] * X.shape[1] or cfg.experts_per_token == cfg.num_experts
+    assert float(counts.max()) > 0  # the routing is uneven (a scaled-up router), yet every token counted
+
+
+def test_the_gradient_equals_the_reference_by_finite_differences():
+    """The layer's gradient in a router weight and an expert weight, against central differences of
+    the float64 reference (the routing does not change within the step)."""
+    p = layer_params(CFG)
+    loss = lambda p: (MoeFeedForward(CFG).apply({"params": p}, X) ** 2).sum()  # noqa: E731
+    grads = jax.jit(jax.grad(loss))(p)
+    for name, index in (("router", (3, 1)), ("gate_up", (2, 5, 1, 7)), ("down", (0, 3, 4))):
+        step = 1e-4
+        plus = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+        minus = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+        plus[name][index] += step
+        minus[name][index] -= step
+        numeric = ((reference_moe(CFG, plus, X) ** 2).sum() - (reference_moe(CFG, minus, X) ** 2).sum()) / (
+            2 * step
+        )
+        assert float(grads[name][index]) == pytest.approx(numeric, rel=1e-3, abs=1e-4), name
+
+
+def test_router_losses_worked_by_hand():
+    """Two layers, 4 experts, k = 2 over 4 tokens (8 assignments). Layer 0: even (2 each), every
+    probability 1/4: aux 4 * sum(1/4 * 1/4) = 1. Layer 1: assignments 4, 4, 0, 0 and mean
+    probabilities 0.4, 0.4, 0.1, 0.1: aux 4 * (0.5 * 0.4 * 2) = 1.6; max load 0.5 / 0.25 = 2."""
+    stats = {
+        "layers": {
+            "moe": {
+                "expert_counts": (jnp.array([[2.0, 2, 2, 2], [4, 4, 0, 0]]),),
+                "router_probs": (jnp.array([[1.0, 1, 1, 1], [1.6, 1.6, 0.4, 0.4]]),),
+                "router_z": (jnp.array([4.0, 8.0]),),  # squared log-sum-exps summed over 4 tokens
+            }
+        }
+    }
+    got = moe.router_losses(stats, k=2)
+    assert float(got["aux_loss"]) == pytest.approx((1.0 + 1.6) / 2)
+    assert float(got["z_loss"]) == pytest.approx((1.0 + 2.0) / 2)
+    assert float(got["max_load"]) == pytest.approx(2.0)
+
+
+def test_the_model_sows_one_row_of_router_stats_per_layer_scanned_or_not():
+    cfg = dataclasses.replace(CFG, scan_layers=False)
+    tokens = np.arange(16, dtype=np.int32).reshape(2, 8)
+    for c in (CFG, cfg):
+        model = Transformer(c)
+        params = model.init(jax.random.key(0), tokens)["params"]
+        _, state = model.apply({"params": params}, tokens, mutable=["intermediates"])
+        counts = [x for p, x in jax.tree_util.tree_flatten_with_path(state)[0] if "expert_counts" in str(p)]
+        assert sum(x.size for x in counts) == c.num_layers * c.num_experts
+        got = moe.router_losses(state["intermediates"], c.experts_per_token)
+        assert 1.0 <= float(got["max_load"]) <= c.num_experts / c.experts_per_token
+
+
+def test_the_moe_keys_leave_a_dense_model_as_it_is():
+    dense = dataclasses.replace(CFG, num_experts=0)
+    knobs = dataclasses.replace(
+        dense, experts_per_token=3, expert_mlp_dim=8, shared_experts=2, router_renormalize=False
+    )
+    tokens = np.arange(16, dtype=np.int32).reshape(2, 8)
+    params = Transformer(dense).init(jax.random.key(0), tokens)["params"]
+    assert "mlp" in params["layers"] and "moe" not in params["layers"]
+    a = Transformer(dense).apply({"params": params}, tokens)
+    b = Transformer(knobs).apply({"params": params}, tokens)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_parameter_count_is_the_models_and_the_flops_count_the_active_ones():
+    """Counted here from the parameters the model creates: all of them, and per token the router's,
+    k of the E experts' and the shared experts' (the norms and the lookup table never multiply)."""
+    cfg = dataclasses.replace(CFG, shared_experts=1)
+    tokens = np.zeros((1, 8), np.int32)
+    shapes = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), tokens))["params"]
+    leaves = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(shapes))
+    total = sum(int(np.prod(x.shape)) for _, x in leaves)
+    active = 0
+    for path, x in leaves:
+        name = jax.tree_util.keystr(path)
+        if "norm" in name or "embedding" in name:
+            continue
+        size = int(np.prod(x.shape))
+        expert_weight = "moe" in name and "shared" not in name and "router" not in name
+        active += size * cfg.experts_per_token // cfg.num_experts if expert_weight else size
+    assert param_count(cfg) == {"total": total, "matmul": active}
+    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 16 / 2
+    assert flops_per_token(cfg, 16) == 6 * active + attention
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"experts_per_token": 5}, r"model.experts_per_token must be in 1..model.num_experts \(4\), got 5"),
+        ({"experts_per_token": 0}, r"model.experts_per_token must be in 1..model.num_experts \(4\), got 0"),
+        ({"num_experts": -1}, r"model.num_experts must be 0 or more, got -1"),
+        ({"router_aux_loss_coef": float("nan")}, r"model.router_aux_loss_coef must be 0 or more"),
+    ],
+)
+def test_moe_config_problems_are_one_line_each(changes, message):
+    problems = dataclasses.replace(CFG, **changes).validate()
+    assert len(problems) == 1 and "\n" not in problems[0]
+    assert re.fullmatch(message, problems[0]) or re.match(message, problems[0])
+
+
+@pytest.mark.parametrize("remat", ["full", "dots_no_batch"])
+def test_remat_changes_neither_the_gradient_nor_the_router_stats(remat):
+    """The router's stats are sown inside the rematerialized, scanned block: the same rows, and
+    the gradient of the logits plus the aux loss the same, as without remat."""
+    tokens = np.arange(16, dtype=np.int32).reshape(2, 8)
+    params = Transformer(CFG).init(jax.random.key(0), tokens)["params"]
+
+    def objective(cfg):
+        def f(p):
+            logits, state = Transformer(cfg).apply({"params": p}, tokens, mutable=["intermediates"])
+            losses = moe.router_losses(state["intermediates"], cfg.experts_per_token)
+            return logits.mean() + losses["aux_loss"], losses
+
+        return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+
+    (_, want_stats), want = objective(CFG)
+    (_, got_stats), got = objective(dataclasses.replace(CFG, remat=remat))
+    for key in want_stats:
+        assert float(got_stats[key]) == pytest.approx(float(want_stats[key]), rel=1e-6)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
