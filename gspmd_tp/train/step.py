@@ -1,6 +1,11 @@
 """The jit-compiled train and eval steps of a Setup: loss sums, gradient accumulation over
 microbatches (reduced over data parallelism once per step where the sharding allows), clipping and
 AdamW with the state donated.
+
+A batch is a dict of (batch, ...) int32 arrays (pipeline.global_batch): "tokens" (batch, seq_len +
+1), and under config.data.document_mask "segment_ids" and "positions" (batch, seq_len) of the
+inputs, which the model masks attention and places rotary positions by. A bare token array is a
+batch of one sequence per row.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from typing import TYPE_CHECKING
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -25,22 +31,32 @@ if TYPE_CHECKING:  # run_setup builds the Setup; trainer calls this module
     from gspmd_tp.train.run_setup import Setup
 
 
-def _loss_sums(model: Transformer, params, tokens, loss_chunk: int = 0, padded: bool = False):
-    """(sum of token losses, number of tokens) for (batch, seq_len + 1) tokens.
+def batch_tokens(batch):
+    """The (batch, seq_len + 1) token array of a step's batch (a dict, or the tokens themselves)."""
+    return batch["tokens"] if isinstance(batch, dict) else batch
+
+
+def _loss_sums(model: Transformer, params, batch, loss_chunk: int = 0, padded: bool = False):
+    """(sum of token losses, number of tokens) for a batch of (batch, seq_len + 1) tokens, with
+    their inputs' segment_ids and positions where it holds them (packed documents kept apart).
 
     loss_chunk > 0 computes the logits that many positions at a time (see gspmd_tp/loss.py).
     padded: the tokens may hold data.PAD (an evaluation pass's last batch), whose targets do not count.
     """
+    tokens = batch_tokens(batch)
+    documents = {}
+    if isinstance(batch, dict) and "segment_ids" in batch:
+        documents = {"segment_ids_bl": batch["segment_ids"], "positions_bl": batch["positions"]}
     inputs, targets, valid = tokens[:, :-1], tokens[:, 1:], None
     if padded:
         valid = targets != pipeline.PAD
         inputs, targets = (jnp.where(t == pipeline.PAD, 0, t) for t in (inputs, targets))
     if loss_chunk:
-        hidden, head = model.apply({"params": params}, inputs, return_hidden=True)
+        hidden, head = model.apply({"params": params}, inputs, return_hidden=True, **documents)
         return loss_lib.chunked_cross_entropy_sums(
             hidden, head, targets, loss_chunk, valid, model.cfg.vocab_tokens, model.cfg.grad_dtype
         )
-    return loss_lib.cross_entropy_sums(model.apply({"params": params}, inputs), targets, valid)
+    return loss_lib.cross_entropy_sums(model.apply({"params": params}, inputs, **documents), targets, valid)
 
 
 def accumulated_grads(
@@ -48,11 +64,12 @@ def accumulated_grads(
     accum: int,
     param_shardings,
     params,
-    tokens,
+    batch,
     loss_chunk: int = 0,
     reduce_dtype: str = "float32",
 ):
-    """(mean token loss, gradient of it) for (batch, seq_len + 1) tokens, over `accum` microbatches.
+    """(mean token loss, gradient of it) for a batch (the module docstring) of (batch, seq_len + 1)
+    tokens, over `accum` microbatches.
 
     Each microbatch differentiates its loss sum already divided by the tokens of the whole batch
     (a constant), so the gradients sum to the full-batch gradient for any `accum` and no pass over
@@ -70,11 +87,11 @@ def accumulated_grads(
     gradients, a few floats per layer, stay float32). For one microbatch the shard_map would sum
     nothing locally, and under tensor parallelism the TPU compiler moves more bytes with it.
     """
-    b, t = tokens.shape
+    b, t = batch_tokens(batch).shape
     count = b * (t - 1)
     batch_axes = batch_mesh_axes()
     if accum > 1 and sums_per_batch_shard(batch_axes, param_shardings, b // accum):
-        micro = _microbatches(tokens, accum)
+        micro = _microbatches(batch, accum)
         return _shard_partial_sums(
             model, micro, count, batch_axes, params, param_shardings, loss_chunk, reduce_dtype
         )
@@ -82,29 +99,34 @@ def accumulated_grads(
         # GSPMD reduces each gradient where the backward pass makes it, in the dtype it is made in.
         model = Transformer(dataclasses.replace(model.cfg, grad_dtype=reduce_dtype))
 
-    def loss_and_grad(tokens_i):
-        return jax.value_and_grad(lambda p: _loss_sums(model, p, tokens_i, loss_chunk)[0] / count)(params)
+    def loss_and_grad(batch_i):
+        return jax.value_and_grad(lambda p: _loss_sums(model, p, batch_i, loss_chunk)[0] / count)(params)
 
     if accum == 1:
-        return loss_and_grad(tokens)
-    return _summed_over_microbatches(loss_and_grad, _microbatches(tokens, accum), params, param_shardings)
+        return loss_and_grad(batch)
+    return _summed_over_microbatches(loss_and_grad, _microbatches(batch, accum), params, param_shardings)
 
 
-def _microbatches(tokens, accum: int):
-    """(accum, batch / accum, seq_len + 1): microbatch i takes rows i, i + accum, ..., so that each
-    stays spread over the batch axes."""
-    b, t = tokens.shape
-    micro = tokens.reshape(b // accum, accum, t).swapaxes(0, 1)
-    return nn.with_logical_constraint(micro, (None, axes.BATCH, None))
+def _microbatches(batch, accum: int):
+    """Each (batch, n) array of the batch as (accum, batch / accum, n): microbatch i takes rows i,
+    i + accum, ..., so that each stays spread over the batch axes."""
+
+    def split(x):
+        b, n = x.shape
+        return nn.with_logical_constraint(
+            x.reshape(b // accum, accum, n).swapaxes(0, 1), (None, axes.BATCH, None)
+        )
+
+    return jax.tree.map(split, batch)
 
 
 def _summed_over_microbatches(loss_and_grad, micro, params, param_shardings):
     """loss_and_grad's (loss, gradients) summed over the microbatches, the sum laid out as the
     parameters are."""
 
-    def body(carry, tokens_i):
+    def body(carry, batch_i):
         grads_acc, loss_acc = carry
-        loss_i, grads_i = loss_and_grad(tokens_i)
+        loss_i, grads_i = loss_and_grad(batch_i)
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads_i)
         grads_acc = jax.lax.with_sharding_constraint(grads_acc, param_shardings)
         return (grads_acc, loss_acc + loss_i), None
@@ -144,11 +166,11 @@ def _shard_partial_sums(
         for name, target in nn.get_logical_axis_rules()
     )
 
-    def local(params, micro):  # micro: (accum, rows of this shard, seq_len + 1)
-        def body(carry, tokens_i):
+    def local(params, micro):  # micro's arrays: (accum, rows of this shard, seq_len [+ 1])
+        def body(carry, batch_i):
             grads_acc, loss_acc = carry
             loss_i, grads_i = jax.value_and_grad(
-                lambda p: _loss_sums(model, p, tokens_i, loss_chunk)[0] / count
+                lambda p: _loss_sums(model, p, batch_i, loss_chunk)[0] / count
             )(params)
             return (jax.tree.map(jnp.add, grads_acc, grads_i), loss_acc + loss_i), None
 
@@ -190,13 +212,13 @@ def make_train_step(s: Setup):
     model = Transformer(s.model_cfg)
     skip_nonfinite = s.config.skip_nonfinite_steps
 
-    def step(state: state_lib.TrainState, tokens):
+    def step(state: state_lib.TrainState, batch):
         loss, grads = accumulated_grads(
             model,
             s.config.grad_accum,
             s.shardings.params,
             state.params,
-            tokens,
+            batch,
             s.config.loss_chunk,
             grad_reduce_dtype(s),
         )
@@ -229,8 +251,8 @@ def make_eval_step(s: Setup):
     (data.PAD) count no token."""
     model = Transformer(s.model_cfg)
 
-    def step(params, tokens):
-        loss_sum, count = _loss_sums(model, params, tokens, s.config.loss_chunk, padded=True)
+    def step(params, batch):
+        loss_sum, count = _loss_sums(model, params, batch, s.config.loss_chunk, padded=True)
         return loss_sum, jnp.asarray(count, jnp.float32)
 
     return jax.jit(step, in_shardings=(s.shardings.params, s.batch_sharding))
@@ -244,9 +266,27 @@ def compile_eval_step(s: Setup):
         return lowered.compile(compiler_options=compiler_options(s))
 
 
-def abstract_batch(s: Setup, batch_size: int) -> jax.ShapeDtypeStruct:
-    """The (batch, seq_len + 1) int32 token array the steps take, with its sharding."""
-    return jax.ShapeDtypeStruct((batch_size, s.config.seq_len + 1), jnp.int32, sharding=s.batch_sharding)
+def abstract_batch(s: Setup, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The batch the steps take, as pipeline.global_batch places it: (batch, seq_len + 1) int32
+    tokens, and under config.data.document_mask (batch, seq_len) segment ids and positions."""
+    length = s.config.seq_len
+    batch = {"tokens": jax.ShapeDtypeStruct((batch_size, length + 1), jnp.int32, sharding=s.batch_sharding)}
+    if s.config.data.document_mask:
+        for key in ("segment_ids", "positions"):
+            batch[key] = jax.ShapeDtypeStruct((batch_size, length), jnp.int32, sharding=s.batch_sharding)
+    return batch
+
+
+def host_batch(s: Setup, tokens) -> dict:
+    """The batch (numpy) of (batch, seq_len + 1) tokens as the steps of `s` take it (abstract_batch):
+    under config.data.document_mask with the segment ids and positions that the separators of
+    config.data.tokenizer mark (pipeline.document_segments), as the pipeline reads them."""
+    tokens = np.asarray(tokens, np.int32)
+    batch = {"tokens": tokens}
+    separator = pipeline.document_separator(s.config.data)
+    if separator is not None:
+        batch["segment_ids"], batch["positions"] = pipeline.document_segments(tokens[:, :-1], separator)
+    return batch
 
 
 def compile_train_step(s: Setup):
