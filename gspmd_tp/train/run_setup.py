@@ -155,6 +155,12 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
         raise UserError(f"config.model.attention='cudnn' needs GPU devices; this run's are {platform}")
     if model_cfg.attention == "cudnn" and config.data.document_mask:
         raise UserError(f"config.{CUDNN_SEGMENTS}")
+    if model_cfg.attention == "auto" and config.data.document_mask and platform == "gpu":
+        warn(
+            "note: config.model.attention=auto takes the einsum path, not cuDNN's fused attention, under "
+            "config.data.document_mask (cuDNN cannot mask packed documents apart); "
+            "config.data.document_mask=False attends whole windows with cuDNN"
+        )
     if config.overlap != "auto" and platform == "cpu":
         warn(
             f"warning: config.overlap={config.overlap} changes nothing on CPU devices: XLA:CPU has no "
