@@ -2,7 +2,9 @@
 
     python train.py --config=configs/llama_1b.py --workdir=runs/llama_1b
 
-For accelerators: bfloat16 compute, cuDNN's fused attention on GPU, layers unrolled,
+For accelerators: bfloat16 compute, cuDNN's fused attention on GPU (with
+--config.data.document_mask=False: cuDNN cannot mask packed documents apart, and they take the
+einsum path; docs/model.md#attention), layers unrolled,
 rematerialization that keeps matmul outputs and the attention's, and (model.mlp_grad auto) the MLP's
 backward written out on GPU; FSDP over every device by default
 (--config.rules=megatron_1d --config.mesh=dp=-1,mp=8 for tensor parallelism inside a host). With
@@ -35,7 +37,7 @@ def get_config():
     c.model.rope_theta = 500_000.0
     c.model.tie_embeddings = True
     c.model.dtype = "bfloat16"
-    c.model.attention = "auto"  # cudnn on GPU
+    c.model.attention = "auto"  # cudnn on GPU (unmasked windows), einsum under data.document_mask
     # Unrolled: faster on an H100 than under the layer scan (docs/benchmarks.md).
     c.model.scan_layers = False
     c.model.remat = "dots_no_batch_attention"

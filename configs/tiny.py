@@ -120,6 +120,10 @@ def get_config() -> ConfigDict:
     # Processes that tokenize the files at the start (grain workers); 0: this process.
     c.data.workers = 0
     c.data.seed = 0  # shuffle seed
+    # Windows are packed from documents end to end. True: attention stays within each document and
+    # rotary positions restart at each (segment ids and positions from the separators between
+    # documents, as MaxText and seqio packing give). False: a window is one sequence, attended whole.
+    c.data.document_mask = True
     # Batches read and placed ahead on a background thread. -1: 2 on accelerators, 0 on CPU, where
     # reading is cheap and the thread only competes with the step (measured 4% slower on tiny). At most
     # 1000, and 1 GiB of batches (data.max_prefetch).

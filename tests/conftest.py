@@ -164,7 +164,7 @@ def run_steps(config, batches, devices=None, state=None):
     step = step_lib.compile_train_step(s)
     history = []
     for tokens in batches:
-        state, stats = step(state, jax.device_put(tokens, s.batch_sharding))
+        state, stats = step(state, jax.device_put(step_lib.host_batch(s, tokens), s.batch_sharding))
         history.append((float(stats["loss"]), float(stats["grad_norm"])))
     return state, history
 
@@ -193,7 +193,7 @@ def loss_and_grads(config, variants):
 
     s = run_setup.setup(config)
     state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, config.seq_len, config.seed)
-    tokens = jax.device_put(token_batches(config, 1)[0], s.batch_sharding)
+    tokens = jax.device_put(step_lib.host_batch(s, token_batches(config, 1)[0]), s.batch_sharding)
     model = Transformer(s.model_cfg)
     out = []
     with state_lib.sharding_context(s.mesh, s.rules):

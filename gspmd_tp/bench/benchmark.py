@@ -127,8 +127,12 @@ def _start(config, s: run_setup.Setup, step, warmup: int):
     state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, config.seq_len, config.seed)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.model.vocab_size, (config.batch_size, config.seq_len + 1), np.int32)
-    # Every process made the same tokens and gives its devices their pieces (one process: all).
-    batch = jax.make_array_from_callback(tokens.shape, s.batch_sharding, lambda index: tokens[index])
+    # Every process made the same tokens (and their segments, where the step takes them) and gives
+    # its devices their pieces (one process: all).
+    batch = jax.tree.map(
+        lambda x: jax.make_array_from_callback(x.shape, s.batch_sharding, lambda index: x[index]),
+        step_lib.host_batch(s, tokens),
+    )
     for _ in range(warmup):
         state, _ = step(state, batch)
     jax.block_until_ready(state)

@@ -6,6 +6,15 @@ them into tokens (tokenizer.py: bytes by default, byte 0 ending each document), 
 processes where config.data.workers > 0. Documents go to the held-out split by a hash of their
 name, so the split does not depend on file order or seed. config.data.shards reads both splits
 instead from a corpus tokenized once (shards.py).
+
+Windows are cut from the stream end to end, so one holds the tail of a document and the start of
+the next. With config.data.document_mask (the default) each window also carries, for its input
+positions, which document each belongs to (`segment_ids`, from 1; 0 on padding rows) and its
+position within that document (`positions`, from 0), and the model attends within a document only,
+its rotary positions restarting at each: read off the separators the tokenizer puts between
+documents (document_segments). A document cut by a window boundary continues in the next window as
+a new segment whose positions restart at 0, as MaxText and seqio packing do (rotary scores depend on
+position differences only, so this changes no score).
 """
 
 from __future__ import annotations
@@ -190,12 +199,36 @@ def held_out(data, workdir: str | None = None) -> tuple[np.ndarray, int]:
     return tokens, sum(len(text) for _, text in docs)
 
 
+def document_separator(data) -> int | None:
+    """The token that starts a document's segment in a window under config.data.document_mask:
+    config.data.tokenizer's beginning-of-sequence token, or the end token of one that ends documents
+    instead (byte 0 for bytes), which the next document's first token follows, as a prompt follows
+    it in generate. None where config.data.document_mask is off: a window is one sequence."""
+    if not data.document_mask:
+        return None
+    tok = tokenizer_lib.load(data.tokenizer)
+    return tok.bos if tok.bos is not None else tok.eos
+
+
+def document_segments(inputs: np.ndarray, separator: int) -> tuple[np.ndarray, np.ndarray]:
+    """(segment_ids, positions) of a window's input tokens (..., length), int32: a new segment, from
+    1, starts at the window's first token and at each `separator` after it; positions count from 0
+    within each segment."""
+    starts = inputs == separator
+    starts[..., 0] = True  # the window's first token starts a segment (a cut document's rest)
+    segment_ids = np.cumsum(starts, axis=-1, dtype=np.int32)
+    index = np.broadcast_to(np.arange(inputs.shape[-1], dtype=np.int32), inputs.shape)
+    first = np.maximum.accumulate(np.where(starts, index, 0), axis=-1)  # each segment's first index
+    return segment_ids, (index - first).astype(np.int32)
+
+
 class PackedWindows:
     """Random access to fixed windows of seq_len + 1 tokens (inputs and shifted targets) of a token
-    stream: an array, or shards.ShardedTokens (a window reads from disk)."""
+    stream: an array, or shards.ShardedTokens (a window reads from disk). With a `separator`
+    (document_separator) each also holds its inputs' segment_ids and positions (document_segments)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
-        self.tokens, self.seq_len = tokens, seq_len
+    def __init__(self, tokens: np.ndarray, seq_len: int, separator: int | None = None):
+        self.tokens, self.seq_len, self.separator = tokens, seq_len, separator
         self.count = max((len(tokens) - 1) // seq_len, 0)
 
     def __len__(self) -> int:
@@ -204,11 +237,15 @@ class PackedWindows:
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         start = int(i) * self.seq_len
         window = self.tokens[start : start + self.seq_len + 1].astype(np.int32)
-        return {"tokens": window, "id": np.int64(i)}
+        row = {"tokens": window, "id": np.int64(i)}
+        if self.separator is not None:
+            row["segment_ids"], row["positions"] = document_segments(window[:-1], self.separator)
+        return row
 
 
 class PaddedWindows:
-    """`windows` followed by rows of PAD tokens up to `length` (a pass that fills its last batch)."""
+    """`windows` followed by rows of PAD tokens up to `length` (a pass that fills its last batch);
+    with document segments, a padding row is segment 0 at positions 0, 1, ..."""
 
     def __init__(self, windows: PackedWindows, length: int):
         self.windows, self.length = windows, length
@@ -219,7 +256,12 @@ class PaddedWindows:
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         if i < len(self.windows):
             return self.windows[i]
-        return {"tokens": np.full((self.windows.seq_len + 1,), PAD, np.int32), "id": np.int64(-1)}
+        seq_len = self.windows.seq_len
+        row = {"tokens": np.full((seq_len + 1,), PAD, np.int32), "id": np.int64(-1)}
+        if self.windows.separator is not None:
+            row["segment_ids"] = np.zeros((seq_len,), np.int32)
+            row["positions"] = np.arange(seq_len, dtype=np.int32)
+        return row
 
 
 class BatchStream:
@@ -250,7 +292,8 @@ class BatchStream:
 
 
 class BatchIterator:
-    """Yields {'tokens': (rows, seq_len + 1), 'id': (rows,)} dicts; get_state/set_state resume it."""
+    """Yields {'tokens': (rows, seq_len + 1), 'id': (rows,)} dicts, with 'segment_ids' and
+    'positions' (rows, seq_len) under document masking; get_state/set_state resume it."""
 
     def __init__(self, stream: BatchStream):
         self.stream, self.next_example = stream, 0
@@ -279,27 +322,33 @@ MAX_PREFETCH = 1000
 PREFETCH_BYTES = 1 << 30
 
 
-def _batch_bytes(batch_size: int, seq_len: int) -> int:
-    return batch_size * (seq_len + 1) * np.dtype(np.int32).itemsize
+def _batch_bytes(batch_size: int, seq_len: int, document_mask: bool = True) -> int:
+    # The tokens, and with document masking the segment ids and positions beside them.
+    per_row = 3 * seq_len + 1 if document_mask else seq_len + 1
+    return batch_size * per_row * np.dtype(np.int32).itemsize
 
 
-def max_prefetch(batch_size: int, seq_len: int) -> int:
+def max_prefetch(batch_size: int, seq_len: int, document_mask: bool = True) -> int:
     """The most batches config.data.prefetch may read ahead: MAX_PREFETCH, fewer where they and the
-    one being read would hold over PREFETCH_BYTES of int32 tokens, never fewer than AUTO_PREFETCH."""
-    return max(AUTO_PREFETCH, min(MAX_PREFETCH, PREFETCH_BYTES // _batch_bytes(batch_size, seq_len) - 1))
+    one being read would hold over PREFETCH_BYTES of int32 arrays (the tokens, and with
+    config.data.document_mask their segment ids and positions), never fewer than AUTO_PREFETCH."""
+    batch = _batch_bytes(batch_size, seq_len, document_mask)
+    return max(AUTO_PREFETCH, min(MAX_PREFETCH, PREFETCH_BYTES // batch - 1))
 
 
-def check_prefetch(prefetch: int, batch_size: int, seq_len: int) -> None:
+def check_prefetch(prefetch: int, batch_size: int, seq_len: int, document_mask: bool = True) -> None:
     """UserError naming config.data.prefetch where it is below -1 or over max_prefetch()."""
     if prefetch < -1:
         raise UserError(f"config.data.prefetch must be -1 (auto), 0 or more, got {prefetch}")
-    limit = max_prefetch(batch_size, seq_len)
+    limit = max_prefetch(batch_size, seq_len, document_mask)
     if prefetch > limit:
+        what = f"{batch_size} x {seq_len + 1} int32 tokens"
+        if document_mask:
+            what += " with their segment ids and positions"
         raise UserError(
             f"config.data.prefetch={prefetch} is over its limit of {limit} batches read ahead (at most "
             f"{MAX_PREFETCH}, and {PREFETCH_BYTES >> 30} GiB with the batch being read; a batch of "
-            f"{batch_size} x {seq_len + 1} int32 tokens is {_batch_bytes(batch_size, seq_len):,} bytes); "
-            "-1 is the default"
+            f"{what} is {_batch_bytes(batch_size, seq_len, document_mask):,} bytes); -1 is the default"
         )
 
 
@@ -369,10 +418,12 @@ def train_dataset(
     global_batch: int,
     seed: int,
     rows: tuple[int, int] | None = None,
+    separator: int | None = None,
 ) -> BatchStream:
     """Shuffled (reshuffled each epoch), endless global batches; this process reads `rows` (first,
-    count) of each, by default all of them."""
-    windows = PackedWindows(tokens, seq_len)
+    count) of each, by default all of them. `separator` (document_separator): each window carries
+    its documents' segment ids and positions."""
+    windows = PackedWindows(tokens, seq_len, separator)
     if len(windows) < global_batch:
         raise UserError(
             f"training corpus has {len(windows)} windows of {seq_len + 1} tokens ({len(tokens)} tokens), "
@@ -388,11 +439,12 @@ def eval_dataset(
     seq_len: int,
     global_batch: int,
     rows: tuple[int, int] | None = None,
+    separator: int | None = None,
 ) -> BatchStream:
-    """The held-out windows in a fixed order, read as train_dataset reads. One pass is
-    `batches_per_pass` batches holding every window once; the last batch's rows past the windows are
-    padding (PAD tokens), which the eval step does not count."""
-    windows = PackedWindows(tokens, seq_len)
+    """The held-out windows in a fixed order, read as train_dataset reads (`separator` as there). One
+    pass is `batches_per_pass` batches holding every window once; the last batch's rows past the
+    windows are padding (PAD tokens), which the eval step does not count."""
+    windows = PackedWindows(tokens, seq_len, separator)
     if len(windows) == 0:
         raise UserError(
             f"held-out split has no window of {seq_len + 1} tokens (it has {len(tokens)}); set "
@@ -427,8 +479,19 @@ def process_rows(sharding, global_batch: int) -> tuple[int, int]:
     return first, stop - first
 
 
-def global_batch(local: dict[str, np.ndarray], sharding, batch_size: int) -> jax.Array:
-    """The global (batch_size, seq_len + 1) token array assembled from every process's local rows
-    (process_rows; processes that share rows under tensor parallelism give the same ones)."""
-    tokens = np.asarray(local["tokens"], np.int32)
-    return jax.make_array_from_process_local_data(sharding, tokens, (batch_size,) + tokens.shape[1:])
+# The arrays of a batch that the train and eval steps take (the example ids stay on the host).
+BATCH_KEYS = ("tokens", "segment_ids", "positions")
+
+
+def global_batch(local: dict[str, np.ndarray], sharding, batch_size: int) -> dict[str, jax.Array]:
+    """The global batch assembled from every process's local rows (process_rows; processes that
+    share rows under tensor parallelism give the same ones): {"tokens": (batch_size, seq_len + 1)},
+    with "segment_ids" and "positions" (batch_size, seq_len) where the rows have them."""
+    arrays = {}
+    for key in BATCH_KEYS:
+        if key in local:
+            rows = np.asarray(local[key], np.int32)
+            arrays[key] = jax.make_array_from_process_local_data(
+                sharding, rows, (batch_size,) + rows.shape[1:]
+            )
+    return arrays

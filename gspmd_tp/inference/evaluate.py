@@ -51,7 +51,9 @@ def held_out_batches(s: run_setup.Setup, workdir: str | None = None) -> tuple[pi
     c = s.config
     eval_tokens, text_bytes = pipeline.held_out(c.data, workdir)
     rows = pipeline.process_rows(s.batch_sharding, c.batch_size)
-    eval_ds = pipeline.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
+    eval_ds = pipeline.eval_dataset(
+        eval_tokens, c.seq_len, c.batch_size, rows, pipeline.document_separator(c.data)
+    )
     eval_ds.bytes_per_token = text_bytes / max(len(eval_tokens), 1)
     return eval_ds, pipeline.fingerprint(eval_tokens)
 

@@ -70,6 +70,8 @@ def saved_config(
         step, meta = distributed.agreed(files.read_newest, ckpt_dir, step, files.read_step_meta)
     config = ConfigDict(laid_over(default_config(), meta["config"]))
     config.model = ConfigDict(store.saved_model(meta["model"]))  # what its parameters are
+    if "document_mask" not in meta["config"].get("data", {}):
+        config.data.document_mask = False  # saved before document masking: it trained on whole windows
     config.init_from = ""
     return step, meta, config_keys.apply_overrides(config, overrides)
 

@@ -1,7 +1,8 @@
 """The model's hand-written kernels, each selected by config and called by the model by one name.
 
 - `attention` (model.attention, model.attention_block): cuDNN's fused attention on GPU in 16 bits,
-  or the attention written out, its causal square in query blocks where model.attention_block asks.
+  or the attention written out, its causal square in query blocks where model.attention_block asks;
+  every path but cuDNN's also masks packed documents apart by their segment ids.
 - `mlp` (model.mlp_grad, model.mlp_slices): the SwiGLU MLP with autodiff's gradient, SwiGLU's
   gradient in one elementwise pass, or the whole MLP's backward written out; or, where the rules
   split its weights on the model width, with their gathers in slices overlapped with the products.
@@ -123,38 +124,57 @@ _spread.defvjp(_spread_fwd, _spread_bwd)
 # --- attention ---
 
 
-def attention_implementation(setting: str, dtype: str, platform: str | None = None) -> str:
+def attention_implementation(
+    setting: str, dtype: str, platform: str | None = None, segmented: bool = False
+) -> str:
     """The attention path ModelConfig.attention `setting` means on `platform` (by default JAX's
     default backend): "auto" is cuDNN's fused attention on GPU in bfloat16 or float16, the einsum
-    path elsewhere."""
+    path elsewhere, and where `segmented` (packed documents masked apart: CUDNN_SEGMENTS)."""
     if setting != "auto":
         return setting
     gpu = (platform or jax.default_backend()) == "gpu"
-    return "cudnn" if gpu and dtype in ("bfloat16", "float16") else "einsum"
+    return "cudnn" if gpu and dtype in ("bfloat16", "float16") and not segmented else "einsum"
 
 
-def attention(cfg: ModelConfig, q_blhd, k_bskd, v_bskd, mask=None):
+# What model.attention 'cudnn' cannot do, and what to use instead (run_setup says it before compiling).
+CUDNN_SEGMENTS = (
+    "model.attention 'cudnn' cannot keep packed documents apart (jax.nn.dot_product_attention takes no "
+    "segment ids, and hands cuDNN a mask as a dense bias of every row); use model.attention 'auto' "
+    "(einsum under document masking), 'einsum' or 'xla', or set config.data.document_mask=False"
+)
+
+
+def attention(cfg: ModelConfig, q_blhd, k_bskd, v_bskd, mask=None, segment_ids=None):
     """Softmax attention of scaled queries (batch, length, heads, head_dim) over keys and values
     (batch, s, kv_heads, head_dim), query head h reading key/value head h // group (the grouping of
-    the fused qkv kernel). Causal, by model.attention's implementation; or, given `mask` (broadcasting
-    to (batch, kv_heads, group, length, s): decoding from the cache), the einsum path under it.
-    Returns (batch, length, heads, head_dim)."""
+    the fused qkv kernel). Causal, by model.attention's implementation, and with `segment_ids`
+    (batch, length) a query sees only the keys of its own segment (packed documents); or, given
+    `mask` (broadcasting to (batch, kv_heads, group, length, s): decoding from the cache), the einsum
+    path under it. Returns (batch, length, heads, head_dim)."""
     b, length, heads, hd = q_blhd.shape
-    implementation = attention_implementation(cfg.attention, cfg.dtype)
+    implementation = attention_implementation(cfg.attention, cfg.dtype, segmented=segment_ids is not None)
     if mask is None and implementation != "einsum":
+        if segment_ids is None:
+            return jax.nn.dot_product_attention(
+                q_blhd, k_bskd, v_bskd, scale=1.0, is_causal=True, implementation=implementation
+            )
+        if implementation == "cudnn":
+            raise ValueError(CUDNN_SEGMENTS)
+        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # (batch, 1, q, s)
         return jax.nn.dot_product_attention(
-            q_blhd, k_bskd, v_bskd, scale=1.0, is_causal=True, implementation=implementation
+            q_blhd, k_bskd, v_bskd, mask=same, scale=1.0, is_causal=True, implementation=implementation
         )
     q_blkgd = q_blhd.reshape(b, length, k_bskd.shape[2], heads // k_bskd.shape[2], hd)
     if mask is not None:
         out = _attend(q_blkgd, k_bskd, v_bskd, mask)
     else:
-        out = _causal_in_blocks(q_blkgd, k_bskd, v_bskd, cfg.attention_block)
+        out = _causal_in_blocks(q_blkgd, k_bskd, v_bskd, cfg.attention_block, segment_ids)
     return out.reshape(b, length, heads, hd)
 
 
-def _causal_in_blocks(q_blkgd, k_blkd, v_blkd, block: int):
-    """Causal attention, queries in blocks of `block` positions (0: one block, the whole square).
+def _causal_in_blocks(q_blkgd, k_blkd, v_blkd, block: int, segment_ids=None):
+    """Causal attention, queries in blocks of `block` positions (0: one block, the whole square);
+    with `segment_ids` (batch, length), within each query's segment only.
 
     Query block [start, end) sees keys [0, end): the keys after a block's end are masked for every
     one of its queries, so they are left out rather than masked, and the causal upper triangle beyond
@@ -163,13 +183,21 @@ def _causal_in_blocks(q_blkgd, k_blkd, v_blkd, block: int):
     length = q_blkgd.shape[1]
     block = block if 0 < block < length else length
     positions = jnp.arange(length, dtype=jnp.int32)
+
+    def mask(start: int, end: int):  # broadcasting to (batch, kv_heads, group, q, s)
+        causal = positions[start:end, None] >= positions[None, :end]
+        if segment_ids is None:
+            return causal
+        same = segment_ids[:, start:end, None] == segment_ids[:, None, :end]  # (batch, q, s)
+        return (causal & same)[:, None, None]
+
     return jnp.concatenate(
         [
             _attend(
                 q_blkgd[:, start : start + block],
                 k_blkd[:, : start + block],
                 v_blkd[:, : start + block],
-                positions[start : start + block, None] >= positions[None, : start + block],
+                mask(start, start + block),
             )
             for start in range(0, length, block)
         ],

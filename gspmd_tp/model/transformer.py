@@ -13,6 +13,9 @@ separate weights GSPMD all-reduces each input gradient separately in the backwar
 Read top to bottom: the config, the remat policies, then the model as it runs: embedding -> blocks
 (norm, attention, norm, MLP) -> norm -> logits. Attention, the MLP and the embedding lookup are
 each one call into kernels.py, where the config picks the implementation.
+
+Windows packed from several documents come with segment ids and positions: attention stays within
+each document and rotary positions restart at each, so every document reads as if it ran alone.
 """
 
 from __future__ import annotations
@@ -106,8 +109,8 @@ class ModelConfig:
     remat_save: str = ""
     # einsum: the attention written out, its scores annotated with logical axes; xla / cudnn:
     # jax.nn.dot_product_attention with that implementation (cudnn: fused flash attention, GPU
-    # only, bf16/fp16); auto: cudnn on GPU in bf16/fp16, einsum elsewhere
-    # (kernels.attention_implementation).
+    # only, bf16/fp16, no segment ids: kernels.CUDNN_SEGMENTS); auto: cudnn on GPU in bf16/fp16,
+    # einsum elsewhere and with segment ids (kernels.attention_implementation).
     # Sampling from the key/value cache always takes the einsum path.
     attention: str = "einsum"
     # einsum path, training and evaluation: queries in blocks of this many positions, each block
@@ -402,8 +405,9 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_ble, positions):
-        """positions: (length,); or a Decoding, to attend through (and extend) the "cache" collection."""
+    def __call__(self, x_ble, positions, segment_ids=None):
+        """positions: (length,) or (batch, length); or a Decoding, to attend through (and extend) the
+        "cache" collection. segment_ids (batch, length): a query attends to its own segment only."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         group, hd = cfg.group, cfg.head_dim
         decoding = positions if isinstance(positions, Decoding) else None
@@ -429,7 +433,7 @@ class Attention(nn.Module):
         mask = None  # causal
         if decoding is not None:  # keys and values: the cache so far plus these tokens
             k_blkd, v_blkd, mask = _extend_cache(self, k_blkd, v_blkd, decoding)
-        out_blhd = kernels.attention(cfg, q_blhd, k_blkd, v_blkd, mask)
+        out_blhd = kernels.attention(cfg, q_blhd, k_blkd, v_blkd, mask, segment_ids)
         out_blhd = _constrain(out_blhd, (BATCH, LENGTH, HEADS, HEAD_DIM))
         y_ble = kernels.project(
             "blhd,hde->ble", out_blhd, _weight(w_out, dtype, OUT_AXES), OUT_AXES, cfg.grad_dtype
@@ -488,14 +492,14 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_ble, positions):
+    def __call__(self, x_ble, positions, segment_ids=None):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         x_ble = _constrain(x_ble, (BATCH, NORM_LENGTH, EMBED))
         # Norms run where the residual stream lives (norm_length); the projections need whole
         # sequences (length). Under sequence parallelism the second constraint is the all-gather.
         h = _constrain(RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_ble), (BATCH, NORM_LENGTH, EMBED))
         h = checkpoint_name(_constrain(h, _WHOLE_WIDTH), "attn_in")
-        x_ble = x_ble + checkpoint_name(Attention(cfg, name="attn")(h, positions), "attn_out")
+        x_ble = x_ble + checkpoint_name(Attention(cfg, name="attn")(h, positions, segment_ids), "attn_out")
         h = _constrain(RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_ble), (BATCH, NORM_LENGTH, EMBED))
         h = checkpoint_name(_constrain(h, _WHOLE_WIDTH), "mlp_in")
         mlp = MoeFeedForward(cfg, name="moe") if cfg.num_experts else FeedForward(cfg, name="mlp")
@@ -509,10 +513,19 @@ class Transformer(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_bl, return_hidden: bool = False, decoding: Decoding | None = None):
+    def __call__(
+        self,
+        tokens_bl,
+        return_hidden: bool = False,
+        decoding: Decoding | None = None,
+        segment_ids_bl=None,
+        positions_bl=None,
+    ):
         """Logits; with return_hidden, (final-normed hidden states, output projection (embed,
         vocab)) instead, so that a loss can project a block of positions at a time. With `decoding`,
-        attention reads and extends the key/value cache (apply with mutable=["cache"])."""
+        attention reads and extends the key/value cache (apply with mutable=["cache"]). Packed
+        documents: segment_ids_bl (batch, length) keeps each position's attention within its
+        segment, positions_bl (batch, length) are the rotary positions (by default 0, 1, ...)."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         embedding = _param(self, "embedding", _INIT, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
         x_ble = kernels.embed(cfg, embedding, tokens_bl)
@@ -521,6 +534,8 @@ class Transformer(nn.Module):
         x_ble = _constrain(x_ble, (BATCH, LENGTH, EMBED))
         x_ble = _constrain(x_ble, (BATCH, NORM_LENGTH, EMBED))
         positions = jnp.arange(tokens_bl.shape[1], dtype=jnp.int32)
+        if positions_bl is not None:
+            positions = positions_bl
         if decoding is not None:
             positions = decoding  # Block hands it to Attention unchanged
 
@@ -533,14 +548,14 @@ class Transformer(nn.Module):
                 # each layer its own cache, and its own row of the router's statistics (MoE)
                 variable_axes={"params": 0, "cache": 0, "intermediates": 0},
                 split_rngs={"params": True},
-                in_axes=(nn.broadcast,),
+                in_axes=(nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: LAYERS},
             )
-            x_ble, _ = stack(cfg, name="layers")(x_ble, positions)
+            x_ble, _ = stack(cfg, name="layers")(x_ble, positions, segment_ids_bl)
         else:
             for i in range(cfg.num_layers):
-                x_ble, _ = block(cfg, name=f"layers_{i}")(x_ble, positions)
+                x_ble, _ = block(cfg, name=f"layers_{i}")(x_ble, positions, segment_ids_bl)
 
         x_ble = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_ble)
         x_ble = _constrain(x_ble, _WHOLE_WIDTH)

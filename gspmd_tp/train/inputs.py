@@ -52,8 +52,9 @@ def read(s: Setup, resuming: bool, workdir: str, log):
     corpus = {"train": pipeline.fingerprint(train_tokens), "held_out": pipeline.fingerprint(eval_tokens)}
     corpus["tokenizer"] = tokenizer.load(c.data.tokenizer).digest  # a resume checks it (check_tokenizer)
     rows = pipeline.process_rows(s.batch_sharding, c.batch_size)
-    train_ds = pipeline.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, rows)
-    eval_ds = pipeline.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows)
+    separator = pipeline.document_separator(c.data)  # None: config.data.document_mask is off
+    train_ds = pipeline.train_dataset(train_tokens, c.seq_len, c.batch_size, c.data.seed, rows, separator)
+    eval_ds = pipeline.eval_dataset(eval_tokens, c.seq_len, c.batch_size, rows, separator)
     imported, digest = None, None
     if not resuming and c.init_from:  # read only by a fresh run: a resumed one may have lost the file
         if not paths.of(c.init_from).is_file():  # local, or in a bucket

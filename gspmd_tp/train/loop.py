@@ -98,7 +98,9 @@ def _checked_setup(config, workdir: str) -> Setup:
     s = run_setup.setup(config)
     # Before anything is compiled: a read-ahead without bound fills memory while the run trains. Only
     # training reads ahead, so evaluate and generate read a run saved with a larger read-ahead.
-    pipeline.check_prefetch(config.data.prefetch, config.batch_size, config.seq_len)
+    pipeline.check_prefetch(
+        config.data.prefetch, config.batch_size, config.seq_len, config.data.document_mask
+    )
     return s
 
 

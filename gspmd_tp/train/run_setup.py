@@ -16,7 +16,12 @@ import optax
 from gspmd_tp.data import pipeline, tokenizer
 from gspmd_tp.job.config_keys import check_keys, ours
 from gspmd_tp.job.errors import UserError, warn
-from gspmd_tp.model.kernels import attention_implementation, mlp_implementation, sliced_mlp_layout
+from gspmd_tp.model.kernels import (
+    CUDNN_SEGMENTS,
+    attention_implementation,
+    mlp_implementation,
+    sliced_mlp_layout,
+)
 from gspmd_tp.model.transformer import ModelConfig
 from gspmd_tp.sharding import axes
 from gspmd_tp.sharding.mesh import make_mesh, mesh_string
@@ -148,6 +153,14 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     platform = mesh.devices.flat[0].platform
     if model_cfg.attention == "cudnn" and platform != "gpu":
         raise UserError(f"config.model.attention='cudnn' needs GPU devices; this run's are {platform}")
+    if model_cfg.attention == "cudnn" and config.data.document_mask:
+        raise UserError(f"config.{CUDNN_SEGMENTS}")
+    if model_cfg.attention == "auto" and config.data.document_mask and platform == "gpu":
+        warn(
+            "note: config.model.attention=auto takes the einsum path, not cuDNN's fused attention, under "
+            "config.data.document_mask (cuDNN cannot mask packed documents apart); "
+            "config.data.document_mask=False attends whole windows with cuDNN"
+        )
     if config.overlap != "auto" and platform == "cpu":
         warn(
             f"warning: config.overlap={config.overlap} changes nothing on CPU devices: XLA:CPU has no "
@@ -162,7 +175,9 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     model_cfg = dataclasses.replace(
         model_cfg,
         mlp_grad=mlp_grad,
-        attention=attention_implementation(model_cfg.attention, model_cfg.dtype, platform),
+        attention=attention_implementation(
+            model_cfg.attention, model_cfg.dtype, platform, segmented=config.data.document_mask
+        ),
     )
     micro_batch = config.batch_size // config.grad_accum
     ways, sizes = mesh_ways(mesh.shape, rules.batch_axes())

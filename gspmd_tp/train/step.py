@@ -1,6 +1,11 @@
 """The jit-compiled train and eval steps of a Setup: loss sums, gradient accumulation over
 microbatches (reduced over data parallelism once per step where the sharding allows), a mixture of
 experts' router losses in the objective, clipping and AdamW with the state donated.
+
+A batch is a dict of (batch, ...) int32 arrays (pipeline.global_batch): "tokens" (batch, seq_len +
+1), and under config.data.document_mask "segment_ids" and "positions" (batch, seq_len) of the
+inputs, which the model masks attention and places rotary positions by. A bare token array is a
+batch of one sequence per row.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from typing import TYPE_CHECKING
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -26,23 +32,33 @@ if TYPE_CHECKING:  # run_setup builds the Setup; trainer calls this module
     from gspmd_tp.train.run_setup import Setup
 
 
-def _loss_sums(model: Transformer, params, tokens, loss_chunk: int = 0, padded: bool = False):
-    """(sum of token losses, number of tokens) for (batch, seq_len + 1) tokens.
+def batch_tokens(batch):
+    """The (batch, seq_len + 1) token array of a step's batch (a dict, or the tokens themselves)."""
+    return batch["tokens"] if isinstance(batch, dict) else batch
+
+
+def _loss_sums(model: Transformer, params, batch, loss_chunk: int = 0, padded: bool = False):
+    """(sum of token losses, number of tokens) for a batch of (batch, seq_len + 1) tokens, with
+    their inputs' segment_ids and positions where it holds them (packed documents kept apart).
 
     loss_chunk > 0 computes the logits that many positions at a time (see gspmd_tp/loss.py).
     padded: the tokens may hold data.PAD (an evaluation pass's last batch), whose targets do not count.
     """
-    return _loss_sums_and_router(model, params, tokens, loss_chunk, padded)[:2]
+    return _loss_sums_and_router(model, params, batch, loss_chunk, padded)[:2]
 
 
-def _loss_sums_and_router(model: Transformer, params, tokens, loss_chunk: int = 0, padded: bool = False):
-    """_loss_sums and the router's losses of a mixture-of-experts model over these tokens
+def _loss_sums_and_router(model: Transformer, params, batch, loss_chunk: int = 0, padded: bool = False):
+    """_loss_sums and the router's losses of a mixture-of-experts model over this batch
     (moe.router_losses; {} for a dense model)."""
+    tokens = batch_tokens(batch)
+    documents = {}
+    if isinstance(batch, dict) and "segment_ids" in batch:
+        documents = {"segment_ids_bl": batch["segment_ids"], "positions_bl": batch["positions"]}
     inputs, targets, valid = tokens[:, :-1], tokens[:, 1:], None
     if padded:
         valid = targets != pipeline.PAD
         inputs, targets = (jnp.where(t == pipeline.PAD, 0, t) for t in (inputs, targets))
-    out, router = _apply(model, params, inputs, return_hidden=bool(loss_chunk))
+    out, router = _apply(model, params, inputs, return_hidden=bool(loss_chunk), documents=documents)
     if loss_chunk:
         hidden, head = out
         sums = loss_lib.chunked_cross_entropy_sums(
@@ -53,13 +69,14 @@ def _loss_sums_and_router(model: Transformer, params, tokens, loss_chunk: int = 
     return (*sums, router)
 
 
-def _apply(model: Transformer, params, inputs, return_hidden: bool):
+def _apply(model: Transformer, params, inputs, return_hidden: bool, documents: dict):
     """(model.apply's output, the router's losses): an MoE model's layers sow their router
-    statistics, read here; a dense model's apply is as it always was."""
+    statistics, read here; a dense model's apply is as it always was. `documents`: the inputs'
+    segment_ids_bl and positions_bl, or {}."""
     if not model.cfg.num_experts:
-        return model.apply({"params": params}, inputs, return_hidden=return_hidden), {}
+        return model.apply({"params": params}, inputs, return_hidden=return_hidden, **documents), {}
     out, state = model.apply(
-        {"params": params}, inputs, return_hidden=return_hidden, mutable=["intermediates"]
+        {"params": params}, inputs, return_hidden=return_hidden, mutable=["intermediates"], **documents
     )
     return out, moe.router_losses(state["intermediates"], model.cfg.experts_per_token)
 
@@ -68,7 +85,7 @@ def _apply(model: Transformer, params, inputs, return_hidden: bool):
 ROUTER_STATS = {"aux_loss": "router_aux_loss", "z_loss": "router_z_loss", "max_load": "expert_max_load"}
 
 
-def _objective_and_grad(model: Transformer, params, tokens_i, count: int, accum: int, loss_chunk: int):
+def _objective_and_grad(model: Transformer, params, batch_i, count: int, accum: int, loss_chunk: int):
     """((loss, router stats), gradient) of one microbatch: loss its token losses' sum over the
     whole batch's `count` tokens; the gradient that loss's plus, for an MoE model, the router's
     losses weighted by model.router_aux_loss_coef and model.router_z_loss_coef, each a mean over
@@ -76,7 +93,7 @@ def _objective_and_grad(model: Transformer, params, tokens_i, count: int, accum:
     cfg = model.cfg
 
     def objective(p):
-        total, _, router = _loss_sums_and_router(model, p, tokens_i, loss_chunk)
+        total, _, router = _loss_sums_and_router(model, p, batch_i, loss_chunk)
         loss = total / count
         if not router:
             return loss, (loss, {})
@@ -93,11 +110,12 @@ def accumulated_grads(
     accum: int,
     param_shardings,
     params,
-    tokens,
+    batch,
     loss_chunk: int = 0,
     reduce_dtype: str = "float32",
 ):
-    """(mean token loss, gradient of it) for (batch, seq_len + 1) tokens, over `accum` microbatches.
+    """(mean token loss, gradient of it) for a batch (the module docstring) of (batch, seq_len + 1)
+    tokens, over `accum` microbatches.
 
     Each microbatch differentiates its loss sum already divided by the tokens of the whole batch
     (a constant), so the gradients sum to the full-batch gradient for any `accum` and no pass over
@@ -116,7 +134,7 @@ def accumulated_grads(
     nothing locally, and under tensor parallelism the TPU compiler moves more bytes with it.
     """
     loss, grads, _ = accumulated_grads_and_stats(
-        model, accum, param_shardings, params, tokens, loss_chunk, reduce_dtype
+        model, accum, param_shardings, params, batch, loss_chunk, reduce_dtype
     )
     return loss, grads
 
@@ -126,21 +144,21 @@ def accumulated_grads_and_stats(
     accum: int,
     param_shardings,
     params,
-    tokens,
+    batch,
     loss_chunk: int = 0,
     reduce_dtype: str = "float32",
 ):
     """accumulated_grads, and the router's stats of a mixture-of-experts model ({} for a dense one):
     its losses (in the gradient, weighted by their model.router_*_coef) and balance, each a mean
     over the microbatches (ROUTER_STATS' names). The loss returned is the token loss alone."""
-    b, t = tokens.shape
+    b, t = batch_tokens(batch).shape
     count = b * (t - 1)
     batch_axes = batch_mesh_axes()
     # The router's losses are not sums over tokens, so an MoE model's microbatch is never split into
     # per-shard partial sums: each shard's would be its own tokens' balance, not the microbatch's.
     moe_model = bool(model.cfg.num_experts)
     if accum > 1 and not moe_model and sums_per_batch_shard(batch_axes, param_shardings, b // accum):
-        micro = _microbatches(tokens, accum)
+        micro = _microbatches(batch, accum)
         loss, grads = _shard_partial_sums(
             model, micro, count, batch_axes, params, param_shardings, loss_chunk, reduce_dtype
         )
@@ -149,40 +167,46 @@ def accumulated_grads_and_stats(
         # GSPMD reduces each gradient where the backward pass makes it, in the dtype it is made in.
         model = Transformer(dataclasses.replace(model.cfg, grad_dtype=reduce_dtype))
 
-    def loss_and_grad(tokens_i):
-        return _objective_and_grad(model, params, tokens_i, count, accum, loss_chunk)
+    def loss_and_grad(batch_i):
+        return _objective_and_grad(model, params, batch_i, count, accum, loss_chunk)
 
     if accum == 1:
-        (loss, stats), grads = loss_and_grad(tokens)
+        (loss, stats), grads = loss_and_grad(batch)
     else:
         (loss, stats), grads = _summed_over_microbatches(
-            loss_and_grad, _microbatches(tokens, accum), params, param_shardings
+            loss_and_grad, _microbatches(batch, accum), params, param_shardings
         )
     return loss, grads, stats
 
 
-def _microbatches(tokens, accum: int):
-    """(accum, batch / accum, seq_len + 1): microbatch i takes rows i, i + accum, ..., so that each
-    stays spread over the batch axes."""
-    b, t = tokens.shape
-    micro = tokens.reshape(b // accum, accum, t).swapaxes(0, 1)
-    return nn.with_logical_constraint(micro, (None, axes.BATCH, None))
+def _microbatches(batch, accum: int):
+    """Each (batch, n) array of the batch as (accum, batch / accum, n): microbatch i takes rows i,
+    i + accum, ..., so that each stays spread over the batch axes."""
+
+    def split(x):
+        b, n = x.shape
+        return nn.with_logical_constraint(
+            x.reshape(b // accum, accum, n).swapaxes(0, 1), (None, axes.BATCH, None)
+        )
+
+    return jax.tree.map(split, batch)
 
 
 def _summed_over_microbatches(loss_and_grad, micro, params, param_shardings):
     """loss_and_grad's (values, gradients) summed over the microbatches (values: a tree of float32
     arrays, the loss and stats), the gradients' sum laid out as the parameters are."""
 
-    def body(carry, tokens_i):
+    def body(carry, batch_i):
         grads_acc, values_acc = carry
-        values_i, grads_i = loss_and_grad(tokens_i)
+        values_i, grads_i = loss_and_grad(batch_i)
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads_i)
         grads_acc = jax.lax.with_sharding_constraint(grads_acc, param_shardings)
         return (grads_acc, jax.tree.map(jnp.add, values_acc, values_i)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     # The loss and stats' shapes, from a trace of one microbatch (nothing computed).
-    values = jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), jax.eval_shape(loss_and_grad, micro[0])[0])
+    first = jax.tree.map(lambda x: x[0], micro)
+    values = jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), jax.eval_shape(loss_and_grad, first)[0])
     (grads, values), _ = jax.lax.scan(body, (zeros, values), micro)
     return values, grads
 
@@ -217,11 +241,11 @@ def _shard_partial_sums(
         for name, target in nn.get_logical_axis_rules()
     )
 
-    def local(params, micro):  # micro: (accum, rows of this shard, seq_len + 1)
-        def body(carry, tokens_i):
+    def local(params, micro):  # micro's arrays: (accum, rows of this shard, seq_len [+ 1])
+        def body(carry, batch_i):
             grads_acc, loss_acc = carry
             loss_i, grads_i = jax.value_and_grad(
-                lambda p: _loss_sums(model, p, tokens_i, loss_chunk)[0] / count
+                lambda p: _loss_sums(model, p, batch_i, loss_chunk)[0] / count
             )(params)
             return (jax.tree.map(jnp.add, grads_acc, grads_i), loss_acc + loss_i), None
 
@@ -263,13 +287,13 @@ def make_train_step(s: Setup):
     model = Transformer(s.model_cfg)
     skip_nonfinite = s.config.skip_nonfinite_steps
 
-    def step(state: state_lib.TrainState, tokens):
+    def step(state: state_lib.TrainState, batch):
         loss, grads, router = accumulated_grads_and_stats(
             model,
             s.config.grad_accum,
             s.shardings.params,
             state.params,
-            tokens,
+            batch,
             s.config.loss_chunk,
             grad_reduce_dtype(s),
         )
@@ -302,8 +326,8 @@ def make_eval_step(s: Setup):
     (data.PAD) count no token."""
     model = Transformer(s.model_cfg)
 
-    def step(params, tokens):
-        loss_sum, count = _loss_sums(model, params, tokens, s.config.loss_chunk, padded=True)
+    def step(params, batch):
+        loss_sum, count = _loss_sums(model, params, batch, s.config.loss_chunk, padded=True)
         return loss_sum, jnp.asarray(count, jnp.float32)
 
     return jax.jit(step, in_shardings=(s.shardings.params, s.batch_sharding))
@@ -317,9 +341,27 @@ def compile_eval_step(s: Setup):
         return lowered.compile(compiler_options=compiler_options(s))
 
 
-def abstract_batch(s: Setup, batch_size: int) -> jax.ShapeDtypeStruct:
-    """The (batch, seq_len + 1) int32 token array the steps take, with its sharding."""
-    return jax.ShapeDtypeStruct((batch_size, s.config.seq_len + 1), jnp.int32, sharding=s.batch_sharding)
+def abstract_batch(s: Setup, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The batch the steps take, as pipeline.global_batch places it: (batch, seq_len + 1) int32
+    tokens, and under config.data.document_mask (batch, seq_len) segment ids and positions."""
+    length = s.config.seq_len
+    batch = {"tokens": jax.ShapeDtypeStruct((batch_size, length + 1), jnp.int32, sharding=s.batch_sharding)}
+    if s.config.data.document_mask:
+        for key in ("segment_ids", "positions"):
+            batch[key] = jax.ShapeDtypeStruct((batch_size, length), jnp.int32, sharding=s.batch_sharding)
+    return batch
+
+
+def host_batch(s: Setup, tokens) -> dict:
+    """The batch (numpy) of (batch, seq_len + 1) tokens as the steps of `s` take it (abstract_batch):
+    under config.data.document_mask with the segment ids and positions that the separators of
+    config.data.tokenizer mark (pipeline.document_segments), as the pipeline reads them."""
+    tokens = np.asarray(tokens, np.int32)
+    batch = {"tokens": tokens}
+    separator = pipeline.document_separator(s.config.data)
+    if separator is not None:
+        batch["segment_ids"], batch["positions"] = pipeline.document_segments(tokens[:, :-1], separator)
+    return batch
 
 
 def compile_train_step(s: Setup):

@@ -22,7 +22,7 @@ def _steps(s, step, state, batches):
     (state, [(loss, grad_norm)])."""
     history = []
     for tokens in batches:
-        state, stats = step(state, jax.device_put(tokens, s.batch_sharding))
+        state, stats = step(state, jax.device_put(step_lib.host_batch(s, tokens), s.batch_sharding))
         history.append((float(stats["loss"]), float(stats["grad_norm"])))
     return state, history
 

@@ -195,6 +195,91 @@ def test_packed_windows_count(length, count):
     assert len(pipeline.PackedWindows(np.zeros((length,), np.uint8), 8)) == count
 
 
+# --- document segments ---------------------------------------------------------------------------
+
+
+def test_document_segments_worked_by_hand():
+    # Separator 0 starts a segment; so does the window's first token (the rest of a cut document).
+    inputs = np.array([[5, 6, 0, 7, 8, 9, 0, 4], [0, 3, 4, 0, 0, 1, 2, 3]], np.int32)
+    segment_ids, positions = pipeline.document_segments(inputs, 0)
+    np.testing.assert_array_equal(segment_ids, [[1, 1, 2, 2, 2, 2, 3, 3], [1, 1, 1, 2, 3, 3, 3, 3]])
+    np.testing.assert_array_equal(positions, [[0, 1, 0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 0, 1, 2, 3]])
+    assert segment_ids.dtype == positions.dtype == np.int32
+
+
+def _documents_of_stream(lengths: list[int]) -> list[int]:
+    """Which document each token of the byte stream of documents of `lengths` belongs to, counted
+    with a loop over the documents: the separator that ends document k starts document k + 1 (as a
+    prompt starts with it), and the last one belongs to a document not in the stream."""
+    owner = []
+    for k, n in enumerate(lengths):
+        owner += [k] * n + [k + 1]
+    return owner
+
+
+@pytest.mark.parametrize("seq_len", [4, 8, 13])
+def test_packed_windows_segments_restart_at_documents_and_window_boundaries(seq_len):
+    """Documents of 5, 11, 1, 3 and 7 bytes packed end to end and cut into windows: each window's
+    segments are its runs of one document, numbered from 1; a document cut by a window boundary is
+    a new segment in the next window, its positions restarting at 0."""
+    rng = np.random.default_rng(0)
+    lengths = [5, 11, 1, 3, 7]
+    docs = [(f"d{k}", bytes(rng.integers(1, 256, n, dtype=np.uint8))) for k, n in enumerate(lengths)]
+    stream = pipeline._pack(docs)
+    owner = _documents_of_stream(lengths)
+    assert len(stream) == len(owner) == sum(lengths) + len(lengths)
+    windows = pipeline.PackedWindows(stream, seq_len, separator=pipeline.SEPARATOR)
+    cut = 0
+    for i in range(len(windows)):
+        w = windows[i]
+        mine = owner[i * seq_len : (i + 1) * seq_len]
+        want_segments, want_positions = [], []
+        for j, doc in enumerate(mine):
+            new = j == 0 or doc != mine[j - 1]
+            want_segments.append(1 if j == 0 else want_segments[-1] + new)
+            want_positions.append(0 if new else want_positions[-1] + 1)
+        np.testing.assert_array_equal(w["segment_ids"], want_segments)
+        np.testing.assert_array_equal(w["positions"], want_positions)
+        assert w["segment_ids"].shape == w["positions"].shape == (seq_len,)
+        cut += i > 0 and mine[0] == owner[i * seq_len - 1]  # a document carried over from window i - 1
+    assert cut > 0  # some document was cut by a boundary, at every seq_len here
+
+
+def test_padding_rows_are_segment_zero_and_document_masking_off_adds_nothing():
+    tokens = windows_tokens(3, 4)
+    padded = pipeline.PaddedWindows(pipeline.PackedWindows(tokens, 4, separator=0), 4)
+    np.testing.assert_array_equal(padded[3]["segment_ids"], [0, 0, 0, 0])
+    np.testing.assert_array_equal(padded[3]["positions"], [0, 1, 2, 3])
+    assert (padded[0]["segment_ids"] >= 1).all()
+    assert set(pipeline.PaddedWindows(pipeline.PackedWindows(tokens, 4), 4)[3]) == {"tokens", "id"}
+    stream = pipeline.eval_dataset(tokens, 4, 2, separator=0)
+    batch = next(iter(stream))
+    assert batch["segment_ids"].shape == batch["positions"].shape == (2, 4)
+    assert set(next(iter(pipeline.eval_dataset(tokens, 4, 2)))) == {"tokens", "id"}
+
+
+def test_document_separator_follows_the_tokenizer_and_the_switch(bpe_path, sp_path):
+    assert pipeline.document_separator(data_config()) == pipeline.SEPARATOR == 0  # bytes: byte 0 ends each
+    assert pipeline.document_separator(data_config(tokenizer=bpe_path)) == 0  # <|endoftext|> ends each
+    assert pipeline.document_separator(data_config(tokenizer=sp_path)) == 1  # bos starts each
+    assert pipeline.document_separator(data_config(document_mask=False)) is None
+
+
+def test_global_batch_carries_segments_where_the_rows_have_them():
+    mesh = make_mesh("dp=4,mp=2", ("dp", "mp"))
+    sharding = NamedSharding(mesh, PartitionSpec("dp", None))
+    tokens = np.array([[5, 0, 6, 7, 0], [1, 2, 0, 3, 4]] * 4, np.int32)
+    segments, positions = pipeline.document_segments(tokens[:, :-1], 0)
+    local = {"tokens": tokens, "segment_ids": segments, "positions": positions, "id": np.arange(8)}
+    batch = pipeline.global_batch(local, sharding, 8)
+    assert sorted(batch) == ["positions", "segment_ids", "tokens"]
+    assert batch["segment_ids"].shape == (8, 4) and batch["segment_ids"].sharding.is_equivalent_to(
+        sharding, 2
+    )
+    np.testing.assert_array_equal(np.asarray(batch["segment_ids"])[:2], [[1, 2, 2, 2], [1, 1, 2, 2]])
+    np.testing.assert_array_equal(np.asarray(batch["positions"])[:2], [[0, 0, 1, 2], [0, 1, 0, 1]])
+
+
 # --- shuffling, epochs, iterator state -----------------------------------------------------------
 
 SEQ, BATCH, WINDOWS = 4, 4, 48  # 12 batches per epoch
@@ -290,21 +375,33 @@ def test_prefetcher_raises_the_reading_error_in_the_loop():
 
 
 def test_prefetch_is_bounded_as_grain_bounds_its_read_ahead():
-    assert pipeline.max_prefetch(8, 32) == pipeline.MAX_PREFETCH == 1000  # 1,056 bytes a batch
+    # Without document masking a batch is its tokens alone.
+    assert pipeline.max_prefetch(8, 32, document_mask=False) == pipeline.MAX_PREFETCH == 1000  # 1,056 bytes
     # 8 x 131,073 int32 tokens = 4,194,336 bytes: 254 batches ahead and the one being read fill 1 GiB.
-    assert pipeline.max_prefetch(8, 2**17) == 254
+    assert pipeline.max_prefetch(8, 2**17, document_mask=False) == 254
+    # With it, each row also holds 2 x 131,072 int32 segment ids and positions: 8 x 393,217 x 4 =
+    # 12,582,944 bytes a batch, 85 of which fit in 1 GiB (86 are 1,082,133,184 bytes): 84 ahead.
+    assert pipeline.max_prefetch(8, 2**17) == 84
     assert (
         pipeline.max_prefetch(1024, 2**17) == pipeline.AUTO_PREFETCH == 2
     )  # batches of 512 MiB: the default
     for fine in (-1, 0, 254):
-        pipeline.check_prefetch(fine, 8, 2**17)
+        pipeline.check_prefetch(fine, 8, 2**17, document_mask=False)
     with pytest.raises(
         UserError,
         match=r"^config\.data\.prefetch=255 is over its limit of 254 batches read ahead \(at most 1000, "
         r"and 1 GiB with the batch being read; a batch of 8 x 131073 int32 tokens is 4,194,336 bytes\); "
         r"-1 is the default$",
     ):
-        pipeline.check_prefetch(255, 8, 2**17)
+        pipeline.check_prefetch(255, 8, 2**17, document_mask=False)
+    pipeline.check_prefetch(84, 8, 2**17)
+    with pytest.raises(
+        UserError,
+        match=r"^config\.data\.prefetch=85 is over its limit of 84 batches read ahead \(at most 1000, and "
+        r"1 GiB with the batch being read; a batch of 8 x 131073 int32 tokens with their segment ids and "
+        r"positions is 12,582,944 bytes\); -1 is the default$",
+    ):
+        pipeline.check_prefetch(85, 8, 2**17)
     with pytest.raises(UserError, match=r"^config\.data\.prefetch must be -1 \(auto\), 0 or more, got -2$"):
         pipeline.check_prefetch(-2, 8, 32)
 
@@ -348,7 +445,9 @@ def test_global_batch_on_eight_devices():
     mesh = make_mesh("dp=8,mp=1", ("dp", "mp"))
     sharding = NamedSharding(mesh, PartitionSpec("dp", None))
     tokens = np.arange(8 * 5, dtype=np.int64).reshape(8, 5)
-    arr = pipeline.global_batch({"tokens": tokens, "id": np.arange(8)}, sharding, 8)
+    batch = pipeline.global_batch({"tokens": tokens, "id": np.arange(8)}, sharding, 8)
+    assert list(batch) == ["tokens"]  # the ids stay on the host; no segments without document masking
+    arr = batch["tokens"]
     assert isinstance(arr, jax.Array)
     assert arr.shape == (8 * jax.process_count(), 5) and arr.dtype == np.int32
     assert arr.sharding.is_equivalent_to(sharding, arr.ndim)

@@ -383,6 +383,18 @@ def test_a_run_trained_with_cudnn_attention_is_read_with_einsum_on_cpu(trained_w
         saved_run.load_setup(str(run), {"model.attention": "cudnn"})
 
 
+def test_a_run_saved_before_document_masking_is_read_with_whole_windows(trained_workdir, tmp_path):
+    """It trained attending each window whole: evaluate and generate read it so, unless asked."""
+    assert saved_run.saved_config(str(trained_workdir), {})[2].data.document_mask is True
+
+    def saved_before_the_key(meta):
+        del meta["config"]["data"]["document_mask"]
+
+    run = _copy_editing_meta(trained_workdir, tmp_path, saved_before_the_key)
+    assert saved_run.saved_config(str(run), {})[2].data.document_mask is False
+    assert saved_run.saved_config(str(run), {"data.document_mask": "true"})[2].data.document_mask is True
+
+
 def test_a_run_started_from_init_from_samples_after_the_file_is_gone(trained_workdir, tmp_path):
     def started_from_a_file(meta):
         meta["config"]["init_from"] = str(tmp_path / "gone.npz")

@@ -66,6 +66,7 @@ def _wide_config():
     c = llama_1b.get_config()
     c.rules, c.mesh = "dp", "dp=1,mp=1"
     c.model.num_layers, c.batch_size = 2, 224
+    c.data.document_mask = False  # cuDNN's attention, as the benchmark ran: it cannot mask documents
     return c
 
 
@@ -261,13 +262,28 @@ def test_compare_across_hosts_has_a_column_of_the_bytes_between_them():
         assert f"{r['network_bytes_per_device'] / 2**20:,.3f} MiB" in line
 
 
-@pytest.mark.parametrize("dtype, expected", [("bfloat16", "cudnn"), ("float32", "einsum")])
-def test_auto_attention_is_chosen_for_the_devices_compiled_for(dtype, expected):
-    overrides = {"model.dtype": dtype, "model.attention": "auto"}
+@pytest.mark.parametrize(
+    "dtype, document_mask, expected",
+    [("bfloat16", False, "cudnn"), ("float32", False, "einsum"), ("bfloat16", True, "einsum")],
+)
+def test_auto_attention_is_chosen_for_the_devices_compiled_for(dtype, document_mask, expected):
+    # Under document masking cuDNN's path cannot keep packed documents apart: einsum on the GPU too.
+    overrides = {"model.dtype": dtype, "model.attention": "auto", "data.document_mask": document_mask}
     devices = hardware.target_devices("gpu:h100:8")
     s = run_setup.setup(small_config(rules="megatron_1d", mesh="dp=2,mp=4", **overrides), devices)
     assert s.model_cfg.attention == expected
     assert run_setup.setup(small_config(**overrides)).model_cfg.attention == "einsum"  # on the CPU
+
+
+def test_cudnn_attention_with_document_masking_is_refused_on_gpus_naming_what_to_use():
+    c = small_config(rules="megatron_1d", mesh="dp=2,mp=4", **{"model.attention": "cudnn", **BF16})
+    devices = hardware.target_devices("gpu:h100:8")
+    with pytest.raises(
+        UserError, match=r"^config\.model\.attention 'cudnn' cannot keep packed documents apart .*'auto'"
+    ):
+        run_setup.setup(c, devices)
+    c.data.document_mask = False
+    assert run_setup.setup(c, devices).model_cfg.attention == "cudnn"
 
 
 @pytest.mark.parametrize(

@@ -41,12 +41,15 @@ def test_gradient_accumulation_equals_full_batch():
 
 
 def _plain_mean_loss(s):
-    """jit-compiled (mean token loss, gradient) of setup `s`'s model, by optax's cross entropy on
-    the whole batch's logits: the reference the step's own sums must agree with."""
+    """jit-compiled (mean token loss, gradient) of setup `s`'s model on a batch (step.host_batch's,
+    its documents masked apart), by optax's cross entropy on the whole batch's logits: the
+    reference the step's own sums must agree with."""
     model = Transformer(s.model_cfg)
 
-    def mean_loss(params, tokens):
-        logits = model.apply({"params": params}, tokens[:, :-1]).astype(jnp.float32)
+    def mean_loss(params, batch):
+        tokens = batch["tokens"]
+        documents = {"segment_ids_bl": batch["segment_ids"], "positions_bl": batch["positions"]}
+        logits = model.apply({"params": params}, tokens[:, :-1], **documents).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     return jax.jit(jax.value_and_grad(mean_loss))
@@ -61,8 +64,8 @@ def test_the_loss_is_the_mean_over_the_batch_tokens_and_the_gradient_its_gradien
     s = run_setup.setup(c)
     state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, c.seq_len, c.seed)
     with state_lib.sharding_context(s.mesh, s.rules):
-        tokens = jax.device_put(token_batches(c, 1)[0], s.batch_sharding)
-        want_loss, want_grads = _plain_mean_loss(s)(state.params, tokens)
+        batch = jax.device_put(step_lib.host_batch(s, token_batches(c, 1)[0]), s.batch_sharding)
+        want_loss, want_grads = _plain_mean_loss(s)(state.params, batch)
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
     assert 4 < float(want_loss) < 7  # about ln(256) = 5.5 at initialization: a per-token mean
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
@@ -79,7 +82,7 @@ def test_the_train_step_applies_adamw_to_the_clipped_mean_gradient_at_the_rate_i
     s = run_setup.setup(c)
     state = state_lib.init_state(s.model_cfg, s.tx, s.mesh, s.rules, c.seq_len, c.seed)
     initial = jax.tree.map(np.asarray, state.params)
-    batches = [jax.device_put(b, s.batch_sharding) for b in token_batches(c, 2)]
+    batches = [jax.device_put(step_lib.host_batch(s, b), s.batch_sharding) for b in token_batches(c, 2)]
     with state_lib.sharding_context(s.mesh, s.rules):
         plain = _plain_mean_loss(s)
         update = jax.jit(s.tx.update)
