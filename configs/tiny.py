@@ -87,6 +87,17 @@ def get_config() -> ConfigDict:
     # fsdp, data_fsdp_tensor), gather them in this many slices of the mlp dimension, each beside
     # the products of the one before (docs/plan.md#overlap). 1: whole gathers, GSPMD's.
     c.model.mlp_slices = 1
+    # Mixture of experts (docs/model.md): 0 keeps the dense MLP; > 0 makes each block's MLP that many
+    # SwiGLU experts of hidden width expert_mlp_dim (0: mlp_dim), experts_per_token of them a token,
+    # plus shared_experts experts' width of a dense MLP every token goes through. Dropless.
+    c.model.num_experts = 0
+    c.model.experts_per_token = 2
+    c.model.expert_mlp_dim = 0
+    c.model.shared_experts = 0
+    c.model.router_renormalize = True  # the k router weights renormalised to sum to 1 (Mixtral)
+    # The router's losses in the objective: Switch's load balancing (1 when balanced), ST-MoE's z-loss.
+    c.model.router_aux_loss_coef = 0.01
+    c.model.router_z_loss_coef = 0.001
 
     c.optim = ConfigDict()
     c.optim.lr = 3e-3  # small model, short run: a high peak rate

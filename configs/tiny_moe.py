@@ -9,7 +9,7 @@ the tokens over the mean share) say how evenly the router spreads the tokens. Ov
 --config.rules=data_expert_tensor --config.mesh=data=2,expert=2,tensor=2.
 """
 
-from configs import tiny
+from gspmd_tp.configs import tiny
 
 
 def get_config():
