@@ -32,7 +32,9 @@ if [ $# -eq 0 ]; then
 fi
 for v in "$@"; do
   IFS=: read -r name overrides env <<<"$v"
-  args=()
+  # Unmasked windows: cuDNN's fused attention (model.attention auto on a GPU) takes no segment ids,
+  # and under data.document_mask the attention is einsum's (docs/model.md#attention).
+  args=(--config.data.document_mask=false)
   if [ "$overrides" != "-" ]; then
     read -ra kv <<<"$overrides"
     for o in "${kv[@]}"; do args+=("--config.$o"); done
