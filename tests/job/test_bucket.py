@@ -316,3 +316,41 @@ def test_train_py_in_a_bucket_stops_on_sigterm_and_resumes_there(gcs_emulator, t
     assert any("/state/ocdbt.process_0/" in f for f in aside)  # moved whole, not deleted
     # Trained again from step + 1 (checkpoint_every=2): saved whole where the damaged one was.
     assert paths.of(f"{workdir}/checkpoints/{step + 2}/state/_METADATA").exists() == ((step + 2) % 2 == 0)
+
+
+def test_shards_in_a_bucket_are_fetched_a_file_at_a_time_within_the_cache_budget(
+    gcs_emulator, tmp_path, monkeypatch
+):
+    """A budget smaller than one file: one file open at a time, each fetched when a record of it is
+    read, nothing left on local disk; the tokens are the local shards'."""
+    import numpy as np
+    from conftest import data_config, write
+
+    from gspmd_tp.data import pipeline, prepare, shards, tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("GSPMD_TP_SHARD_CACHE_MB", "0.0001")  # 104 bytes
+    for d in range(10):
+        write(tmp_path / "d" / f"{d}.txt", "".join(f"line {i} of document {d}\n" for i in range(8)))
+    data = data_config(train_files=str(tmp_path / "d" / "*.txt"), eval_fraction=0.2)
+    meta = prepare.prepare(data, "gs://bkt/small_shards", chunk_tokens=32, records_per_file=3)
+    files = len(meta["splits"]["train"]["files"])
+    assert files >= 4
+    want, _ = pipeline.load_corpus(data)
+    got = shards.ShardedTokens("gs://bkt/small_shards", "train", shards.read_meta("gs://bkt/small_shards"))
+    assert got.dtype == tokenizer.load("bytes").dtype
+    source = got._source
+    assert isinstance(source, shards.BucketRecords) and source.per_file == 3 and source.fetches == 1
+    # Tokens 0..95 are file 0's 3 records of 32; 96..191 file 1's.
+    np.testing.assert_array_equal(got[90:100], want[90:100])  # files 0 and 1: 0 already open
+    assert source.fetches == 2 and list(source._open) == [1]  # 0 closed to make room for 1
+    np.testing.assert_array_equal(got[0 : len(got)], want)  # every file again, 0 first
+    assert source.fetches == 2 + files and list(source._open) == [files - 1]
+    np.testing.assert_array_equal(got[5:7], want[5:7])  # file 0 once more
+    assert source.fetches == 3 + files
+    leftover = [f for _, _, names in os.walk(tmp_path / "cache") for f in names]
+    assert leftover == []  # each copy unlinked once opened
+    source.close()
+    monkeypatch.setenv("GSPMD_TP_SHARD_CACHE_MB", "lots")
+    with pytest.raises(UserError, match="GSPMD_TP_SHARD_CACHE_MB=lots: give a number of MiB above 0"):
+        shards.cache_bytes()
