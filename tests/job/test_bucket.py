@@ -354,3 +354,36 @@ def test_shards_in_a_bucket_are_fetched_a_file_at_a_time_within_the_cache_budget
     monkeypatch.setenv("GSPMD_TP_SHARD_CACHE_MB", "lots")
     with pytest.raises(UserError, match="GSPMD_TP_SHARD_CACHE_MB=lots: give a number of MiB above 0"):
         shards.cache_bytes()
+
+
+def test_a_step_in_a_bucket_without_orbaxs_commit_file_is_a_save_cut_short(gcs_emulator):
+    """In a bucket orbax writes step N in place and commit_success.txt last: a step without it is
+    no step for the readers (steps_on_disk, readable_checkpoints), and the next run's manager removes it
+    before it saves that step again."""
+    import jax.numpy as jnp
+
+    from gspmd_tp.checkpoint import step_dirs, store
+
+    workdir = f"gs://bkt/runs/cut-{time.time_ns()}"
+    mngr = store.manager(workdir, keep=5, async_save=False)
+    for step in (1, 2):
+        store.save(mngr, step, {"w": jnp.full((4,), float(step))}, {"next_index": step}, {"step": step})
+    mngr.close()
+    ckpt = f"{workdir}/checkpoints"
+    commit = f"{ckpt}/2/commit_success.txt"
+    assert commit in [f"gs://{f}" for f in _objects(ckpt)]
+    assert step_dirs.steps_on_disk(ckpt) == [2, 1]
+    paths.of(commit).unlink()  # as a save killed before its last write leaves it
+    assert step_dirs.steps_on_disk(ckpt) == [1]
+    assert [s for s, _ in step_dirs.readable_checkpoints(workdir)] == [1]
+    mngr = store.manager(workdir, keep=5, async_save=False)
+    assert mngr.all_steps() == [1]
+    store.save(mngr, 2, {"w": jnp.zeros(4)}, {"next_index": 2}, {"step": 2, "again": True})
+    mngr.close()
+    assert step_dirs.steps_on_disk(ckpt) == [2, 1]
+    assert [m for _, m in step_dirs.readable_checkpoints(workdir)] == [
+        {"step": 2, "again": True},
+        {"step": 1},
+    ]
+    found = _objects(ckpt)
+    assert not any(output_paths.LOCK in f or "corrupt" in f for f in found)  # nothing set aside
