@@ -163,7 +163,9 @@ class BucketRecords:
     read, into a private file under the cache directory that is unlinked as soon as the reader has
     opened it: the disk it takes is freed when the reader closes, by eviction or by the process ending
     however it ends, and no other process sees it. Files stay open least recently read first out,
-    within `budget` bytes (always the file being read).
+    within `budget` bytes (always the file being read). The first file is opened at once: prepare's
+    writer gives every file but the last its record count. A file whose count does not fit shards.json
+    raises UserError when it is opened.
     """
 
     def __init__(self, urls: list[str], records: int, budget: int, where: str):

@@ -351,6 +351,16 @@ def test_shards_in_a_bucket_are_fetched_a_file_at_a_time_within_the_cache_budget
     leftover = [f for _, _, names in os.walk(tmp_path / "cache") for f in names]
     assert leftover == []  # each copy unlinked once opened
     source.close()
+    # A shards.json that lists one record more than the files hold: the last file says so when read.
+    meta["splits"]["train"]["records"] += 1
+    meta["splits"]["train"]["tokens"] += 1
+    paths.of("gs://bkt/small_shards/shards.json").write_text(json.dumps(meta))
+    bad = shards.ShardedTokens("gs://bkt/small_shards", "train", meta)
+    last = meta["splits"]["train"]["files"][-1]
+    with pytest.raises(
+        UserError, match=rf"config.data.shards=gs://bkt/small_shards: .*/{last} holds \d+ records"
+    ):
+        bad[len(bad) - 1 : len(bad)]
     monkeypatch.setenv("GSPMD_TP_SHARD_CACHE_MB", "lots")
     with pytest.raises(UserError, match="GSPMD_TP_SHARD_CACHE_MB=lots: give a number of MiB above 0"):
         shards.cache_bytes()
