@@ -1,8 +1,9 @@
 """A run's checkpoint directory as files: its step directories, their JSON metadata, which of them
 read, and the damaged ones named and set aside (to workdir/corrupt_checkpoints/, never deleted).
 
-No jax and no orbax at import: the readers that choose how many devices to simulate list the steps
-here before jax starts. Reading a step's arrays is the caller's (checkpoint.py, restore.py).
+Which directories are steps is orbax's answer (its standard step name format), the same that its
+CheckpointManager gives; orbax is imported where the steps are listed, not at import, so the readers
+that only parse flags stay light. Reading a step's arrays is the caller's (store.py, tool.py).
 The run directory may be local or in a bucket: every path goes through paths.of (etils.epath).
 """
 
@@ -68,9 +69,8 @@ def damage(e: BaseException) -> str | None:
             return str(cause)
         if isinstance(cause, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError)):
             return short_error(cause)
+        # Tensorstore's Python errors carry their absl status code only as the text's first word.
         text = str(cause)
-        if isinstance(cause, KeyError) and "was not found in the checkpoint" in text:  # a missing item
-            return short_error(cause)
         code = text.split(":", 1)[0]
         if code in _MISSING_CODES or (
             code in _DECODE_CODES and any(w in text.lower() for w in _DECODE_WORDS)
@@ -80,8 +80,18 @@ def damage(e: BaseException) -> str | None:
 
 
 def steps_on_disk(ckpt_dir: str) -> list[int]:
-    """Step directories, newest first; in-progress saves (`N.orbax-checkpoint-tmp`) are not steps."""
-    return sorted((int(n) for n in _listing(ckpt_dir) if n.isdigit()), reverse=True)
+    """The finished steps in `ckpt_dir`, newest first, as orbax's CheckpointManager lists them (its
+    standard name format's find_all): on local disk a step is a directory `N` (a save in progress or cut
+    short is still `N.orbax-checkpoint-tmp-*`); in a bucket, where orbax does not rename, one holding
+    orbax's commit_success.txt, which it writes last. Neither kind of unfinished save is a step here;
+    the run's manager removes them (cleanup_tmp_directories). A finished step whose files were damaged
+    afterwards is listed: reading it tells (damage)."""
+    from orbax.checkpoint import path as ocp_path  # here only: jax and orbax are slow to import
+
+    if not paths.of(ckpt_dir).is_dir():
+        return []
+    found = ocp_path.step.standard_name_format().find_all(paths.of(ckpt_dir))
+    return sorted((m.step for m in found), reverse=True)
 
 
 def _listing(directory: str) -> list[str]:

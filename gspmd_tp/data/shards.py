@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
+import threading
 
 import numpy as np
 
@@ -134,22 +136,98 @@ def check_tokenizer(meta: dict, tok: tokenizer_lib.Tokenizer, directory: str) ->
         )
 
 
-def local_copy(url: str) -> str:
-    """A local copy of shard file `url` in the cache ($XDG_CACHE_HOME or ~/.cache, gspmd_tp/shards/),
-    fetched where it is missing or of another size: ArrayRecord's reader opens local files only.
-    The copy is fetched under a temporary name and renamed, so a fetch cut short is fetched again."""
-    import fsspec
+# Bytes of shard files in a bucket that one process holds on local disk at once (GSPMD_TP_SHARD_CACHE_MB).
+CACHE_MB = 4096
+# ArrayRecord's options for random reads: no readahead, no reader threads.
+RANDOM_ACCESS = "readahead_buffer_size:0,max_parallelism:0"
 
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    local = os.path.join(root, "gspmd_tp", "shards", paths_lib.scheme(url), url.split("://", 1)[1])
-    fs, _ = fsspec.core.url_to_fs(url)
-    size = fs.info(url)["size"]
-    if not os.path.isfile(local) or os.path.getsize(local) != size:
-        os.makedirs(os.path.dirname(local), exist_ok=True)
-        partial = f"{local}.{os.getpid()}.partial"
-        fs.get_file(url, partial)
-        os.replace(partial, local)
-    return local
+
+def cache_bytes() -> int:
+    """The local-disk budget of shard files fetched from a bucket: $GSPMD_TP_SHARD_CACHE_MB MiB (default
+    CACHE_MB); UserError, one line, where the variable is not a positive number."""
+    text = os.environ.get("GSPMD_TP_SHARD_CACHE_MB", str(CACHE_MB))
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = -1.0
+    if not mb > 0:
+        raise UserError(f"GSPMD_TP_SHARD_CACHE_MB={text}: give a number of MiB above 0")
+    return int(mb * 2**20)
+
+
+class BucketRecords:
+    """The records of a split's ArrayRecord files in a bucket, read by index as grain's data source is.
+
+    ArrayRecord's reader opens local files only (array_record 0.8.6 takes a path and reads it through
+    riegeli's file descriptor reader), so a file is fetched whole the first time one of its records is
+    read, into a private file under the cache directory that is unlinked as soon as the reader has
+    opened it: the disk it takes is freed when the reader closes, by eviction or by the process ending
+    however it ends, and no other process sees it. Files stay open least recently read first out,
+    within `budget` bytes (always the file being read). The first file is opened at once: prepare's
+    writer gives every file but the last its record count. A file whose count does not fit shards.json
+    raises UserError when it is opened.
+    """
+
+    def __init__(self, urls: list[str], records: int, budget: int, where: str):
+        self.urls, self.records, self.budget, self.where = urls, records, budget, where
+        self.fetches = 0  # files fetched so far (a file read again after eviction counts again)
+        self._open: dict[int, tuple[object, int]] = {}  # file index -> (reader, size), oldest first
+        self._lock = threading.Lock()  # the pipeline's read-ahead thread and the caller both read
+        # prepare's writer fills every file but the last with the same count: the first file's.
+        self.per_file = None
+        self._reader(0)
+
+    def __len__(self) -> int:
+        return self.records
+
+    def __getitem__(self, record: int) -> bytes:
+        f, i = divmod(int(record), self.per_file)
+        with self._lock:
+            return self._reader(f).read([i])[0]
+
+    def _reader(self, f: int):
+        if f in self._open:
+            self._open[f] = self._open.pop(f)  # most recently read last
+            return self._open[f][0]
+        import fsspec
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        url = self.urls[f]
+        fs, _ = fsspec.core.url_to_fs(url)
+        size = fs.info(url)["size"]
+        while self._open and sum(s for _, s in self._open.values()) + size > self.budget:
+            reader, _ = self._open.pop(next(iter(self._open)))
+            reader.close()
+        root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        os.makedirs(os.path.join(root, "gspmd_tp", "shards"), exist_ok=True)
+        fd, local = tempfile.mkstemp(suffix=".array_record", dir=os.path.join(root, "gspmd_tp", "shards"))
+        try:
+            os.close(fd)
+            fs.get_file(url, local)
+            reader = ArrayRecordReader(local, RANDOM_ACCESS)
+        finally:
+            os.unlink(local)
+        self.fetches += 1
+        n, found = len(self.urls), reader.num_records()
+        if self.per_file is None:
+            # prepare's writer fills every file but the last with the same count: the first file's.
+            self.per_file = found if n > 1 else self.records
+        want = min(self.per_file, self.records - f * self.per_file)
+        if found != want or not self.per_file * (n - 1) < self.records <= self.per_file * n:
+            reader.close()
+            raise UserError(
+                f"{self.where}: {url} holds {found} records, which does not fit the {self.records} "
+                f"records in {n} file(s) that {META} lists; make the shards again"
+            )
+        self._open[f] = (reader, size)
+        return reader
+
+    def close(self) -> None:
+        """Closes the open files (their local copies are gone with them)."""
+        with self._lock:
+            for reader, _ in self._open.values():
+                reader.close()
+            self._open.clear()
 
 
 class ShardedTokens:
@@ -165,12 +243,14 @@ class ShardedTokens:
         self._fingerprint = {"tokens": int(entry["tokens"]), "sha256": entry["sha256"]}
         self._source = None
         if entry["files"]:
-            import grain
-
             paths = [os.path.join(directory, f) for f in entry["files"]]
+            where = f"config.data.shards={directory}"
             if paths_lib.is_url(directory):
-                paths = [local_copy(p) for p in paths]
-            self._source = grain.sources.ArrayRecordDataSource(paths)
+                self._source = BucketRecords(paths, int(entry["records"]), cache_bytes(), where)
+            else:
+                import grain
+
+                self._source = grain.sources.ArrayRecordDataSource(paths)
         found = len(self._source) if self._source is not None else 0
         if found != entry["records"]:
             raise UserError(

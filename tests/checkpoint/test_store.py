@@ -193,3 +193,39 @@ def test_keys_that_do_not_change_the_parameters_may_differ_on_resume():
         store.check_model_matches(saved, model(key, value), "run")
     with pytest.raises(UserError, match="different model"):
         store.check_model_matches(saved, model("mlp_dim", 256), "run")
+
+
+def _two_steps(workdir: str) -> None:
+    """Steps 1 and 2 of a tiny state saved by the run's manager (store.manager, store.save)."""
+    import jax.numpy as jnp
+
+    mngr = store.manager(workdir, keep=5, async_save=False)
+    for step in (1, 2):
+        store.save(mngr, step, {"w": jnp.full((4,), float(step))}, {"next_index": step}, {"step": step})
+    mngr.close()
+
+
+def test_the_steps_are_orbaxs_listing_and_a_save_cut_short_is_none_and_is_removed(tmp_path):
+    """A save killed midway leaves `N.orbax-checkpoint-tmp-*`: not a step for the readers (orbax's
+    name format, as its manager lists), and gone once the next run's manager saves."""
+    import shutil
+
+    import jax.numpy as jnp
+
+    from gspmd_tp.checkpoint import step_dirs
+
+    workdir = str(tmp_path / "run")
+    _two_steps(workdir)
+    ckpt = tmp_path / "run" / "checkpoints"
+    shutil.copytree(ckpt / "2", ckpt / "3.orbax-checkpoint-tmp-1700000000")  # cut short as it was written
+    (ckpt / "README").write_text("not a step")
+    warnings = []
+    assert step_dirs.steps_on_disk(str(ckpt)) == [2, 1]
+    assert [s for s, _ in step_dirs.readable_checkpoints(workdir, warn=warnings.append)] == [2, 1]
+    assert warnings == []
+    mngr = store.manager(workdir, keep=5, async_save=False)
+    assert sorted(mngr.all_steps()) == [1, 2] and mngr.latest_step() == 2
+    store.save(mngr, 3, {"w": jnp.zeros(4)}, {"next_index": 3}, {"step": 3})  # waits for its cleanup
+    mngr.close()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["1", "2", "3", "README"]
+    assert step_dirs.steps_on_disk(str(ckpt)) == [3, 2, 1]

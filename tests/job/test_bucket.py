@@ -316,3 +316,84 @@ def test_train_py_in_a_bucket_stops_on_sigterm_and_resumes_there(gcs_emulator, t
     assert any("/state/ocdbt.process_0/" in f for f in aside)  # moved whole, not deleted
     # Trained again from step + 1 (checkpoint_every=2): saved whole where the damaged one was.
     assert paths.of(f"{workdir}/checkpoints/{step + 2}/state/_METADATA").exists() == ((step + 2) % 2 == 0)
+
+
+def test_shards_in_a_bucket_are_fetched_a_file_at_a_time_within_the_cache_budget(
+    gcs_emulator, tmp_path, monkeypatch
+):
+    """A budget smaller than one file: one file open at a time, each fetched when a record of it is
+    read, nothing left on local disk; the tokens are the local shards'."""
+    import numpy as np
+    from conftest import data_config, write
+
+    from gspmd_tp.data import pipeline, prepare, shards, tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("GSPMD_TP_SHARD_CACHE_MB", "0.0001")  # 104 bytes
+    for d in range(10):
+        write(tmp_path / "d" / f"{d}.txt", "".join(f"line {i} of document {d}\n" for i in range(8)))
+    data = data_config(train_files=str(tmp_path / "d" / "*.txt"), eval_fraction=0.2)
+    meta = prepare.prepare(data, "gs://bkt/small_shards", chunk_tokens=32, records_per_file=3)
+    files = len(meta["splits"]["train"]["files"])
+    assert files >= 4
+    want, _ = pipeline.load_corpus(data)
+    got = shards.ShardedTokens("gs://bkt/small_shards", "train", shards.read_meta("gs://bkt/small_shards"))
+    assert got.dtype == tokenizer.load("bytes").dtype
+    source = got._source
+    assert isinstance(source, shards.BucketRecords) and source.per_file == 3 and source.fetches == 1
+    # Tokens 0..95 are file 0's 3 records of 32; 96..191 file 1's.
+    np.testing.assert_array_equal(got[90:100], want[90:100])  # files 0 and 1: 0 already open
+    assert source.fetches == 2 and list(source._open) == [1]  # 0 closed to make room for 1
+    np.testing.assert_array_equal(got[0 : len(got)], want)  # every file again, 0 first
+    assert source.fetches == 2 + files and list(source._open) == [files - 1]
+    np.testing.assert_array_equal(got[5:7], want[5:7])  # file 0 once more
+    assert source.fetches == 3 + files
+    leftover = [f for _, _, names in os.walk(tmp_path / "cache") for f in names]
+    assert leftover == []  # each copy unlinked once opened
+    source.close()
+    # A shards.json that lists one record more than the files hold: the last file says so when read.
+    meta["splits"]["train"]["records"] += 1
+    meta["splits"]["train"]["tokens"] += 1
+    paths.of("gs://bkt/small_shards/shards.json").write_text(json.dumps(meta))
+    bad = shards.ShardedTokens("gs://bkt/small_shards", "train", meta)
+    last = meta["splits"]["train"]["files"][-1]
+    with pytest.raises(
+        UserError, match=rf"config.data.shards=gs://bkt/small_shards: .*/{last} holds \d+ records"
+    ):
+        bad[len(bad) - 1 : len(bad)]
+    monkeypatch.setenv("GSPMD_TP_SHARD_CACHE_MB", "lots")
+    with pytest.raises(UserError, match="GSPMD_TP_SHARD_CACHE_MB=lots: give a number of MiB above 0"):
+        shards.cache_bytes()
+
+
+def test_a_step_in_a_bucket_without_orbaxs_commit_file_is_a_save_cut_short(gcs_emulator):
+    """In a bucket orbax writes step N in place and commit_success.txt last: a step without it is
+    no step for the readers (steps_on_disk, readable_checkpoints), and the next run's manager removes it
+    before it saves that step again."""
+    import jax.numpy as jnp
+
+    from gspmd_tp.checkpoint import step_dirs, store
+
+    workdir = f"gs://bkt/runs/cut-{time.time_ns()}"
+    mngr = store.manager(workdir, keep=5, async_save=False)
+    for step in (1, 2):
+        store.save(mngr, step, {"w": jnp.full((4,), float(step))}, {"next_index": step}, {"step": step})
+    mngr.close()
+    ckpt = f"{workdir}/checkpoints"
+    commit = f"{ckpt}/2/commit_success.txt"
+    assert commit in [f"gs://{f}" for f in _objects(ckpt)]
+    assert step_dirs.steps_on_disk(ckpt) == [2, 1]
+    paths.of(commit).unlink()  # as a save killed before its last write leaves it
+    assert step_dirs.steps_on_disk(ckpt) == [1]
+    assert [s for s, _ in step_dirs.readable_checkpoints(workdir)] == [1]
+    mngr = store.manager(workdir, keep=5, async_save=False)
+    assert mngr.all_steps() == [1]
+    store.save(mngr, 2, {"w": jnp.zeros(4)}, {"next_index": 2}, {"step": 2, "again": True})
+    mngr.close()
+    assert step_dirs.steps_on_disk(ckpt) == [2, 1]
+    assert [m for _, m in step_dirs.readable_checkpoints(workdir)] == [
+        {"step": 2, "again": True},
+        {"step": 1},
+    ]
+    found = _objects(ckpt)
+    assert not any(output_paths.LOCK in f or "corrupt" in f for f in found)  # nothing set aside

@@ -1,4 +1,5 @@
-"""Two train.py processes x 4 simulated CPU devices, joined by jax.distributed over gloo."""
+"""Two train.py processes x 4 simulated CPU devices, joined by jax.distributed over gloo; one job with its
+workdir in a bucket (the GCS emulator)."""
 
 import json
 import os
@@ -758,3 +759,49 @@ def test_a_reader_process_killed_stops_the_others_within_the_heartbeat_timeout(f
         f"stopped: process 1 died ({HOW}) (nothing in the workdir was written)"
     )
     assert took < 10 + SLACK_S, took
+
+
+def test_a_job_in_a_bucket_stops_on_sigterm_to_one_process_and_resumes_on_another_mesh(
+    gcs_emulator, tmp_path, monkeypatch
+):
+    """Both processes reach the emulator through the environment alone (STORAGE_EMULATOR_HOST,
+    TENSORSTORE_GCS_HTTP_URL: conftest's gcs_emulator); SIGTERM to process 1 stops both at one step,
+    each writes its part of that checkpoint into the bucket, and 1 process x 8 devices on another mesh
+    and rule file resumes it with an uninterrupted run's losses."""
+    from gspmd_tp.job import paths
+    from gspmd_tp.train import loop
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # this process's and the job's
+    constant = ("--config.optim.warmup_steps=0", "--config.optim.min_lr_ratio=1.0")
+    workdir = f"gs://bkt/runs/mp-{time.time_ns()}"
+    procs = start(workdir, 100_000, "--config.checkpoint_every=100000", *constant)
+    try:
+        deadline = time.time() + 240
+        while not paths.of(f"{workdir}/metrics.jsonl").exists():  # a first step logged there
+            assert all(p.poll() is None for p in procs) and time.time() < deadline, procs[0].stderr.read()
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)
+        (out, _), _ = finish(procs)
+    finally:
+        for p in procs:
+            p.kill()
+    stopped = re.search(r"stopped by SIGTERM on process 1 after step (\d+): checkpoint saved", out)
+    assert stopped, out[-2000:]
+    step = int(stopped.group(1))
+    steps = paths.of(f"{workdir}/checkpoints").iterdir()
+    assert [s.name for s in steps] == [str(step)]
+    import gcsfs
+
+    written = gcsfs.GCSFileSystem(skip_instance_cache=True).find(f"{workdir}/checkpoints/{step}")
+    # orbax's array store keeps one part per process that wrote shards (OCDBT's process_N).
+    assert any("process_0" in f for f in written) and any("process_1" in f for f in written), written
+
+    rest = (*constant, f"--config.steps={step + 2}")
+    loop.train(small(*rest, "--config.rules=megatron_1d", "--config.mesh=dp=2,mp=4"), workdir)
+    loop.train(small(*rest), str(tmp_path / "uninterrupted"))
+    want = losses(tmp_path / "uninterrupted")
+    text = paths.of(f"{workdir}/metrics.jsonl").read_text()
+    got = {r["step"]: r["loss"] for r in map(json.loads, text.splitlines())}
+    assert sorted(got) == sorted(want) == list(range(1, step + 3))
+    for s, loss in want.items():
+        assert abs(got[s] - loss) <= 1e-5 * abs(loss), (s, got[s], loss)
