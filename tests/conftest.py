@@ -342,6 +342,7 @@ SHARED_WORK = {
     "test_trainer": "test_trainer",
     "test_reference": "test_reference",
     "test_bucket": "test_bucket",  # one emulator, two runs trained in it
+    "test_moe_training": "test_moe_training",  # one single-device reference for every mesh
 }
 
 
