@@ -123,7 +123,8 @@ def get_config() -> ConfigDict:
     c.data.jsonl_field = "text"
     c.data.parquet_column = "text"  # the text of a parquet file's rows (python -m gspmd_tp.data.prepare)
     # A directory of shards made by python -m gspmd_tp.data.prepare: both splits, read from disk as
-    # the batches need them (train_files and eval_files stay empty). docs/data.md#shards-a-corpus-larger-than-memory
+    # the batches need them (train_files and eval_files stay empty).
+    # docs/data.md#shards-a-corpus-larger-than-memory
     c.data.shards = ""
     # bytes | a Hugging Face tokenizer.json or model directory | a SentencePiece .model
     # (docs/data.md#tokenizers)
