@@ -68,23 +68,51 @@ def test_malloc_tuning_is_left_out_on_accelerator_hosts(monkeypatch):
     assert "/dev/nvidia[0-9]*" in seen
 
 
-@pytest.mark.skipif(not _glibc(), reason="glibc only")
-def test_malloc_tuning_applies_on_a_cpu_host(monkeypatch):
-    monkeypatch.setattr(host_devices.glob, "glob", lambda p: [])
-    calls = []
-    real = ctypes.CDLL
+# In a fresh process, tuned or not: a 256 MiB block malloc'd and freed, and what glibc's mallinfo2
+# says of it against before. Untuned, glibc serves a block that large with mmap (one more mmap'd
+# region while it lives) and gives it back on free; tuned, it comes from the heap, which keeps it.
+_MALLOC_PROBE = """
+import ctypes, sys
+from gspmd_tp.job import host_devices
 
-    class Libc:
-        def __init__(self, name):
-            self._lib = real(name)
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+        "keepcost")]
 
-        def mallopt(self, param, value):
-            calls.append((param, value))
-            return self._lib.mallopt(param, value)
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+applied = host_devices.tune_malloc() if sys.argv[1] == "tuned" else False
+before = libc.mallinfo2()
+block = libc.malloc(256 << 20)
+ctypes.memset(block, 1, 256 << 20)
+mmapped = libc.mallinfo2().hblks - before.hblks
+libc.free(block)
+print(applied, mmapped, (libc.mallinfo2().arena - before.arena) >> 20)
+"""
 
-    monkeypatch.setattr(host_devices.ctypes, "CDLL", Libc)
-    assert host_devices.tune_malloc() is True
-    assert dict(calls) == {-8: 1, -4: 0, -1: -1}
+
+@pytest.mark.skipif(not _glibc() or not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"), reason="glibc 2.33+")
+@pytest.mark.parametrize("mode", ["untuned", "tuned"])
+def test_malloc_tuning_keeps_large_blocks_in_the_heap(mode):
+    """What the tuning is for, seen in glibc's own accounting: a block over the mmap threshold comes
+    from the heap and stays there once freed, instead of being mmap'd and unmapped each time."""
+    if host_devices._cpu_only_glibc() is None:
+        pytest.skip("an accelerator host: the tuning is left out")
+    out = subprocess.run(
+        [sys.executable, "-c", _MALLOC_PROBE, mode],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    applied, mmapped, heap_mib = out[0] == "True", int(out[1]), int(out[2])  # heap_mib: what it kept
+    if mode == "untuned":
+        assert (applied, mmapped) == (False, 1) and heap_mib < 256
+    else:
+        assert (applied, mmapped) == (True, 0) and heap_mib >= 256
 
 
 def test_jax_platforms_is_cpu_only_where_nothing_else_could_run(monkeypatch):
