@@ -67,6 +67,8 @@ def get_config() -> ConfigDict:
     c.model.rope_theta = 10000.0
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
+    # Qwen3's query/key RMSNorm over head_dim before rotary embedding (docs/model.md); False: none.
+    c.model.qk_norm = False
     c.model.dtype = "float32"  # on CPU bf16 matmuls are slower than f32
     # none | full | dots | dots_no_batch | dots_no_batch_comm | dots_no_batch_attention
     c.model.remat = "none"

@@ -1,4 +1,5 @@
-"""The Hugging Face Llama format, and how our model maps onto it: no mesh, run or checkpoint here.
+"""The Hugging Face Llama-family formats (Llama, Qwen3, Mixtral, Qwen3-MoE) and how our model maps
+onto them: no mesh, run or checkpoint here.
 
 config.json <-> ModelConfig; each HF tensor <-> a block of one of our fused parameters (read a
 device's shard at a time on the way in, written one layer-tensor at a time on the way out); the
@@ -33,7 +34,45 @@ HF_MODEL_KEYS = (
     "rope_theta",
     "norm_eps",
     "tie_embeddings",
+    "qk_norm",
+    "num_experts",
+    "experts_per_token",
+    "expert_mlp_dim",
+    "shared_experts",
+    "router_renormalize",
 )
+
+# model_type -> the architecture's class. Qwen3 adds the query/key norm to Llama, Mixtral a mixture
+# of experts, Qwen3-MoE both.
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+_MOE_FAMILIES = ("mixtral", "qwen3_moe")
+
+
+def family(cfg: ModelConfig) -> str:
+    """The model_type of FAMILIES that `cfg` exports as."""
+    if cfg.num_experts:
+        return "qwen3_moe" if cfg.qk_norm else "mixtral"
+    return "qwen3" if cfg.qk_norm else "llama"
+
+
+def export_problem(cfg: ModelConfig) -> str | None:
+    """Why `cfg` has no Hugging Face family to export as (one line), or None."""
+    if cfg.num_experts and cfg.shared_experts:
+        return (
+            f"model.shared_experts={cfg.shared_experts}: no exported family (Mixtral, Qwen3-MoE) has "
+            "shared experts"
+        )
+    if family(cfg) == "mixtral" and not cfg.router_renormalize:
+        return (
+            "model.router_renormalize=False without model.qk_norm: Mixtral always renormalises its top-k "
+            "weights, and Qwen3-MoE (which need not) has the query/key norm"
+        )
+    return None
 
 
 def read_hf_config(hf_dir: str, flag: str) -> dict:
@@ -61,9 +100,11 @@ _REQUIRED_SIZES = (
 
 
 def model_config_from_hf(hf: dict, base: ModelConfig) -> ModelConfig:
-    """Our ModelConfig for a Hugging Face Llama config.json; UserError names an unsupported option."""
-    if hf.get("model_type") != "llama":
-        raise UserError(f"model_type {hf.get('model_type')!r} is not supported (only 'llama')")
+    """Our ModelConfig for a Hugging Face config.json of one of FAMILIES; UserError names an option
+    this model lacks."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise UserError(f"model_type {model_type!r} is not supported (only {', '.join(map(repr, FAMILIES))})")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise UserError(f"hidden_act {act!r} is not supported (the model's SwiGLU uses 'silu')")
@@ -76,6 +117,8 @@ def model_config_from_hf(hf: dict, base: ModelConfig) -> ModelConfig:
         kind = (options or {}).get("rope_type", (options or {}).get("type", "default"))
         if kind != "default":
             raise UserError(f"{name} with rope_type {kind!r} is not supported (only the default rotary)")
+    _check_attention_options(hf)
+    moe = _moe_options(hf) if model_type in _MOE_FAMILIES else {}
     for key in (*_REQUIRED_SIZES, "head_dim", "num_key_value_heads"):  # the last two are optional
         value = hf.get(key)
         if value is None and key in _REQUIRED_SIZES:
@@ -98,6 +141,8 @@ def model_config_from_hf(hf: dict, base: ModelConfig) -> ModelConfig:
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        **{"num_experts": 0, "shared_experts": 0, **moe},
     )
     problems = cfg.validate()
     if problems:
@@ -105,12 +150,77 @@ def model_config_from_hf(hf: dict, base: ModelConfig) -> ModelConfig:
     return cfg
 
 
+def _check_attention_options(hf: dict) -> None:
+    """UserError naming an attention option of the families that this model lacks."""
+    if hf.get("sliding_window") and hf.get("use_sliding_window", True):
+        raise UserError(
+            f"sliding_window={hf['sliding_window']} is not supported (full causal attention only)"
+        )
+    other = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
+    if other:
+        raise UserError(f"layer_types {other} are not supported (only 'full_attention')")
+
+
+def _positive(hf: dict, key: str) -> int:
+    value = hf.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UserError(f"config.json: {key} is {value!r}, not a positive integer")
+    return value
+
+
+def _moe_options(hf: dict) -> dict:
+    """Our mixture-of-experts keys for a Mixtral or Qwen3-MoE config.json; UserError names an option
+    this model lacks (dense layers between the sparse ones, shared experts, router noise)."""
+    kind = hf["model_type"]
+    if hf.get("decoder_sparse_step", 1) != 1:
+        raise UserError(
+            f"decoder_sparse_step={hf['decoder_sparse_step']} is not supported "
+            "(every layer a mixture of experts)"
+        )
+    if hf.get("mlp_only_layers"):
+        raise UserError(
+            f"mlp_only_layers={hf['mlp_only_layers']} is not supported (every layer a mixture of experts)"
+        )
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if hf.get(key):
+            raise UserError(f"{key}={hf[key]} is not supported (no shared experts in {kind}'s layout)")
+    if hf.get("router_jitter_noise"):
+        raise UserError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported (no router noise)")
+    # Qwen3-MoE's own name is num_experts; transformers 5 writes num_local_experts, Mixtral's.
+    experts_key = "num_experts" if kind == "qwen3_moe" and "num_experts" in hf else "num_local_experts"
+    width_key = "moe_intermediate_size" if kind == "qwen3_moe" else "intermediate_size"
+    return {
+        "num_experts": _positive(hf, experts_key),
+        "experts_per_token": _positive(hf, "num_experts_per_tok"),
+        "expert_mlp_dim": _positive(hf, width_key),
+        # Mixtral always renormalises the top-k weights; Qwen3-MoE where norm_topk_prob.
+        "router_renormalize": kind == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+    }
+
+
+# Keys of one family's config.json that another's must not inherit from a base config.
+_FAMILY_KEYS = (
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "router_jitter_noise",
+    "output_router_logits",
+    "router_aux_loss_coef",
+)
+
+
 def hf_config(cfg: ModelConfig, dtype: str, max_positions: int, base: dict | None = None) -> dict:
-    """A LlamaForCausalLM config.json for `cfg`; token ids and the like are kept from `base`."""
-    out = {k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "torch_dtype")}
+    """The config.json of `cfg`'s family (family()); token ids and the like are kept from `base`."""
+    skipped = ("rope_scaling", "torch_dtype", *_FAMILY_KEYS)
+    out = {k: v for k, v in (base or {}).items() if k not in skipped}
+    kind = family(cfg)
     out.update(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
+        architectures=[FAMILIES[kind]],
+        model_type=kind,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
         num_hidden_layers=cfg.num_layers,
@@ -128,6 +238,28 @@ def hf_config(cfg: ModelConfig, dtype: str, max_positions: int, base: dict | Non
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         dtype=dtype,
     )
+    if kind in ("qwen3", "qwen3_moe"):
+        out.update(
+            use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * cfg.num_layers
+        )
+    if kind == "mixtral":
+        out.update(
+            intermediate_size=cfg.expert_width,
+            num_local_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            router_jitter_noise=0.0,
+            sliding_window=None,
+        )
+    if kind == "qwen3_moe":
+        out.update(
+            moe_intermediate_size=cfg.expert_width,
+            num_experts=cfg.num_experts,
+            num_local_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            norm_topk_prob=cfg.router_renormalize,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     out.setdefault("max_position_embeddings", max_positions)
     return out
 
@@ -137,6 +269,20 @@ def hf_config(cfg: ModelConfig, dtype: str, max_positions: int, base: dict | Non
 #   qkv     (embed, kv_heads, group + 2, head_dim): per kv head its `group` query heads, key, value
 #   out     (heads, head_dim, embed)         gate_up (embed, 2, mlp): gate then up
 #   down    (mlp, embed)   embedding (vocab, embed)   lm_head (embed, vocab)   norms (embed,)
+#   q_norm, k_norm (head_dim,)   moe: router (embed, experts)   gate_up (experts, embed, 2, expert
+#   width): each expert's gate then up   down (experts, expert width, embed)
+# The families name the experts' tensors differently (_moe_names).
+
+
+def _moe_names(cfg: ModelConfig, prefix: str):
+    """(router's HF name, expert j -> its (gate, up, down) HF names) of layer `prefix`."""
+    if family(cfg) == "mixtral":
+        base = f"{prefix}block_sparse_moe."
+        parts = ("w1", "w3", "w2")
+    else:
+        base = f"{prefix}mlp."
+        parts = ("gate_proj", "up_proj", "down_proj")
+    return f"{base}gate.weight", lambda j: tuple(f"{base}experts.{j}.{p}.weight" for p in parts)
 
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -155,11 +301,25 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 f"{p}self_attn.k_proj.weight": (k * d, e),
                 f"{p}self_attn.v_proj.weight": (k * d, e),
                 f"{p}self_attn.o_proj.weight": (e, h * d),
-                f"{p}mlp.gate_proj.weight": (m, e),
-                f"{p}mlp.up_proj.weight": (m, e),
-                f"{p}mlp.down_proj.weight": (e, m),
             }
         )
+        if cfg.qk_norm:
+            shapes.update({f"{p}self_attn.q_norm.weight": (d,), f"{p}self_attn.k_norm.weight": (d,)})
+        if cfg.num_experts:
+            router, experts = _moe_names(cfg, p)
+            x = cfg.expert_width
+            shapes[router] = (cfg.num_experts, e)
+            for j in range(cfg.num_experts):
+                gate, up, down = experts(j)
+                shapes.update({gate: (x, e), up: (x, e), down: (e, x)})
+        else:
+            shapes.update(
+                {
+                    f"{p}mlp.gate_proj.weight": (m, e),
+                    f"{p}mlp.up_proj.weight": (m, e),
+                    f"{p}mlp.down_proj.weight": (e, m),
+                }
+            )
     return shapes
 
 
@@ -178,6 +338,11 @@ def _read_layer(read, cfg: ModelConfig, prefix: str, name: str, b: list[tuple[in
         hf = "input_layernorm" if name == "attn_norm/scale" else "post_attention_layernorm"
         ((e0, e1),) = b
         return read(f"{prefix}{hf}.weight", np.s_[e0:e1])
+    if name in ("attn/q_norm/scale", "attn/k_norm/scale"):
+        ((d0, d1),) = b
+        return read(f"{prefix}self_attn.{name.split('/')[1]}.weight", np.s_[d0:d1])
+    if name.startswith("moe/"):
+        return _read_moe(read, cfg, prefix, name, b)
     if name == "attn/qkv":
         (e0, e1), (k0, k1), (g0, g1), (d0, d1) = b
         hd, group = cfg.head_dim, cfg.group
@@ -202,6 +367,26 @@ def _read_layer(read, cfg: ModelConfig, prefix: str, name: str, b: list[tuple[in
     if name == "mlp/down":
         (m0, m1), (e0, e1) = b
         return read(f"{prefix}mlp.down_proj.weight", np.s_[e0:e1, m0:m1]).T
+    raise AssertionError(f"no Hugging Face tensor for layer parameter {name}")
+
+
+def _read_moe(read, cfg: ModelConfig, prefix: str, name: str, b: list[tuple[int, int]]) -> np.ndarray:
+    """The block `b` of our MoE parameter `name` ('moe/router', 'moe/gate_up', 'moe/down')."""
+    router, experts = _moe_names(cfg, prefix)
+    if name == "moe/router":
+        (e0, e1), (x0, x1) = b
+        return read(router, np.s_[x0:x1, e0:e1]).T
+    if name == "moe/gate_up":
+        (x0, x1), (e0, e1), (c0, c1), (m0, m1) = b
+        return np.stack(
+            [
+                np.stack([read(t, np.s_[m0:m1, e0:e1]).T for t in experts(j)[:2]][c0:c1], axis=1)
+                for j in range(x0, x1)
+            ]
+        )
+    if name == "moe/down":
+        (x0, x1), (m0, m1), (e0, e1) = b
+        return np.stack([read(experts(j)[2], np.s_[e0:e1, m0:m1]).T for j in range(x0, x1)])
     raise AssertionError(f"no Hugging Face tensor for layer parameter {name}")
 
 
@@ -238,6 +423,17 @@ def _layer_tensors(cfg: ModelConfig, prefix: str, name: str, w: np.ndarray) -> d
         }
     if name == "attn/out":
         return {f"{prefix}self_attn.o_proj.weight": w.reshape(cfg.num_heads * hd, e).T}
+    if name in ("attn/q_norm/scale", "attn/k_norm/scale"):
+        return {f"{prefix}self_attn.{name.split('/')[1]}.weight": w}
+    if name.startswith("moe/"):
+        router, experts = _moe_names(cfg, prefix)
+        if name == "moe/router":
+            return {router: w.T}
+        out = {}
+        for j in range(cfg.num_experts):
+            gate, up, down = experts(j)
+            out.update({gate: w[j, :, 0].T, up: w[j, :, 1].T} if name == "moe/gate_up" else {down: w[j].T})
+        return out
     if name == "mlp/gate_up":
         return {f"{prefix}mlp.gate_proj.weight": w[:, 0].T, f"{prefix}mlp.up_proj.weight": w[:, 1].T}
     if name == "mlp/down":

@@ -1,10 +1,11 @@
-"""Hugging Face Llama checkpoints <-> orbax checkpoints of our model, one command each way.
+"""Hugging Face Llama-family checkpoints (Llama, Qwen3, Mixtral, Qwen3-MoE: hf_layout.FAMILIES) <->
+orbax checkpoints of our model, one command each way.
 
     python -m gspmd_tp.convert from-hf --hf_dir=DIR --workdir=RUN \
         [--config=configs/tiny.py --config.rules=megatron_1d --config.mesh=dp=4,mp=2]
     python -m gspmd_tp.convert to-hf --workdir=RUN --hf_dir=OUT [--step=N --dtype=bfloat16 --hf_base=DIR]
 
-from-hf reads config.json and the safetensors shards of a LlamaForCausalLM and writes step 0 of a run
+from-hf reads config.json and the safetensors shards of such a model and writes step 0 of a run
 that `train.py --workdir=RUN` resumes from (fresh optimizer, data from the start). Every parameter is
 built with jax.make_array_from_callback: each device's shard is read straight from the memory-mapped
 safetensors file, so no host ever holds the whole model. to-hf reads only the parameters of a
@@ -155,7 +156,8 @@ def to_hf(
     hf_base: str | None = None,
     max_shard_bytes: int = 2 << 30,
 ) -> list[str]:
-    """Writes checkpoint `step` (default: newest that reads) of the run in `workdir` as a HF Llama model.
+    """Writes checkpoint `step` (default: newest that reads) of the run in `workdir` as a HF model of
+    its family (hf_layout.family: Llama, Qwen3, Mixtral or Qwen3-MoE).
 
     Only the parameters are read, onto `mesh`/`rules` (default: those it was saved with); nothing in
     the workdir is written or removed, so a run may go on training there meanwhile. `hf_base`, a HF
@@ -168,6 +170,9 @@ def to_hf(
     overrides = {key: value for key, value in (("rules", rules), ("mesh", mesh)) if value}
     explicit = step is not None
     step, meta, s = saved_run.load_setup(workdir, overrides, step, params_only=True)
+    problem = hf_layout.export_problem(s.model_cfg)
+    if problem:
+        raise UserError(f"--workdir={workdir}: {problem}")
     if explicit:
         params = saved_run.restore_params(workdir, step, s)
     else:

@@ -65,13 +65,14 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
         cfg.num_layers,
     )
     attention = d * (h + 2 * k) * hd + h * hd * d
+    qk_norms = 2 * hd if cfg.qk_norm else 0  # no matmul: counted in the total only
     per_layer, per_layer_active = attention + 3 * d * m, attention + 3 * d * m
     if cfg.num_experts:
         expert, shared = 3 * d * cfg.expert_width, 3 * d * cfg.shared_experts * cfg.expert_width
         router = d * cfg.num_experts
         per_layer = attention + router + cfg.num_experts * expert + shared
         per_layer_active = attention + router + cfg.experts_per_token * expert + shared
-    norms = n * 2 * d + d
+    norms = n * (2 * d + qk_norms) + d
     embedding = v * d
     # The output projection takes part in a matmul whether or not it is tied to the embedding.
     matmul = n * per_layer_active + v * d

@@ -101,6 +101,9 @@ class ModelConfig:
     mlp_dim: int = 512
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Qwen3's query/key norm: an RMSNorm over head_dim (one scale of head_dim per layer, shared by
+    # the heads) on each query and key head before rotary embedding. False: no such norm.
+    qk_norm: bool = False
     tie_embeddings: bool = False
     dtype: str = "float32"  # compute dtype; parameters are always float32
     remat: str = "none"  # a key of REMAT_POLICIES
@@ -358,14 +361,15 @@ def _extend_cache(module, k_blkd, v_blkd, decoding: Decoding):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last (embed) axis, computed in float32."""
+    """Root-mean-square norm over the last axis (embed, or head_dim: `axis`), computed in float32."""
 
     eps: float
     dtype: jnp.dtype
+    axis: str = EMBED
 
     @nn.compact
     def __call__(self, x):
-        scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), (EMBED,))
+        scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis,))
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (x32 * scale).astype(self.dtype)
@@ -424,9 +428,13 @@ class Attention(nn.Module):
         )
         qkv_blkgd = _constrain(qkv_blkgd, (BATCH, LENGTH, KV_HEADS, None, HEAD_DIM))
         q_blhd = qkv_blkgd[:, :, :, :group].reshape(b, length, cfg.num_heads, hd)
+        k_blkd = qkv_blkgd[:, :, :, group]
+        if cfg.qk_norm:
+            q_blhd = RMSNorm(cfg.norm_eps, dtype, HEAD_DIM, name="q_norm")(q_blhd)
+            k_blkd = RMSNorm(cfg.norm_eps, dtype, HEAD_DIM, name="k_norm")(k_blkd)
         q_blhd = rotary(q_blhd, positions, cfg.rope_theta) * hd**-0.5  # scaled once, here
         q_blhd = checkpoint_name(_constrain(q_blhd, (BATCH, LENGTH, HEADS, HEAD_DIM)), "query")
-        k_blkd = rotary(qkv_blkgd[:, :, :, group], positions, cfg.rope_theta)
+        k_blkd = rotary(k_blkd, positions, cfg.rope_theta)
         k_blkd = checkpoint_name(_constrain(k_blkd, (BATCH, LENGTH, KV_HEADS, HEAD_DIM)), "key")
         v_blkd = _constrain(qkv_blkgd[:, :, :, group + 1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
 

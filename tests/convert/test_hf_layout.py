@@ -1,4 +1,5 @@
-"""The Hugging Face Llama layout without transformers: config.json and every tensor block there and back.
+"""The Hugging Face Llama-family layouts without transformers: config.json and every tensor block
+there and back.
 
 tests/test_convert.py checks the same mappings against transformers' logits; these run without torch
 and read each parameter the way a sharded import does, one block per device.
@@ -26,7 +27,8 @@ from gspmd_tp.train import run_setup
         ({"attention_bias": True}, "attention_bias=true is not supported"),
         ({"mlp_bias": True}, "mlp_bias=true is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-        ({"model_type": "mixtral"}, "model_type 'mixtral' is not supported"),
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+        ({"model_type": "mixtral"}, r"config.json: num_local_experts is None, not a positive integer"),
         ({"head_dim": 7}, "head_dim must be even"),
         ({"hidden_size": None}, r"config.json has no hidden_size \(a Llama config.json sets it\)"),
         ({"hidden_size": "128"}, r"config.json: hidden_size is '128', not a positive integer"),
@@ -49,16 +51,55 @@ def test_written_config_json_reads_back_as_the_same_model():
     assert hf_layout.model_config_from_hf(written, base) == cfg
 
 
+@pytest.mark.parametrize(
+    "kind,options",
+    [
+        ("qwen3", {"head_dim": 16}),
+        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        # Qwen3-MoE's own spelling of the expert count, and renormalised top-k weights.
+        (
+            "qwen3_moe",
+            {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "norm_topk_prob": True},
+        ),
+    ],
+)
+def test_each_familys_config_json_reads_back_as_the_same_model(kind, options):
+    base = run_setup.model_config(small_config(**{"model.num_experts": 2, "model.shared_experts": 1}))
+    cfg = hf_layout.model_config_from_hf({**LLAMA, "model_type": kind, **options}, base)
+    assert hf_layout.family(cfg) == kind and cfg.shared_experts == 0  # the run's MoE keys replaced
+    assert cfg.qk_norm == kind.startswith("qwen3")
+    if kind != "qwen3":
+        assert cfg.num_experts == options.get("num_experts", options.get("num_local_experts"))
+        assert cfg.expert_width == options.get("moe_intermediate_size", 96) and cfg.router_renormalize
+    else:
+        assert cfg.num_experts == 0 and cfg.head_dim == 16
+    written = hf_layout.hf_config(cfg, "float32", 32)
+    assert written["model_type"] == kind and hf_layout.model_config_from_hf(written, base) == cfg
+
+
 def _halves(shape):
     """Every block of `shape` cut in two along each axis longer than 1, as a sharding would read it."""
     cuts = [[slice(0, n)] if n == 1 else [slice(0, n // 2), slice(n // 2, n)] for n in shape]
     return itertools.product(*cuts)
 
 
-@pytest.mark.parametrize("scan,tied", [(True, False), (False, True)])
-def test_every_block_of_every_parameter_reads_back_from_sharded_files(tmp_path, scan, tied):
+# Mixtral (experts) and Qwen3-MoE (experts and the q/k norms), besides Llama's two layouts.
+_MOE = {"model.num_experts": 4, "model.expert_mlp_dim": 24}
+
+
+@pytest.mark.parametrize(
+    "scan,tied,extra",
+    [
+        (True, False, {}),
+        (False, True, {}),
+        (True, False, _MOE),
+        (False, True, {**_MOE, "model.qk_norm": True}),
+    ],
+)
+def test_every_block_of_every_parameter_reads_back_from_sharded_files(tmp_path, scan, tied, extra):
     pytest.importorskip("safetensors")
-    cfg = run_setup.model_config(small_config(**{"model.scan_layers": scan, "model.tie_embeddings": tied}))
+    overrides = {"model.scan_layers": scan, "model.tie_embeddings": tied, **extra}
+    cfg = run_setup.model_config(small_config(**overrides))
     rng = np.random.default_rng(0)
     params = {
         path: rng.standard_normal(shape).astype(np.float32) for path, (shape, _) in param_axes(cfg).items()
