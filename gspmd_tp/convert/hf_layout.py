@@ -126,6 +126,8 @@ def model_config_from_hf(hf: dict, base: ModelConfig) -> ModelConfig:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise UserError(f"config.json: {key} is {value!r}, not a positive integer")
     heads = hf["num_attention_heads"]
+    if model_type == "qwen3" and "head_dim" not in hf:
+        hf = {**hf, "head_dim": 128}  # Qwen3Config's default, where the others derive it
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     if not hf.get("head_dim") and hf["hidden_size"] % heads:
         raise UserError(f"hidden_size {hf['hidden_size']} is not divisible by num_attention_heads {heads}")

@@ -51,6 +51,12 @@ OTHER_NAMES = {
     "num_key_value_heads": "model.num_kv_heads",
     "intermediate_size": "model.mlp_dim",
     "ffn_dim": "model.mlp_dim",
+    # Mixtures of experts and the query/key norm: Hugging Face's names (Mixtral, Qwen3-MoE, Llama 4).
+    "num_local_experts": "model.num_experts",
+    "num_experts_per_tok": "model.experts_per_token",
+    "moe_intermediate_size": "model.expert_mlp_dim",
+    "norm_topk_prob": "model.router_renormalize",
+    "use_qk_norm": "model.qk_norm",
 }
 
 

@@ -77,6 +77,18 @@ def test_each_familys_config_json_reads_back_as_the_same_model(kind, options):
     assert written["model_type"] == kind and hf_layout.model_config_from_hf(written, base) == cfg
 
 
+def test_a_qwen3_config_json_without_head_dim_reads_transformers_default():
+    """Qwen3Config's head_dim defaults to 128 (not hidden_size / heads, as Llama's and Mixtral's)."""
+    base = run_setup.model_config(small_config())
+    assert hf_layout.model_config_from_hf({**LLAMA, "model_type": "qwen3"}, base).head_dim == 128
+    assert (
+        hf_layout.model_config_from_hf(
+            {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}, base
+        ).head_dim
+        == 8
+    )
+
+
 def _halves(shape):
     """Every block of `shape` cut in two along each axis longer than 1, as a sharding would read it."""
     cuts = [[slice(0, n)] if n == 1 else [slice(0, n // 2), slice(n // 2, n)] for n in shape]
