@@ -52,6 +52,7 @@ VARIANTS = {
     "base": CFG,  # einsum attention, one block, nn.scan, no remat, mlp_grad auto (xla on CPU)
     "tied_padded_blocked": variant(
         tie_embeddings=True,
+        qk_norm=True,  # Qwen3's per-head query/key norm
         vocab_tokens=50,  # ids 50..63 are padding
         attention_block=5,  # blocks 5+5+5+1
         remat="dots_no_batch",
@@ -87,18 +88,24 @@ def model_grouping(cfg, h):
     return h // cfg.group, h % cfg.group, h // cfg.group
 
 
-def np_attention(cfg, x, qkv, w_out, grouping=model_grouping):
+def np_attention(cfg, x, qkv, w_out, grouping=model_grouping, q_norm=None, k_norm=None):
     """Causal attention of x (batch, length, embed); qkv (embed, kv_heads, group + 2, head_dim),
     each key/value head's `group` query slots then its key then its value; w_out (heads, head_dim,
-    embed). grouping(cfg, h) -> (kv head of h's query slot, the slot, the kv head h reads)."""
+    embed). grouping(cfg, h) -> (kv head of h's query slot, the slot, the kv head h reads).
+    q_norm, k_norm (head_dim): where given (model.qk_norm), each head's query and key RMS-normed
+    over head_dim with these scales before rotary (Qwen3)."""
     g, d = cfg.group, cfg.head_dim
     length = x.shape[1]
     causal = np.tril(np.ones((length, length), bool))
     y = np.zeros_like(x)
+
+    def normed(a, scale):
+        return a if scale is None else np_rmsnorm(a, scale, cfg.norm_eps)
+
     for h in range(cfg.num_heads):
         q_kv, slot, kv = grouping(cfg, h)
-        q = np_rotary(x @ qkv[:, q_kv, slot], cfg.rope_theta) / np.sqrt(d)  # (batch, length, head_dim)
-        k = np_rotary(x @ qkv[:, kv, g], cfg.rope_theta)
+        q = np_rotary(normed(x @ qkv[:, q_kv, slot], q_norm), cfg.rope_theta) / np.sqrt(d)  # (b, l, d)
+        k = np_rotary(normed(x @ qkv[:, kv, g], k_norm), cfg.rope_theta)
         v = x @ qkv[:, kv, g + 1]
         s = np.where(causal, q @ k.transpose(0, 2, 1), -np.inf)  # (batch, query, key)
         p = np.exp(s - s.max(-1, keepdims=True))
@@ -117,7 +124,12 @@ def np_forward(cfg, p, tokens, grouping=model_grouping):
     x = p["embedding"][tokens]
     for layer in p["layers"]:
         x = x + np_attention(
-            cfg, np_rmsnorm(x, layer["attn_norm"], eps), layer["qkv"], layer["out"], grouping
+            cfg,
+            np_rmsnorm(x, layer["attn_norm"], eps),
+            layer["qkv"],
+            layer["out"],
+            grouping,
+            *((layer["q_norm"], layer["k_norm"]) if cfg.qk_norm else ()),
         )
         x = x + np_swiglu_mlp(np_rmsnorm(x, layer["mlp_norm"], eps), layer["gate_up"], layer["down"])
     x = np_rmsnorm(x, p["final_norm"], eps)
@@ -145,6 +157,12 @@ LAYER_LEAVES = {  # reference name -> path in a layer of the params tree
     "gate_up": ("mlp", "gate_up"),
     "down": ("mlp", "down"),
 }
+# With model.qk_norm, also (a layer's attn holds them as submodules):
+QK_NORM_LEAVES = {"q_norm": ("attn", "q_norm", "scale"), "k_norm": ("attn", "k_norm", "scale")}
+
+
+def _layer_leaves(cfg):
+    return {**LAYER_LEAVES, **(QK_NORM_LEAVES if cfg.qk_norm else {})}
 
 
 def reference_params(cfg, tree):
@@ -155,7 +173,8 @@ def reference_params(cfg, tree):
     for i in range(cfg.num_layers):
         layer = tree["layers"] if cfg.scan_layers else tree[f"layers_{i}"]
         take = (lambda a, i=i: a[i]) if cfg.scan_layers else (lambda a: a)
-        layers.append({name: take(layer[a][b]) for name, (a, b) in LAYER_LEAVES.items()})
+        leaves = _layer_leaves(cfg).items()
+        layers.append({name: take(functools.reduce(dict.__getitem__, path, layer)) for name, path in leaves})
     p = {"embedding": tree["embedding"], "final_norm": tree["final_norm"]["scale"], "layers": layers}
     if not cfg.tie_embeddings:
         p["lm_head"] = tree["lm_head"]
@@ -169,8 +188,11 @@ def model_params(cfg, p):
         tree["lm_head"] = p["lm_head"]
     for i, layer in enumerate(p["layers"]):
         sub = {}
-        for name, (a, b) in LAYER_LEAVES.items():
-            sub.setdefault(a, {})[b] = layer[name]
+        for name, path in _layer_leaves(cfg).items():
+            node = sub
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = layer[name]
         tree[f"layers_{i}"] = sub
     if cfg.scan_layers:
         per_layer = [tree.pop(f"layers_{i}") for i in range(cfg.num_layers)]
@@ -198,12 +220,21 @@ def reference_parameters():
 
     p = {k: v if k == "layers" else draw(k, v) for k, v in p.items()}
     p["layers"] = [{k: draw(k, v) for k, v in layer.items()} for layer in p["layers"]]
+    # The q/k norm scales of the variants with model.qk_norm, from a generator of their own (the
+    # other parameters stay the draws above).
+    norms = np.random.default_rng(5)
+    for layer in p["layers"]:
+        layer.update({name: norms.uniform(0.5, 1.5, CFG.head_dim) for name in QK_NORM_LEAVES})
     return jax.tree.map(lambda a: a.astype(np.float32).astype(np.float64), p)
 
 
 def for_config(cfg, p):
-    """The reference parameters `p` as `cfg` has them (no lm_head when tied)."""
-    return {k: v for k, v in p.items() if k != "lm_head" or not cfg.tie_embeddings}
+    """The reference parameters `p` as `cfg` has them (no lm_head when tied, no q/k norms without
+    model.qk_norm)."""
+    out = {k: v for k, v in p.items() if k != "lm_head" or not cfg.tie_embeddings}
+    keep = _layer_leaves(cfg)
+    out["layers"] = [{k: v for k, v in layer.items() if k in keep} for layer in p["layers"]]
+    return out
 
 
 GRADIENT_VARIANTS = [name for name, cfg in VARIANTS.items() if cfg.dtype == "float32"]
@@ -434,10 +465,13 @@ def test_logits_ignore_the_residual_streams_scale():
 
 # CFG by hand: per layer qkv 32 x (4 + 2 x 2) x 8 = 2048, out 4 x 8 x 32 = 1024, gate_up 32 x 2 x 64
 # = 4096, down 64 x 32 = 2048: 9216 in products, x 2 layers = 18432; norms 2 x 2 x 32 + 32 = 160;
-# embedding and lm_head 64 x 32 = 2048 each. The output projection multiplies, tied or not.
-@pytest.mark.parametrize("tied, total", [(False, 22688), (True, 20640)])
-def test_param_count_matches_the_hand_count_and_the_tree(tied, total):
-    cfg = dataclasses.replace(CFG, tie_embeddings=tied)
+# embedding and lm_head 64 x 32 = 2048 each. The output projection multiplies, tied or not. The q/k
+# norms (qk_norm) add 2 x 8 per layer, 32 in all, to the total and none to the products.
+@pytest.mark.parametrize(
+    "tied, qk_norm, total", [(False, False, 22688), (True, False, 20640), (False, True, 22720)]
+)
+def test_param_count_matches_the_hand_count_and_the_tree(tied, qk_norm, total):
+    cfg = dataclasses.replace(CFG, tie_embeddings=tied, qk_norm=qk_norm)
     assert params_lib.param_count(cfg) == {"total": total, "matmul": 18432 + 2048}
     tree = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), jnp.asarray(TOKENS_NP)))
     assert sum(int(np.prod(s.shape)) for s in jax.tree.leaves(nn.meta.unbox(tree["params"]))) == total
