@@ -483,7 +483,7 @@ def test_cli_mistakes_are_one_line_errors_and_the_json_is_strict_when_the_loss_i
         ),
         (
             ["--rules=megatron_1d, nosuch"],
-            "error: rule file 'nosuch' not found (shipped rule files: data_fsdp_tensor, dp, ",
+            "error: rule file 'nosuch' not found (shipped rule files: ",
         ),
         (
             ["--rules=megatron_1d,,dp"],
