@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from gspmd_tp.sharding.axes import BATCH, EMBED, HEADS, KV_HEADS, LENGTH, MLP, NORM_LENGTH, VOCAB
+from gspmd_tp.sharding.axes import BATCH, EMBED, HEADS, KV_HEADS, KV_LENGTH, LENGTH, MLP, NORM_LENGTH, VOCAB
 from gspmd_tp.sharding.rules import UNCONSTRAINED, axes_of
 
 if TYPE_CHECKING:
@@ -153,6 +153,8 @@ def attention(cfg: ModelConfig, q_blhd, k_bskd, v_bskd, mask=None, segment_ids=N
     path under it. Returns (batch, length, heads, head_dim)."""
     b, length, heads, hd = q_blhd.shape
     implementation = attention_implementation(cfg.attention, cfg.dtype, segmented=segment_ids is not None)
+    if segment_ids is not None:  # the queries' by length, the keys' by kv_length (gathered with the keys)
+        segment_ids = _segments_of_queries_and_keys(segment_ids)
     if mask is None and implementation != "einsum":
         if segment_ids is None:
             return jax.nn.dot_product_attention(
@@ -160,7 +162,7 @@ def attention(cfg: ModelConfig, q_blhd, k_bskd, v_bskd, mask=None, segment_ids=N
             )
         if implementation == "cudnn":
             raise ValueError(CUDNN_SEGMENTS)
-        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # (batch, 1, q, s)
+        same = segment_ids[0][:, None, :, None] == segment_ids[1][:, None, None, :]  # (batch, 1, q, s)
         return jax.nn.dot_product_attention(
             q_blhd, k_bskd, v_bskd, mask=same, scale=1.0, is_causal=True, implementation=implementation
         )
@@ -172,9 +174,19 @@ def attention(cfg: ModelConfig, q_blhd, k_bskd, v_bskd, mask=None, segment_ids=N
     return out.reshape(b, length, heads, hd)
 
 
+def _segments_of_queries_and_keys(segment_ids):
+    """(batch, length) segment ids as the queries' (by `length`) and the keys' (by `kv_length`): under
+    context parallelism the queries' stay split by position and the keys' are gathered as the keys."""
+    return (
+        nn.with_logical_constraint(segment_ids, (BATCH, LENGTH)),
+        nn.with_logical_constraint(segment_ids, (BATCH, KV_LENGTH)),
+    )
+
+
 def _causal_in_blocks(q_blkgd, k_blkd, v_blkd, block: int, segment_ids=None):
     """Causal attention, queries in blocks of `block` positions (0: one block, the whole square);
-    with `segment_ids` (batch, length), within each query's segment only.
+    with `segment_ids` (the queries', the keys': _segments_of_queries_and_keys), within each query's
+    segment only.
 
     Query block [start, end) sees keys [0, end): the keys after a block's end are masked for every
     one of its queries, so they are left out rather than masked, and the causal upper triangle beyond
@@ -188,7 +200,7 @@ def _causal_in_blocks(q_blkgd, k_blkd, v_blkd, block: int, segment_ids=None):
         causal = positions[start:end, None] >= positions[None, :end]
         if segment_ids is None:
             return causal
-        same = segment_ids[:, start:end, None] == segment_ids[:, None, :end]  # (batch, q, s)
+        same = segment_ids[0][:, start:end, None] == segment_ids[1][:, None, :end]  # (batch, q, s)
         return (causal & same)[:, None, None]
 
     return jnp.concatenate(
@@ -222,7 +234,7 @@ def _attend(q_bqkgd, k_bskd, v_bskd, mask):
     values (batch, s, kv_heads, head_dim) where `mask` (broadcasting to (batch, kv_heads, group, q,
     s)) allows; the scores and softmax in float32. Returns (batch, q, kv_heads, group, head_dim)."""
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q_bqkgd, k_bskd, preferred_element_type=jnp.float32)
-    scores = nn.with_logical_constraint(scores, (BATCH, *_score_heads(), LENGTH, None))
+    scores = nn.with_logical_constraint(scores, (BATCH, *_score_heads(), LENGTH, KV_LENGTH))
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v_bskd)

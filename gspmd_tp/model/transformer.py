@@ -35,6 +35,7 @@ from gspmd_tp.sharding.axes import (
     HEAD_DIM,
     HEADS,
     KV_HEADS,
+    KV_LENGTH,
     LAYERS,
     LENGTH,
     NORM_LENGTH,
@@ -435,8 +436,10 @@ class Attention(nn.Module):
         q_blhd = rotary(q_blhd, positions, cfg.rope_theta) * hd**-0.5  # scaled once, here
         q_blhd = checkpoint_name(_constrain(q_blhd, (BATCH, LENGTH, HEADS, HEAD_DIM)), "query")
         k_blkd = rotary(k_blkd, positions, cfg.rope_theta)
-        k_blkd = checkpoint_name(_constrain(k_blkd, (BATCH, LENGTH, KV_HEADS, HEAD_DIM)), "key")
-        v_blkd = _constrain(qkv_blkgd[:, :, :, group + 1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+        # Keys and values by kv_length, apart from the queries' length: context parallelism splits the
+        # queries by position and gathers the keys and values whole here (rules: kv_length -> null).
+        k_blkd = checkpoint_name(_constrain(k_blkd, (BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM)), "key")
+        v_blkd = _constrain(qkv_blkgd[:, :, :, group + 1], (BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM))
 
         mask = None  # causal
         if decoding is not None:  # keys and values: the cache so far plus these tokens

@@ -15,6 +15,7 @@ Rule files map these names onto mesh axes. The model never names a mesh axis.
 | `vocab` | params and logits | vocabulary |
 | `layers` | params | the stacked layer axis made by `nn.scan` |
 | `experts` | params (MoE) | the expert dimension of the experts' weights and the router's |
+| `kv_length` | activations inside attention | key/value positions, apart from the query's `length` |
 """
 
 BATCH = "batch"
@@ -28,6 +29,7 @@ MLP = "mlp"
 VOCAB = "vocab"
 LAYERS = "layers"
 EXPERTS = "experts"
+KV_LENGTH = "kv_length"
 
 # name -> (where it appears, what it means); the table above in data form.
 VOCABULARY: dict[str, tuple[str, str]] = {
@@ -45,8 +47,12 @@ VOCABULARY: dict[str, tuple[str, str]] = {
     VOCAB: ("params and logits", "vocabulary"),
     LAYERS: ("params", "the stacked layer axis made by nn.scan"),
     EXPERTS: ("params (MoE)", "the expert dimension of the experts' weights and the router's"),
+    KV_LENGTH: (
+        "activations inside attention",
+        "key/value positions, apart from the query's length (context parallelism gathers them)",
+    ),
 }
 
 # Names that appear on activations only (parameters are discovered from the model itself). `experts`
 # names parameters only, so a dense model asks no rule file for it.
-ACTIVATION_AXES = (BATCH, LENGTH, NORM_LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB)
+ACTIVATION_AXES = (BATCH, LENGTH, NORM_LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, KV_LENGTH)

@@ -172,6 +172,7 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     if model_cfg.mlp_slices > 1:
         _check_mlp_slices(model_cfg, rules, mesh)
     _check_experts(model_cfg, rules, mesh)
+    _check_sequence(config.seq_len, rules, mesh)
     model_cfg = dataclasses.replace(
         model_cfg,
         mlp_grad=mlp_grad,
@@ -254,6 +255,18 @@ def _check_mlp_slices(model_cfg: ModelConfig, rules: Rules, mesh) -> None:
                 f" split {ways} ways over {', '.join(layout['mlp'])} ({model_cfg.mlp_dim // ways} a device)"
             )
         raise UserError(f"config.model.mlp_slices={k}: {share} does not divide into {k} equal slices")
+
+
+def _check_sequence(seq_len: int, rules: Rules, mesh) -> None:
+    """UserError where the mesh axes a rule file splits sequence positions over (length, norm_length,
+    kv_length: context or sequence parallelism) do not divide config.seq_len."""
+    for name in (axes.LENGTH, axes.NORM_LENGTH, axes.KV_LENGTH):
+        ways, sizes = mesh_ways(mesh.shape, rules.spec((name,))[0])
+        if seq_len % ways:
+            raise UserError(
+                f"config.seq_len={seq_len} is not divisible by the mesh axes {sizes} that {rules.source} "
+                f"splits {name} over"
+            )
 
 
 def _check_experts(model_cfg: ModelConfig, rules: Rules, mesh) -> None:

@@ -90,6 +90,7 @@ rules:
   - [embed, null]
   - [length, null]
   - [norm_length, null]
+  - [kv_length, null]
   - [head_dim, null]
   - [layers, null]
 """
@@ -134,7 +135,7 @@ rules:
             r"mesh axis 'm p' in mesh_axes cannot",
         ),
         # A second rules: block pasted below the first would silently replace it.
-        (GOOD + "rules:\n  - [batch, dp]\n", r"bad\.yaml: key 'rules' given twice \(again at line 13\)"),
+        (GOOD + "rules:\n  - [batch, dp]\n", r"bad\.yaml: key 'rules' given twice \(again at line 14\)"),
         (GOOD.replace("[mlp, mp]", "{mlp: mp, mlp: dp}"), r"key 'mlp' given twice \(again at line 7\)"),
         ("- 1\n", r"bad\.yaml: expected a mapping"),
         # A rule shadowed by an earlier one for its logical axis would be dropped without a word.
@@ -159,7 +160,7 @@ def test_rule_file_errors(text, message):
 def test_rule_file_that_is_not_utf8_is_one_line(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes((GOOD + "description: Megatron caf\u00e9\n").encode("latin-1"))
-    with pytest.raises(UserError, match=r"latin1\.yaml: not UTF-8 text \(byte 0xe9 on line 13\)") as e:
+    with pytest.raises(UserError, match=r"latin1\.yaml: not UTF-8 text \(byte 0xe9 on line 14\)") as e:
         load_rules(str(path))
     assert "\n" not in str(e.value)
 
