@@ -87,6 +87,15 @@ def get_config() -> ConfigDict:
     # fsdp, data_fsdp_tensor), gather them in this many slices of the mlp dimension, each beside
     # the products of the one before (docs/plan.md#overlap). 1: whole gathers, GSPMD's.
     c.model.mlp_slices = 1
+    # Mixture of experts (docs/model.md#mixture-of-experts). 0: the dense MLP. > 0: each block's MLP
+    # is that many SwiGLU experts of width expert_mlp_dim (0: mlp_dim), experts_per_token a token
+    c.model.num_experts = 0
+    c.model.experts_per_token = 2
+    c.model.expert_mlp_dim = 0
+    c.model.shared_experts = 0  # > 0: a dense MLP of that many experts' width every token goes through
+    c.model.router_renormalize = True  # the k weights renormalised to sum to 1 (Mixtral)
+    c.model.router_aux_loss_coef = 0.01  # Switch's load-balancing loss (1 when balanced)
+    c.model.router_z_loss_coef = 0.001  # ST-MoE's router z-loss
 
     c.optim = ConfigDict()
     c.optim.lr = 3e-3  # small model, short run: a high peak rate

@@ -204,6 +204,9 @@ def _sharded(layout: dict, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gr
     def body(x, w, ids, wi, wo):
         if fsdp:  # ZeRO-3: the weights gathered here, their gradients reduce-scattered onto the shards
             wi, wo = kernels._gather(wi, fsdp, 1, grad_dtype), kernels._gather(wo, fsdp, 2, grad_dtype)
+        if reduce:  # marked as varying there before the products do it: so the backward sums
+            # the tokens' gradients over those axes at their own size, not once per assignment
+            x, w = (jax.lax.pcast(a, reduce, to="varying") for a in (x, w))
         if gather:
             x, w, ids = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, w, ids))
         b, length, d = x.shape

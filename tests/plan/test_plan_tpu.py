@@ -302,3 +302,37 @@ def test_compare_reports_a_combination_that_does_not_fit_as_its_row():
     lines = planner.format_compare(rows).splitlines()
     assert all("does not fit: Ran out of memory on HBM" in line for line in lines[1:3])
     assert "<- best" not in "\n".join(lines)
+
+
+# The small test model with 8 experts of width 32, 2 a token, one shared expert (test_plan_moe.py),
+# in bf16 at configs/tiny_moe.py's width.
+MOE_BF16 = {"model.num_experts": 8, "model.expert_mlp_dim": 32, "model.shared_experts": 1}
+MOE_BF16 |= {"model.dtype": "bfloat16", "model.d_model": 128}
+
+
+@pytest.mark.parametrize("rules, gather, fsdp", [("expert_fsdp", 4, 8), ("data_expert_tensor", 2, 1)])
+def test_a_bfloat16_mixture_of_experts_on_tpu_moves_what_the_analysis_says(rules, gather, fsdp):
+    """The all-gather dispatcher in bf16 on a v5e slice (data=2,expert=4; 2x2x2): the tokens' share
+    (one sequence, or two, of 32 tokens at 128 bf16 a device) gathered over the expert group and
+    scattered back, forward and backward, the routes (2 float32 weights, 2 int32 ids a token) with
+    them, as worked here. The step's total is the analysis's (whose expert_fsdp term has the
+    experts' gradients all-reduced over data: gate_up's model width is not its minor dimension,
+    down's shard there is 64 lanes) plus, under expert_fsdp, what the analysis knows it leaves out:
+    the attention's q/k/v and output gradients, FSDP-split on their minor dimension to 16 lanes
+    over 8 devices, all-reduced where a reduce-scatter would do (an all-gather's bytes more each,
+    as test_gradients_are_reduce_scattered_over_two_devices_where_their_shard_is_one_lane_tile
+    has); data_expert_tensor's attention gradients, over expert=2, are reduce-scattered."""
+    p = tpu_plan(rules, **MOE_BF16)
+    m = small_config(**MOE_BF16).model
+    c = small_config(**MOE_BF16)
+    tokens = c.batch_size // (2 * gather) * c.seq_len  # the batch over data and expert
+    share, routes = tokens * m.d_model * 2, tokens * m.experts_per_token * 4
+    expected = m.num_layers * (gather - 1) * (4 * share + 3 * routes)
+    assert p["analytical"]["expert_dispatch"] == pytest.approx(expected, rel=1e-9)
+    qkv = m.d_model * m.num_kv_heads * (m.num_heads // m.num_kv_heads + 2) * m.head_dim
+    out = m.num_heads * m.head_dim * m.d_model
+    all_reduced = m.num_layers * (fsdp - 1) / fsdp * (qkv + out) * 2  # bf16 gradients
+    assert p["bytes_per_device"] == pytest.approx(p["analytical"]["total"] + all_reduced, rel=0.05), (
+        p["bytes_per_device"],
+        p["analytical"],
+    )
