@@ -96,6 +96,11 @@ def get_config() -> ConfigDict:
     c.model.router_renormalize = True  # the k weights renormalised to sum to 1 (Mixtral)
     c.model.router_aux_loss_coef = 0.01  # Switch's load-balancing loss (1 when balanced)
     c.model.router_z_loss_coef = 0.001  # ST-MoE's router z-loss
+    # auto | gather | ragged: how tokens reach their experts' devices where the rule file splits
+    # experts. gather: all-gathered over the expert group, outputs reduce-scattered back; ragged:
+    # each sent to its experts' devices and back (ragged_all_to_all; TPU and GPU only, XLA:CPU has
+    # none). auto: ragged on TPU and GPU, gather on CPU.
+    c.model.moe_dispatch = "auto"
 
     c.optim = ConfigDict()
     c.optim.lr = 3e-3  # small model, short run: a high peak rate

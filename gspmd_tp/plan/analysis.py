@@ -148,6 +148,17 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
         # weights' gradient scattered: each moves (g - 1) times a device's share.
         g = ways(set(layout["gather"]))
         expert_dispatch = float(k * cfg.num_layers * (g - 1) * (4 * activation + 3 * routes))
+        if cfg.moe_dispatch == "ragged" and not layout["rest"]:
+            # Each assignment's row out to its expert's device and back, forward and backward (the
+            # transposes): ragged-all-to-alls with payloads of the k rows a token and of the
+            # receive buffer (g times that), at the even split; the TPU compiler pads each row to
+            # a multiple of 512 bytes. Plus the per-expert counts gathered.
+            t = (c.batch_size // k // d_ways) * c.seq_len
+            row = cfg.d_model * act_bytes
+            row = -(-row // 512) * 512 if backend == "tpu" else row
+            sent = t * cfg.experts_per_token * row
+            counts = (g - 1) * cfg.num_experts * 4
+            expert_dispatch = float(k * cfg.num_layers * (2 * (g - 1) / g * (1 + g) * sent + counts))
     # Sequence parallelism (norm_length) and 2D (embed in activations) turn each all-reduce into
     # an all-gather plus a reduce-scatter: the same ring bytes, except that XLA:CPU lowers the
     # reduce-scatter as a whole all-reduce, so there the pair costs 3/2 of the all-reduce.
