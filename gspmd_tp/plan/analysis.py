@@ -97,7 +97,9 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     inside the map (in the compute dtype) and their gradients reduce-scattered back, never gathered
     over the expert axes (on the TPU the gradient is all-reduced and sliced where the model width is
     not its minor dimension or its shard there is one 128-lane tile or less); over the batch axes
-    that split neither, their gradients are all-reduced as any weight's.
+    that split neither, their gradients are all-reduced as any weight's. Under model.moe_dispatch
+    ragged the tokens' traffic is instead four ragged-all-to-alls a layer (each assignment's row out
+    and back, forward and backward) counted as the HLO reader counts them, plus the counts gathered.
     `unmodelled` lists shardings the analysis does not cover (head_dim, layers, length, norm_length
     on an axis of its own): there the total is not what the rule file needs.
     """
