@@ -150,6 +150,10 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
         # weights' gradient scattered: each moves (g - 1) times a device's share.
         g = ways(set(layout["gather"]))
         expert_dispatch = float(k * cfg.num_layers * (g - 1) * (4 * activation + 3 * routes))
+        if (
+            cfg.remat != "none"
+        ):  # every policy recomputes the forward's gathers (tokens, routes) for the backward
+            expert_dispatch += k * cfg.num_layers * (g - 1) * (activation + 2 * routes)
         if cfg.moe_dispatch == "ragged" and not layout["rest"]:
             # Each assignment's row out to its expert's device and back, forward and backward (the
             # transposes): ragged-all-to-alls with payloads of the k rows a token and of the
@@ -257,7 +261,8 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
             # the gradient reduce-scattered there in model.grad_dtype (or the compute dtype).
             f = ways(set(layout["fsdp"]))
             gathered = row["bytes_per_device"] * f
-            fsdp_gather += k * (f - 1) / f * gathered * compute_dtype
+            # gathered again for the backward under a remat policy (its recomputed forward)
+            fsdp_gather += k * (1 if cfg.remat == "none" else 2) * (f - 1) / f * gathered * compute_dtype
             reduced = np.dtype(cfg.grad_dtype).itemsize / 4 if cfg.grad_dtype else compute_dtype
             # The TPU compiler all-reduces such a gradient whole and slices it where the model width
             # is not its minor dimension (gate_up) or its shard there is one 128-lane tile or less.
