@@ -89,17 +89,20 @@ def get_config() -> ConfigDict:
     # fsdp, data_fsdp_tensor), gather them in this many slices of the mlp dimension, each beside
     # the products of the one before (docs/plan.md#overlap). 1: whole gathers, GSPMD's.
     c.model.mlp_slices = 1
-    # Mixture of experts (docs/model.md): 0 keeps the dense MLP; > 0 makes each block's MLP that many
-    # SwiGLU experts of hidden width expert_mlp_dim (0: mlp_dim), experts_per_token of them a token,
-    # plus shared_experts experts' width of a dense MLP every token goes through. Dropless.
+    # Mixture of experts (docs/model.md#mixture-of-experts). 0: the dense MLP. > 0: each block's MLP
+    # is that many SwiGLU experts of width expert_mlp_dim (0: mlp_dim), experts_per_token a token
     c.model.num_experts = 0
     c.model.experts_per_token = 2
     c.model.expert_mlp_dim = 0
-    c.model.shared_experts = 0
-    c.model.router_renormalize = True  # the k router weights renormalised to sum to 1 (Mixtral)
-    # The router's losses in the objective: Switch's load balancing (1 when balanced), ST-MoE's z-loss.
-    c.model.router_aux_loss_coef = 0.01
-    c.model.router_z_loss_coef = 0.001
+    c.model.shared_experts = 0  # > 0: a dense MLP of that many experts' width every token goes through
+    c.model.router_renormalize = True  # the k weights renormalised to sum to 1 (Mixtral)
+    c.model.router_aux_loss_coef = 0.01  # Switch's load-balancing loss (1 when balanced)
+    c.model.router_z_loss_coef = 0.001  # ST-MoE's router z-loss
+    # auto | gather | ragged: how tokens reach their experts' devices where the rule file splits
+    # experts. gather: all-gathered over the expert group, outputs reduce-scattered back; ragged:
+    # each sent to its experts' devices and back (ragged_all_to_all; TPU and GPU only, XLA:CPU has
+    # none). auto: ragged on TPU and GPU, gather on CPU.
+    c.model.moe_dispatch = "auto"
 
     c.optim = ConfigDict()
     c.optim.lr = 3e-3  # small model, short run: a high peak rate

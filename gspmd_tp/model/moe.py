@@ -40,6 +40,19 @@ ROUTER_AXES = (EMBED, EXPERTS)
 # What each MoE layer sows: assignments per expert (experts,), router probabilities summed over the
 # tokens (experts,), and the squared log-sum-exp of the router logits summed over the tokens ().
 STATS = ("expert_counts", "router_probs", "router_z")
+# model.moe_dispatch: auto (ragged on TPU and GPU, gather elsewhere), gather (the all-gather
+# dispatcher), ragged (tokens sent to their experts' devices and back by ragged_all_to_all).
+DISPATCHES = ("auto", "gather", "ragged")
+# The exchange the ragged dispatch runs; a test substitutes an emulation, XLA:CPU having none.
+_ragged_all_to_all = jax.lax.ragged_all_to_all
+
+
+def dispatch_implementation(choice: str, platform: str | None = None) -> str:
+    """What model.moe_dispatch `choice` means on `platform` (by default JAX's default backend):
+    auto is ragged on TPU and GPU, gather elsewhere (XLA:CPU has no ragged-all-to-all)."""
+    if choice != "auto":
+        return choice
+    return "ragged" if (platform or jax.default_backend()) in ("tpu", "gpu") else "gather"
 
 
 def route(x_ble, w_router, k: int, renormalize: bool):
@@ -116,7 +129,13 @@ def experts(cfg: ModelConfig, x_ble, weights_blk, ids_blk, w_in, w_out):
     layout = _layout()
     if layout is not None and _divides(layout, x_ble.shape, w_in.shape):
         grad_dtype = kernels._gradient_dtype(cfg.grad_dtype, w_in.dtype)
-        return _sharded(layout, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gradient, grad_dtype)
+        # The ragged exchange where every expert axis splits the batch (else the tokens are whole there)
+        ragged = (
+            dispatch_implementation(cfg.moe_dispatch) == "ragged" and layout["experts"] and not layout["rest"]
+        )
+        return _sharded(
+            layout, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gradient, grad_dtype, bool(ragged)
+        )
     b, length, d = x_ble.shape
     k = ids_blk.shape[-1]
     y_td = _grouped(
@@ -193,17 +212,32 @@ def _divides(layout: dict, x_shape: tuple, w_in_shape: tuple) -> bool:
     )
 
 
-def _sharded(layout: dict, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gradient: bool, grad_dtype):
+def _sharded(
+    layout: dict, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gradient: bool, grad_dtype, ragged=False
+):
     """`experts` as a shard_map over the mesh: each device gathers the tokens of the devices that
     share its batch shard's other axes (layout["gather"]), applies its own experts (its share of
     each one's hidden width) to them, and the sums are reduce-scattered back over those axes and
-    added over the hidden width's and the other experts' axes."""
+    added over the hidden width's and the other experts' axes. With `ragged` (every expert axis
+    splits the batch) each device sends each token-expert assignment to the device holding the
+    expert instead and gets its output back (_exchanged)."""
     gather, split, fsdp = layout["gather"], layout["experts"], layout["fsdp"]
     reduce = layout["hidden"] + layout["rest"]
 
     def body(x, w, ids, wi, wo):
         if fsdp:  # ZeRO-3: the weights gathered here, their gradients reduce-scattered onto the shards
             wi, wo = kernels._gather(wi, fsdp, 1, grad_dtype), kernels._gather(wo, fsdp, 2, grad_dtype)
+        if reduce:  # marked as varying there before the products do it: so the backward sums
+            # the tokens' gradients over those axes at their own size, not once per assignment
+            x, w = (jax.lax.pcast(a, reduce, to="varying") for a in (x, w))
+        if ragged:
+            b, length, d = x.shape
+            k = ids.shape[-1]
+            y = _exchanged(
+                x.reshape(-1, d), w.reshape(-1, k), ids.reshape(-1, k), wi, wo, split, one_pass_gradient
+            )
+            y = y.reshape(b, length, d).astype(x.dtype)
+            return jax.lax.psum(y, reduce) if reduce else y
         if gather:
             x, w, ids = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, w, ids))
         b, length, d = x.shape
@@ -228,3 +262,67 @@ def _sharded(layout: dict, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gr
         in_specs=(tokens, tokens, tokens, w_in_spec, w_out_spec),
         out_specs=tokens,
     )(x_ble, weights_blk, ids_blk, w_in, w_out)
+
+
+def _exchanged(x_td, weights_tk, ids_tk, w_in, w_out, axes: tuple, one_pass_gradient: bool):
+    """Inside the dispatch's map, where the mesh `axes` split both the tokens and the experts (w_in
+    holds this device's n experts, device j's the j-th n of them): each token's weighted sum over
+    its k experts (tokens, embed) float32, by two ragged exchanges. The assignments are sorted by
+    expert, so each device's rows are one slice; the per-expert counts are all-gathered, from
+    which every device knows what it sends each peer and where in the peer's buffer it lands
+    (after the rows of the devices before it), and what it receives. The received rows (grouped by
+    sender, each sender's by expert) are sorted by expert, multiplied in one grouped product, and
+    sent back to where they came from. The receive buffer holds every assignment of the group
+    (dropless: one device may get them all)."""
+    t, k = ids_tk.shape
+    n, d, _, m = w_in.shape
+    g = jax.lax.axis_size(axes)
+    me = jax.lax.axis_index(axes)
+    flat = ids_tk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows = order // k  # the token of each sorted assignment
+    counts = jnp.bincount(flat, length=n * g).astype(jnp.int32)  # this device's rows per expert
+    # [sender, receiver, receiver's expert]: the rows every device sends every device, per expert
+    every = jax.lax.all_gather(counts, axes, axis=0, tiled=False).reshape(g, g, n)
+    between = every.sum(-1)  # [sender, receiver]
+    send_sizes, recv_sizes = between[me], between[:, me]
+    input_offsets = jnp.cumsum(send_sizes) - send_sizes  # in my sorted rows
+    # where my rows land in each receiver's buffer: after the rows of the senders before me
+    landing = jnp.cumsum(between, axis=0) - between  # [sender, receiver]
+    sent = x_td[rows]
+    buffer = _buffer(g * t * k, sent)
+    got = _ragged_all_to_all(sent, buffer, input_offsets, send_sizes, landing[me], recv_sizes, axis_name=axes)
+    # Each received row's local expert: the senders' slices in order, each sorted by expert; the
+    # rows past them are padding (expert n, left zero by the grouped products).
+    mine = jax.lax.dynamic_index_in_dim(every, me, axis=1, keepdims=False)  # [sender, my expert]
+    local = jnp.repeat(jnp.tile(jnp.arange(n), g), mine.reshape(-1), total_repeat_length=g * t * k)
+    local = jnp.where(jnp.arange(g * t * k) < mine.sum(), local, n)
+    by_expert = jnp.argsort(local, stable=True)
+    sizes = mine.sum(0).astype(jnp.int32)
+    gate_up = jax.lax.ragged_dot(got[by_expert], w_in.reshape(n, d, 2 * m), sizes).reshape(-1, 2, m)
+    hidden = kernels.swiglu(gate_up, one_pass_gradient)
+    out = jax.lax.ragged_dot(hidden, w_out, sizes).astype(x_td.dtype)  # back in the compute dtype
+    out = jnp.zeros_like(out).at[by_expert].set(out)  # in the order received
+    # Back to the senders: my slice from sender s returns to where s's own rows for me began.
+    recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
+    starts = jnp.cumsum(between, axis=1) - between  # [sender, receiver]: in the sender's sorted rows
+    back = _ragged_all_to_all(
+        out,
+        _buffer(t * k, out),
+        recv_offsets,
+        recv_sizes,
+        starts[:, me],
+        send_sizes,
+        axis_name=axes,
+    )
+    back = back.astype(jnp.float32) * weights_tk.reshape(-1)[order][:, None].astype(jnp.float32)
+    return jnp.zeros((t, d), jnp.float32).at[rows].add(back)
+
+
+def _buffer(rows: int, like):
+    """A zero receive buffer of `rows` rows like `like`'s, varying over the mesh axes `like` does and
+    outside autodiff: left to the map's type rules, a constant's buffer is marked varying inside
+    the exchange and its cotangent summed over every device (found in the compiled TPU step)."""
+    vma = tuple(sorted(jax.typeof(like).manual_axis_type.varying))
+    zeros = jnp.zeros((rows,) + like.shape[1:], like.dtype)
+    return jax.lax.stop_gradient(jax.lax.pcast(zeros, vma, to="varying") if vma else zeros)

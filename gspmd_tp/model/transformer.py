@@ -149,6 +149,10 @@ class ModelConfig:
     expert_mlp_dim: int = 0
     shared_experts: int = 0
     router_renormalize: bool = True
+    # How tokens reach their experts' devices where the rules split `experts` (moe.DISPATCHES):
+    # auto (ragged on TPU and GPU, gather on CPU), gather (all-gather and reduce-scatter), ragged
+    # (ragged_all_to_all to the experts' devices and back; TPU and GPU only).
+    moe_dispatch: str = "auto"
     # The weights of the router's losses in the training objective, averaged over the layers: Switch's
     # load-balancing loss (1 when balanced) and ST-MoE's z-loss (moe.router_losses).
     router_aux_loss_coef: float = 0.01
@@ -251,6 +255,8 @@ class ModelConfig:
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             if not getattr(self, name) >= 0:  # "not >=" so that NaN is refused too
                 problems.append(f"model.{name} must be 0 or more, got {getattr(self, name)}")
+        if self.moe_dispatch not in moe.DISPATCHES:
+            problems.append(f"model.moe_dispatch {self.moe_dispatch!r} is not one of {moe.DISPATCHES}")
         if self.num_experts > 0 and not 1 <= self.experts_per_token <= self.num_experts:
             problems.append(
                 f"model.experts_per_token must be in 1..model.num_experts ({self.num_experts}), "

@@ -9,12 +9,13 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from gspmd_tp.model import moe
 from gspmd_tp.model.params import path_str
 from gspmd_tp.sharding import axes
 from gspmd_tp.sharding.rules import axes_of
 from gspmd_tp.train import run_setup
 from gspmd_tp.train import step as step_lib
-from gspmd_tp.train.state import logical_specs
+from gspmd_tp.train.state import logical_specs, sharding_context
 
 REPLICATED_FLAG_BYTES = 1 << 20  # flag replicated leaves from 1 MiB up
 
@@ -85,6 +86,20 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     reduce-scatter its gradient in bf16.
     The embedding's gradient is float32 whatever the compute dtype (its lookup adds into a float32
     table). A remat policy's recomputation adds the collectives it runs again.
+    Mixture of experts where the rules split `experts` (moe._sharded, the all-gather dispatcher):
+    per layer and microbatch, each device's tokens are all-gathered over the expert group's batch
+    axes forward and their outputs reduce-scattered back, the output gradients gathered and the
+    input gradients scattered backward (in the compute dtype), with the routes (k float32 weights,
+    k int32 ids a token) gathered forward and the weights' gradient scattered back; the outputs
+    all-reduced forward and the input gradients backward over the axes of the experts' hidden width
+    and the expert axes the batch does not use (in place of the dense MLP's reductions, which the
+    shared experts keep). The experts' weights are gathered once a microbatch over their FSDP axes
+    inside the map (in the compute dtype) and their gradients reduce-scattered back, never gathered
+    over the expert axes (on the TPU the gradient is all-reduced and sliced where the model width is
+    not its minor dimension or its shard there is one 128-lane tile or less); over the batch axes
+    that split neither, their gradients are all-reduced as any weight's. Under model.moe_dispatch
+    ragged the tokens' traffic is instead four ragged-all-to-alls a layer (each assignment's row out
+    and back, forward and backward) counted as the HLO reader counts them, plus the counts gathered.
     `unmodelled` lists shardings the analysis does not cover (head_dim, layers, length, norm_length
     on an axis of its own): there the total is not what the rule file needs.
     """
@@ -114,14 +129,42 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     # reduce-scattered in it before the float32 update (XLA:CPU promotes the all-reduce to float32).
     gradient = act_bytes / 4
     activation = (c.batch_size // k // d_ways) * c.seq_len * cfg.d_model * act_bytes
+    layout = expert_layout(s)
     # (all-reduces per microbatch, the mesh axes they run over), one entry per kind.
     reductions = [
         (cfg.num_layers, hidden_axes(axes.HEADS)),  # attention output, forward
         (cfg.num_layers, hidden_axes(axes.KV_HEADS)),  # attention input gradient, backward
-        (2 * cfg.num_layers, hidden_axes(axes.MLP)),  # MLP output forward, input gradient backward
+        # MLP output forward, input gradient backward: the dense MLP's, or the shared experts'
+        (2 * cfg.num_layers if not cfg.num_experts or cfg.shared_experts else 0, hidden_axes(axes.MLP)),
         (2, hidden_axes(axes.VOCAB)),  # embedding lookup forward, output projection backward
     ]
     tensor_parallel = sum(k * n * 2 * (ways(a) - 1) / ways(a) * activation for n, a in reductions)
+    expert_dispatch = 0.0
+    if layout is not None:
+        # The routed experts' outputs and input gradients, reduced over their hidden width's axes
+        # and the expert axes the batch does not split (the router weights' gradient with them).
+        r = ways(set(layout["hidden"] + layout["rest"]))
+        routes = (c.batch_size // k // d_ways) * c.seq_len * cfg.experts_per_token * 4  # per device
+        tensor_parallel += k * cfg.num_layers * 2 * (r - 1) / r * (2 * activation + routes)
+        # Tokens out and back, forward and backward, and the routes gathered (ids, weights) and the
+        # weights' gradient scattered: each moves (g - 1) times a device's share.
+        g = ways(set(layout["gather"]))
+        expert_dispatch = float(k * cfg.num_layers * (g - 1) * (4 * activation + 3 * routes))
+        if (
+            cfg.remat != "none"
+        ):  # every policy recomputes the forward's gathers (tokens, routes) for the backward
+            expert_dispatch += k * cfg.num_layers * (g - 1) * (activation + 2 * routes)
+        if cfg.moe_dispatch == "ragged" and not layout["rest"]:
+            # Each assignment's row out to its expert's device and back, forward and backward (the
+            # transposes): ragged-all-to-alls with payloads of the k rows a token and of the
+            # receive buffer (g times that), at the even split; the TPU compiler pads each row to
+            # a multiple of 512 bytes. Plus the per-expert counts gathered.
+            t = (c.batch_size // k // d_ways) * c.seq_len
+            row = cfg.d_model * act_bytes
+            row = -(-row // 512) * 512 if backend == "tpu" else row
+            sent = t * cfg.experts_per_token * row
+            counts = (g - 1) * cfg.num_experts * 4
+            expert_dispatch = float(k * cfg.num_layers * (2 * (g - 1) / g * (1 + g) * sent + counts))
     # Sequence parallelism (norm_length) and 2D (embed in activations) turn each all-reduce into
     # an all-gather plus a reduce-scatter: the same ring bytes, except that XLA:CPU lowers the
     # reduce-scatter as a whole all-reduce, so there the pair costs 3/2 of the all-reduce.
@@ -206,12 +249,27 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     # reduction to float32.
     bf16_reduce = step_lib.grad_reduce_dtype(s) == "bfloat16"
     data_parallel = fsdp_gather = fsdp_reduce = 0.0
+    compute_dtype = np.dtype(cfg.dtype).itemsize / 4
     for row in rows:
         if row["kind"] != "params":
             continue
         used = {a for e in row["spec"] for a in axes_of(e)}
         g = math.prod(mesh_shape[a] for a in batch_axes - used)
         f = math.prod(mesh_shape[a] for a in batch_axes & used)
+        if layout is not None and _expert_weight(row):
+            # Gathered inside the dispatch's map over its FSDP axes alone, in the compute dtype, and
+            # the gradient reduce-scattered there in model.grad_dtype (or the compute dtype).
+            f = ways(set(layout["fsdp"]))
+            gathered = row["bytes_per_device"] * f
+            # gathered again for the backward under a remat policy (its recomputed forward)
+            fsdp_gather += k * (1 if cfg.remat == "none" else 2) * (f - 1) / f * gathered * compute_dtype
+            reduced = np.dtype(cfg.grad_dtype).itemsize / 4 if cfg.grad_dtype else compute_dtype
+            # The TPU compiler all-reduces such a gradient whole and slices it where the model width
+            # is not its minor dimension (gate_up) or its shard there is one 128-lane tile or less.
+            if backend == "tpu" and (_expert_weight(row) == "in" or cfg.d_model // f <= 128):
+                reduced *= 2
+            fsdp_reduce += k * (f - 1) / f * gathered * reduced
+            f = 1
         local = row["bytes_per_device"]
         matrix = len(row["shape"]) > 1
         if g > 1:
@@ -244,6 +302,25 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
         "data_parallel": data_parallel,
         "fsdp_gather": fsdp_gather,
         "fsdp_reduce": fsdp_reduce,
-        "total": tensor_parallel + data_parallel + fsdp_gather + fsdp_reduce,
+        "expert_dispatch": expert_dispatch,
+        "total": tensor_parallel + data_parallel + fsdp_gather + fsdp_reduce + expert_dispatch,
         "unmodelled": sorted(f"{name}->{','.join(mesh_axes)}" for name, mesh_axes in unmodelled),
     }
+
+
+def expert_layout(s: run_setup.Setup) -> dict | None:
+    """moe._layout under the setup's mesh and rules where the model has experts and the rules split
+    them (the all-gather dispatcher's shard_map); None where the experts run on every device's own
+    tokens (a dense model, or `experts` replicated)."""
+    if not s.model_cfg.num_experts:
+        return None
+    with sharding_context(s.mesh, s.rules):
+        layout = moe._layout()
+    return layout if layout and layout["experts"] else None
+
+
+def _expert_weight(row: dict) -> str:
+    """ "in" for a routed expert's gate_up weight, "out" for its down weight (stacked over layers or
+    not), "" for any other parameter row."""
+    names = tuple(row["logical"])
+    return "in" if names[-4:] == moe.EXPERT_IN else "out" if names[-3:] == moe.EXPERT_OUT else ""

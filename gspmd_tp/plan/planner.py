@@ -330,7 +330,8 @@ def format_plan(p: dict) -> str:
         "",
         f"analytical bytes/device: {_mb(a['total'])} (tensor parallel {_mb(a['tensor_parallel'])}, "
         f"data parallel {_mb(a['data_parallel'])}, fsdp gather {_mb(a['fsdp_gather'])}, "
-        f"fsdp reduce {_mb(a['fsdp_reduce'])})",
+        f"fsdp reduce {_mb(a['fsdp_reduce'])}"
+        + (f", expert dispatch {_mb(a['expert_dispatch'])})" if a.get("expert_dispatch") else ")"),
         f"measured / analytical: {_ratio(p)}",
         "",
         "largest collectives (ring bytes/device per step, the jax op they come from):",

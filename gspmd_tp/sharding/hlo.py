@@ -24,7 +24,14 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+)
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -44,7 +51,9 @@ class Collective:
     kind: str
     name: str
     computation: str
-    result_bytes: int  # bytes of the result on one device (all tuple elements)
+    # bytes of the result on one device (all tuple elements); of a ragged-all-to-all, its payload:
+    # the input buffer it sends from (its result is the buffer it receives into, sized for the most)
+    result_bytes: int
     group_size: int  # devices taking part in each group
     executions: int  # times it runs per call of the program (loop trip counts applied)
     op_name: str = ""  # the jax operation it came from (HLO metadata), to trace it to the model
@@ -70,7 +79,8 @@ class Collective:
             return 0.0
         if self.kind == "all-reduce":
             return 2 * (g - 1) / g * r
-        if self.kind in ("all-gather", "all-to-all"):
+        if self.kind in ("all-gather", "all-to-all", "ragged-all-to-all"):
+            # a ragged-all-to-all's sizes are known at run time alone: its payload split evenly
             return (g - 1) / g * r
         if self.kind == "reduce-scatter":
             return (g - 1) * r  # the operand is g times the result
@@ -408,9 +418,11 @@ def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]
     for comp, lines in comps.items():
         # An asynchronous collective's start returns its operands beside its results; the done
         # instruction returns the results alone, so its type is what the collective produces.
-        done = {}
+        done, types = {}, {}
         for line in lines:
             m = INSTRUCTION.match(line)
+            if m:
+                types[m.group(1)] = m.group(2)
             if m and m.group(3).endswith("-done"):
                 operand = re.match(r"\s*%?([\w.\-]+)", m.group(4))
                 done[operand.group(1) if operand else ""] = m.group(2)
@@ -427,6 +439,9 @@ def collectives(text: str, num_devices: int, island_of=None) -> list[Collective]
                 # (operand, result[, ...]) tuples with no done beside them: the result is the second.
                 shapes = _SHAPE.findall(result_type)
                 result = "{}[{}]".format(*shapes[1]) if len(shapes) > 1 else result_type
+            if kind == "ragged-all-to-all":  # the payload: its first operand, the rows it sends from
+                sent = operands(rest)
+                result = types.get(sent[0], result) if sent else result
             groups = replica_groups(rest, num_devices)
             size, dtype = shape_bytes(result), dtypes(result)
             promoted = kind == "all-reduce" and dtype == "f32" and bool(_PROMOTED.search(rest))

@@ -16,6 +16,7 @@ import optax
 from gspmd_tp.data import pipeline, tokenizer
 from gspmd_tp.job.config_keys import check_keys, ours
 from gspmd_tp.job.errors import UserError, warn
+from gspmd_tp.model import moe
 from gspmd_tp.model.kernels import (
     CUDNN_SEGMENTS,
     attention_implementation,
@@ -151,6 +152,11 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
     rules = rules or load_rules(config.rules)
     mesh = make_mesh(config.mesh, rules.mesh_axes, devices, rules.source)
     platform = mesh.devices.flat[0].platform
+    if model_cfg.moe_dispatch == "ragged" and platform == "cpu":
+        raise UserError(
+            "config.model.moe_dispatch='ragged' needs TPU or GPU devices (XLA:CPU has no "
+            "ragged-all-to-all); on CPU use 'gather' (or 'auto')"
+        )
     if model_cfg.attention == "cudnn" and platform != "gpu":
         raise UserError(f"config.model.attention='cudnn' needs GPU devices; this run's are {platform}")
     if model_cfg.attention == "cudnn" and config.data.document_mask:
@@ -179,6 +185,7 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
         attention=attention_implementation(
             model_cfg.attention, model_cfg.dtype, platform, segmented=config.data.document_mask
         ),
+        moe_dispatch=moe.dispatch_implementation(model_cfg.moe_dispatch, platform),
     )
     micro_batch = config.batch_size // config.grad_accum
     ways, sizes = mesh_ways(mesh.shape, rules.batch_axes())

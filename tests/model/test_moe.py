@@ -205,3 +205,83 @@ def test_remat_changes_neither_the_gradient_nor_the_router_stats(remat):
         assert float(got_stats[key]) == pytest.approx(float(want_stats[key]), rel=1e-6)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+
+
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
+    """jax.lax.ragged_all_to_all's semantics in plain jnp (XLA:CPU compiles no ragged-all-to-all):
+    every device's operand, offsets and sizes gathered; the rows sender s sends this device,
+    operand_s[input_offsets_s[me] + r] for r < send_sizes_s[me], written at output_offsets_s[me] + r."""
+    del recv_sizes  # what this device receives is what the senders say they send it
+    me = jax.lax.axis_index(axis_name)
+    operands, starts, sizes, lands = (
+        jax.lax.all_gather(a, axis_name) for a in (operand, input_offsets, send_sizes, output_offsets)
+    )
+    r = jnp.arange(operand.shape[0])
+    for s in range(operands.shape[0]):
+        rows = operands[s][jnp.clip(starts[s, me] + r, 0, operand.shape[0] - 1)]
+        to = jnp.where(r < sizes[s, me], lands[s, me] + r, output.shape[0])  # the rest dropped
+        output = output.at[to].set(rows, mode="drop")
+    return output
+
+
+@pytest.mark.parametrize(
+    "rules, mesh", [("expert_fsdp", "data=2,expert=4"), ("data_expert_tensor", "data=2,expert=2,tensor=2")]
+)
+def test_the_ragged_dispatch_equals_the_gather_dispatch(monkeypatch, rules, mesh):
+    """moe_dispatch=ragged (its exchange emulated in jnp) against gather, on 8 devices: the layer's
+    output and its gradients with respect to the parameters and the tokens, to 1e-5. The routing is
+    far from even (a router scaled up), so the exchange's sizes and offsets differ device by device."""
+    from gspmd_tp.sharding.mesh import make_mesh
+    from gspmd_tp.sharding.rules import load_rules
+    from gspmd_tp.train.state import sharding_context
+
+    calls = []
+
+    def exchange(*args, **kwargs):
+        calls.append(kwargs["axis_name"])
+        return emulated_ragged_all_to_all(*args, **kwargs)
+
+    monkeypatch.setattr(moe, "_ragged_all_to_all", exchange)
+    loaded = load_rules(rules)
+    m = make_mesh(mesh, loaded.mesh_axes, jax.devices()[:8], loaded.source)
+    x = np.random.default_rng(1).normal(size=(8, 6, 32)).astype(np.float32)
+    p = layer_params(CFG)
+
+    def run(dispatch):
+        cfg = dataclasses.replace(CFG, moe_dispatch=dispatch)
+
+        def loss(p, x):
+            y = MoeFeedForward(cfg).apply({"params": p}, x, mutable=["intermediates"])[0]
+            return jnp.sum(y * jnp.cos(y)), y
+
+        with sharding_context(m, loaded):
+            (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(p, x)
+        return jax.device_get((y, grads))
+
+    ragged = run("ragged")
+    assert calls == [("expert",), ("expert",)]  # tokens out and back, over the expert axis
+    gather = run("gather")
+    assert len(calls) == 2
+    for a, b in zip(jax.tree.leaves(ragged), jax.tree.leaves(gather), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_ragged_dispatch_asked_for_on_cpu_is_one_line_naming_gather():
+    from conftest import small_config
+
+    from gspmd_tp.job.errors import UserError
+    from gspmd_tp.train import run_setup
+
+    c = small_config(rules="expert_fsdp", mesh="data=2,expert=4", **{"model.num_experts": 8})
+    c.model.moe_dispatch = "ragged"
+    with pytest.raises(
+        UserError, match=r"^config.model.moe_dispatch='ragged' needs TPU or GPU devices .*'gather'"
+    ):
+        run_setup.setup(c)
+    c.model.moe_dispatch = "auto"  # the gather dispatcher on CPU
+    assert run_setup.setup(c).model_cfg.moe_dispatch == "gather"
+    assert (
+        moe.dispatch_implementation("auto", "tpu") == moe.dispatch_implementation("auto", "gpu") == "ragged"
+    )

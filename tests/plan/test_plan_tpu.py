@@ -302,3 +302,66 @@ def test_compare_reports_a_combination_that_does_not_fit_as_its_row():
     lines = planner.format_compare(rows).splitlines()
     assert all("does not fit: Ran out of memory on HBM" in line for line in lines[1:3])
     assert "<- best" not in "\n".join(lines)
+
+
+# The small test model with 8 experts of width 32, 2 a token, one shared expert (test_plan_moe.py),
+# in bf16 at configs/tiny_moe.py's width.
+MOE_BF16 = {"model.num_experts": 8, "model.expert_mlp_dim": 32, "model.shared_experts": 1}
+MOE_BF16 |= {"model.dtype": "bfloat16", "model.d_model": 128, "model.moe_dispatch": "gather"}
+
+
+@pytest.mark.parametrize("rules, gather, fsdp", [("expert_fsdp", 4, 8), ("data_expert_tensor", 2, 1)])
+def test_a_bfloat16_mixture_of_experts_on_tpu_moves_what_the_analysis_says(rules, gather, fsdp):
+    """The all-gather dispatcher in bf16 on a v5e slice (data=2,expert=4; 2x2x2): the tokens' share
+    (one sequence, or two, of 32 tokens at 128 bf16 a device) gathered over the expert group and
+    scattered back, forward and backward, the routes (2 float32 weights, 2 int32 ids a token) with
+    them, as worked here. The step's total is the analysis's (whose expert_fsdp term has the
+    experts' gradients all-reduced over data: gate_up's model width is not its minor dimension,
+    down's shard there is 64 lanes) plus, under expert_fsdp, what the analysis knows it leaves out:
+    the attention's q/k/v and output gradients, FSDP-split on their minor dimension to 16 lanes
+    over 8 devices, all-reduced where a reduce-scatter would do (an all-gather's bytes more each,
+    as test_gradients_are_reduce_scattered_over_two_devices_where_their_shard_is_one_lane_tile
+    has); data_expert_tensor's attention gradients, over expert=2, are reduce-scattered."""
+    p = tpu_plan(rules, **MOE_BF16)
+    m = small_config(**MOE_BF16).model
+    c = small_config(**MOE_BF16)
+    tokens = c.batch_size // (2 * gather) * c.seq_len  # the batch over data and expert
+    share, routes = tokens * m.d_model * 2, tokens * m.experts_per_token * 4
+    expected = m.num_layers * (gather - 1) * (4 * share + 3 * routes)
+    assert p["analytical"]["expert_dispatch"] == pytest.approx(expected, rel=1e-9)
+    qkv = m.d_model * m.num_kv_heads * (m.num_heads // m.num_kv_heads + 2) * m.head_dim
+    out = m.num_heads * m.head_dim * m.d_model
+    all_reduced = m.num_layers * (fsdp - 1) / fsdp * (qkv + out) * 2  # bf16 gradients
+    assert p["bytes_per_device"] == pytest.approx(p["analytical"]["total"] + all_reduced, rel=0.05), (
+        p["bytes_per_device"],
+        p["analytical"],
+    )
+
+
+@pytest.mark.parametrize("rules, experts", [("expert_fsdp", 4), ("data_expert_tensor", 2)])
+def test_the_ragged_dispatch_on_tpu_sends_each_assignment_to_its_experts_device_and_back(rules, experts):
+    """model.moe_dispatch auto on a TPU is ragged: per layer two ragged-all-to-alls forward (the
+    k rows a token out, from the receive buffer back) and their two transposes backward, each over
+    the expert axis, and no token gathered there. Their payloads as worked here: a device's 32 or
+    64 tokens' k=2 rows of 128 bf16, which the compiler pads to 512 bytes a row, and the receive
+    buffer of `experts` times as many rows; the step within 5% of the analysis (expert_fsdp's
+    attention gradients all-reduced as in the gather test above)."""
+    overrides = {**MOE_BF16, "model.moe_dispatch": "auto"}
+    p = tpu_plan(rules, **overrides)
+    m, c = small_config(**overrides).model, small_config(**overrides)
+    assert p["collectives"]["ragged-all-to-all"]["count"] == 4 * m.num_layers
+    ragged = [x for x in p["largest_collectives"] if x["kind"] == "ragged-all-to-all"]
+    assert ragged and all(x["group_size"] == experts for x in ragged)
+    tokens = c.batch_size // (2 * experts) * c.seq_len
+    sent = tokens * m.experts_per_token * 512
+    expected = m.num_layers * 2 * (experts - 1) / experts * (sent + experts * sent)
+    assert p["bytes_per_device_by_type"]["ragged-all-to-all"] == pytest.approx(expected, rel=1e-9)
+    if rules == "expert_fsdp":
+        qkv = m.d_model * m.num_kv_heads * (m.num_heads // m.num_kv_heads + 2) * m.head_dim
+        extra = m.num_layers * 7 / 8 * (qkv + m.num_heads * m.head_dim * m.d_model) * 2
+    else:
+        extra = 0
+    assert p["bytes_per_device"] == pytest.approx(p["analytical"]["total"] + extra, rel=0.05), (
+        p["bytes_per_device"],
+        p["analytical"],
+    )

@@ -30,7 +30,8 @@ def ring_sent(kind: str, g: int, result_elements: int) -> int:
     sent = np.zeros(g, dtype=int)
     if kind == "collective-permute":  # each device's whole buffer to the next
         return result_elements if g > 1 else 0
-    if kind == "all-to-all":  # block j of device d goes to device j
+    # block j of device d goes to device j (a ragged one's blocks here all of one size)
+    if kind in ("all-to-all", "ragged-all-to-all"):
         blocks = rng.normal(size=(g, g, result_elements // g))
         out = np.empty_like(blocks)
         for d in range(g):
@@ -249,6 +250,56 @@ ENTRY %main (p: f32[4,128,256]) -> f32[4,32,256] {
     assert found.kind == "reduce-scatter" and found.executions == 1
     assert found.result_bytes == 4 * 32 * 256 * 4
     assert found.ring_bytes == pytest.approx(3 / 4 * 4 * 128 * 256 * 4)
+
+
+def test_tpu_ragged_all_to_all_counts_the_rows_it_sends_from():
+    """The TPU compiler's ragged-all-to-all (operands: input, output, input offsets, send sizes,
+    output offsets, receive sizes): its payload is its input, 32 rows of 2 x 128 bf16 here, not
+    the 64-row buffer it receives into."""
+    text = """\
+ENTRY %main.0_spmd (param.5: bf16[32,2,128], o: s32[8]) -> bf16[64,2,128] {
+  %param.5 = bf16[32,2,128]{2,1,0:T(2,128)(2,1)S(1)} parameter(0)
+  %o = s32[8]{0} parameter(1)
+  %out = bf16[64,2,128]{2,1,0:T(2,128)(2,1)S(1)} broadcast(%c), dimensions={}
+  ROOT %ragged_all_to_all.23 = bf16[64,2,128]{2,1,0:T(2,128)(2,1)S(1)} ragged-all-to-all(%param.5, %out, %o, %o, %o, /*index=5*/%o), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, metadata={op_name="jit(f)/shard_map/ragged_all_to_all" stack_frame_id=2}, backend_config={"collective_algorithm_config":{"emitter":"RaggedAllToAllEmitter"}}
+}
+"""  # noqa: E501
+    (found,) = hlo.collectives(text, num_devices=8)
+    assert (found.kind, found.group_size, found.dtype) == ("ragged-all-to-all", 4, "bf16")
+    assert found.result_bytes == 32 * 2 * 128 * 2 and found.op_name.endswith("ragged_all_to_all")
+    assert found.ring_bytes == pytest.approx(3 / 4 * 32 * 2 * 128 * 2)
+    assert hlo.summarize([found])["ragged-all-to-all"]["count"] == 1
+
+
+def test_a_ragged_all_to_all_compiled_for_a_tpu_slice_is_counted_with_its_payload():
+    """jax.lax.ragged_all_to_all over the 8 chips of a v5e slice (XLA:CPU cannot compile it): each
+    chip sends from its 32 rows of 128 float32 into a 64-row buffer."""
+    pytest.importorskip("libtpu")
+    from gspmd_tp.plan import hardware
+
+    mesh = jax.sharding.Mesh(
+        np.array(hardware.target_devices("tpu:v5e:2x4")), ("x",), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
+
+    def send(x, offsets, sizes, out_offsets, recv_sizes):
+        out = jnp.zeros((64, 128), x.dtype)
+        return jax.lax.ragged_all_to_all(
+            x, out, offsets[0], sizes[0], out_offsets[0], recv_sizes[0], axis_name="x"
+        )
+
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=jax.sharding.NamedSharding(mesh, P("x"))
+    )
+    mapped = jax.shard_map(send, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x"))
+    with hardware.no_cache_writes():
+        text = jax.jit(mapped).lower(spec((8 * 32, 128), jnp.float32), *[spec((8, 8), jnp.int32)] * 4)
+        text = text.compile().as_text()
+    (found,) = [c for c in hlo.collectives(text, 8) if c.kind == "ragged-all-to-all"]
+    assert (found.group_size, found.executions, found.dtype) == (8, 1, "f32")
+    assert found.result_bytes == 32 * 128 * 4
+    assert hlo.summarize(hlo.collectives(text, 8))["ragged-all-to-all"]["ring_bytes_per_device"] == (
+        pytest.approx(7 / 8 * 32 * 128 * 4)
+    )
 
 
 def test_an_async_collective_split_into_start_continuation_and_done_counts_once():
