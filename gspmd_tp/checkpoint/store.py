@@ -62,6 +62,7 @@ FREE_MODEL_KEYS = (
     "attention",
     "attention_block",
     "mlp_grad",
+    "moe_dispatch",
 )
 
 # An array replicated over several devices is saved a slice per replica, in parallel; each slice
