@@ -176,6 +176,10 @@ def _exit(line: str | None, status: int):
     the lock (what the lock's own exit would have done), and leaving the job alone."""
     if line is not None:
         print(line, file=sys.stderr, flush=True)
+        # The line stays the last one: what the leaving prints (an async save's commit cancelled on
+        # another thread, the coordination client's own farewell) goes nowhere.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stderr.fileno())
     output_paths.remove_created_workdirs()
     _leave(together=False)
     os._exit(status)
