@@ -18,10 +18,10 @@ if __name__ == "__main__":
 
     entry.begin()  # main() asks for the config's devices; signals.run_job then takes Ctrl-C over
 
-from absl import app, flags, logging
+from absl import app, flags
 
-from gspmd_tp.job import host_devices, job_flags, paths
-from gspmd_tp.job.errors import UserError, define_config, no_positional_arguments, parse_flags
+from gspmd_tp.job import entry, job_flags, paths
+from gspmd_tp.job.errors import UserError, define_config, parse_flags
 
 _CONFIG = define_config("bench_cpu", "A config file, or the name of a shipped one (configs/NAME.py).")
 _RULES = flags.DEFINE_string("rules", "", "Comma-separated rule files, each once (default: config.rules).")
@@ -61,10 +61,7 @@ flags.adopt_module_key_flags(job_flags)
 
 
 def main(argv):
-    no_positional_arguments(argv)
-    logging.set_verbosity(logging.WARNING)
-    config = _CONFIG.value
-    host_devices.request(config.host_device_count, config.host_malloc_tuning)  # before jax's backend starts
+    entry.start_job(argv, config := _CONFIG.value)
     from gspmd_tp.job import signals
 
     rules = [r.strip() for r in _RULES.value.split(",")] if _RULES.value else [config.rules]

@@ -75,9 +75,11 @@ def export_problem(cfg: ModelConfig) -> str | None:
     return None
 
 
-def read_hf_config(hf_dir: str, flag: str) -> dict:
-    """config.json of a Hugging Face model directory; UserError naming `flag` if it does not read."""
+def read_hf_config(hf_dir, flag: str, given: str | None = None) -> dict:
+    """config.json of a Hugging Face model directory; UserError naming `flag` (and the path `given`,
+    where `hf_dir` is its local copy) if it does not read."""
     path = Path(hf_dir) / "config.json"
+    hf_dir = given or hf_dir
     if not path.is_file():
         raise UserError(f"{flag}={hf_dir}: no config.json (expected a Hugging Face model directory)")
     try:

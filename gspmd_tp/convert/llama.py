@@ -82,8 +82,8 @@ def from_hf(hf_dir: str, workdir: str, config) -> run_setup.Setup:
 
 
 def _from_hf(hf_dir: str, workdir: str, config) -> run_setup.Setup:
-    hf_path = Path(hf_dir)
-    hf = hf_layout.read_hf_config(hf_dir, "--hf_dir")
+    hf_path = Path(paths.local_copy(hf_dir))  # a bucket's model read from a local copy (safetensors' mmap)
+    hf = hf_layout.read_hf_config(hf_path, "--hf_dir", hf_dir)
     ckpt_dir = step_dirs.checkpoint_dir(workdir)
     if step_dirs.steps_on_disk(ckpt_dir):
         raise UserError(f"{ckpt_dir} already holds checkpoints; use a new --workdir")
@@ -96,7 +96,7 @@ def _from_hf(hf_dir: str, workdir: str, config) -> run_setup.Setup:
     if any((hf_path / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
         # The model's own tokenizer, recorded in the run's config: train.py, evaluate and generate
         # use it unless told otherwise (tokenizer.load reads the directory's file).
-        config.data.tokenizer = str(hf_path.resolve())
+        config.data.tokenizer = hf_dir if paths.is_url(hf_dir) else str(hf_path.resolve())
     try:
         s = run_setup.setup(config)
     except UserError as e:
@@ -126,7 +126,8 @@ def _from_hf(hf_dir: str, workdir: str, config) -> run_setup.Setup:
 
     with state_lib.sharding_context(s.mesh, s.rules):
         state = jax.jit(fresh_state, out_shardings=s.shardings, donate_argnums=0)(params)
-    meta = {**s.meta(), "hf": {"source": str(hf_path.resolve()), "config": hf}}
+    source = hf_dir if paths.is_url(hf_dir) else str(hf_path.resolve())
+    meta = {**s.meta(), "hf": {"source": source, "config": hf}}
     # The first write, once every input has checked out: a failed import leaves no workdir behind.
     mngr = store.manager(workdir, keep=config.keep_checkpoints, async_save=False)
     # The data position of a fresh run (data.BatchIterator.get_state() before the first batch).
@@ -166,7 +167,7 @@ def to_hf(
     if dtype not in _DTYPES:
         raise UserError(f"--dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     check_empty(hf_dir)
-    base = hf_layout.read_hf_config(hf_base, "--hf_base") if hf_base else None
+    base = hf_layout.read_hf_config(paths.local_copy(hf_base), "--hf_base", hf_base) if hf_base else None
     overrides = {key: value for key, value in (("rules", rules), ("mesh", mesh)) if value}
     explicit = step is not None
     step, meta, s = saved_run.load_setup(workdir, overrides, step, params_only=True)
@@ -210,10 +211,10 @@ def _carried(hf_base: str | None, tokenizer: str) -> list[tuple[Path, str]]:
     `hf_base`, else those beside the tokenizer the run trained with (a model directory that
     from-hf recorded, or a tokenizer file, carried under the name Hugging Face reads)."""
     if hf_base:
-        directory = Path(hf_base)
+        directory = Path(paths.local_copy(hf_base))
     elif tokenizer == "bytes":
         return []
-    elif Path(tokenizer).is_file():
+    elif Path(tokenizer := paths.local_copy(tokenizer)).is_file():
         name = "tokenizer.model" if tokenizer.endswith(".model") else "tokenizer.json"
         beside = Path(tokenizer).parent / "tokenizer_config.json"
         return [(Path(tokenizer), name)] + ([(beside, beside.name)] if beside.is_file() else [])

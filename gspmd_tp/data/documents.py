@@ -9,6 +9,7 @@ Documents are (name, bytes); data.py splits, packs and batches them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import json
@@ -229,10 +230,17 @@ def parquet_columns(path: str) -> dict[str, str]:
     import pyarrow.parquet as pq
 
     try:
-        schema = pq.read_schema(path)
+        with _parquet_file(path) as source:
+            schema = pq.read_schema(source)
     except Exception as e:  # pyarrow's ArrowInvalid and OSError both mean: not a parquet file we can read
         raise UserError(f"{path}: does not read as parquet: {str(e).splitlines()[0]}") from None
     return {field.name: str(field.type) for field in schema}
+
+
+def _parquet_file(path: str):
+    """`path` opened for pyarrow: a local file by name; a bucket's object through the path library,
+    whose seeks read in ranges (the footer, then only the column asked for)."""
+    return paths.of(path).open("rb") if paths.is_url(path) else contextlib.nullcontext(path)
 
 
 def check_parquet_column(path: str, column: str) -> None:
@@ -256,12 +264,13 @@ def _parquet_documents(path: str, column: str):
 
     check_parquet_column(path, column)
     row = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[column]):
-        for value in batch.column(0).to_pylist():
-            if value is None:
-                raise UserError(f"{path}: row {row}: column {column!r} is null; drop the row or fill it")
-            yield row, value.encode("utf-8")  # Arrow strings are UTF-8
-            row += 1
+    with _parquet_file(path) as source:
+        for batch in pq.ParquetFile(source).iter_batches(batch_size=1024, columns=[column]):
+            for value in batch.column(0).to_pylist():
+                if value is None:
+                    raise UserError(f"{path}: row {row}: column {column!r} is null; drop the row or fill it")
+                yield row, value.encode("utf-8")  # Arrow strings are UTF-8
+                row += 1
 
 
 def _plural(n: int, noun: str) -> str:

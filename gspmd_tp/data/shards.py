@@ -198,9 +198,8 @@ class BucketRecords:
         while self._open and sum(s for _, s in self._open.values()) + size > self.budget:
             reader, _ = self._open.pop(next(iter(self._open)))
             reader.close()
-        root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-        os.makedirs(os.path.join(root, "gspmd_tp", "shards"), exist_ok=True)
-        fd, local = tempfile.mkstemp(suffix=".array_record", dir=os.path.join(root, "gspmd_tp", "shards"))
+        os.makedirs(cache := os.path.join(paths_lib.cache_root(), "shards"), exist_ok=True)
+        fd, local = tempfile.mkstemp(suffix=".array_record", dir=cache)
         try:
             os.close(fd)
             fs.get_file(url, local)

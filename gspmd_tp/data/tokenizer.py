@@ -83,8 +83,9 @@ BYTE_TOKENIZER = Tokenizer(BYTES, BYTES, 256, None, BYTE_SEPARATOR, BYTES)
 
 
 def resolve(spec: str) -> str:
-    """config.data.tokenizer as saved: "bytes", or the path made absolute (found from any directory)."""
-    return spec if spec == BYTES else os.path.abspath(paths.expand(spec))
+    """config.data.tokenizer as saved: "bytes", a URL, or the path made absolute (found from any
+    directory)."""
+    return spec if spec == BYTES or paths.is_url(spec) else os.path.abspath(paths.expand(spec))
 
 
 @functools.cache
@@ -93,7 +94,7 @@ def load(spec: str) -> Tokenizer:
     if spec == BYTES:
         return BYTE_TOKENIZER
     where = f"config.data.tokenizer={spec}"
-    path = resolve(spec)
+    path = paths.local_copy(resolve(spec))  # a bucket's file, or its directory's files, copied locally
     if os.path.isdir(path):
         found = [os.path.join(path, f) for f in (_HF_FILE, _SP_FILE) if os.path.isfile(os.path.join(path, f))]
         if not found:

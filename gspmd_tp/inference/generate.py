@@ -79,9 +79,8 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
         if not prompt:
             raise UserError("--prompt is empty: give some text to continue")
         return [prompt]
-    try:
-        with open(prompts_file, encoding="utf-8", errors="surrogateescape") as f:  # any bytes: encode()
-            lines = f.read().splitlines()
+    try:  # any bytes: encode() takes them back
+        lines = paths.of(prompts_file).read_bytes().decode("utf-8", "surrogateescape").splitlines()
     except OSError as e:
         raise UserError(f"--prompts_file={prompts_file}: {e}") from None
     if not lines:

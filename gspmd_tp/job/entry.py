@@ -18,6 +18,19 @@ def begin() -> None:
     host_devices.cpu_platform_where_alone()
 
 
+def start_job(argv: list[str], config) -> None:
+    """The start of train's and bench's main(): no positional arguments; library INFO logs off (orbax
+    prints several lines per save, which would bury the progress lines); the config's simulated
+    devices asked for before jax's backend starts."""
+    from absl import logging
+
+    from gspmd_tp.job import host_devices
+
+    errors.no_positional_arguments(argv)
+    logging.set_verbosity(logging.WARNING)
+    host_devices.request(config.host_device_count, config.host_malloc_tuning)
+
+
 def run(main, flags_parser=None):
     """Runs a tool's main() once its imports are done, Ctrl-C raising KeyboardInterrupt again for
     main() to catch. With `flags_parser` (errors.parse_flags), as absl's app.run(main): the flags are

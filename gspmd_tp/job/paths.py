@@ -211,3 +211,30 @@ def move(source: str, target: str) -> None:
     import shutil
 
     shutil.move(source, target)
+
+
+def cache_root() -> str:
+    """The project's local cache: $XDG_CACHE_HOME (or ~/.cache) /gspmd_tp."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gspmd_tp")
+
+
+def local_copy(path: str) -> str:
+    """`path` where a library that opens only local files (tokenizers, safetensors, yaml) can read it:
+    a local path as it is; a URL's object, or the objects directly inside a URL's directory, copied
+    into cache_root()/copies/SCHEME/BUCKET/PATH, each fetched again only where its size changed.
+    A URL that names nothing gives a path that does not exist, for the caller's own message."""
+    if not is_url(path):
+        return expand(path)
+    source = of(path)
+    local = os.path.join(cache_root(), "copies", scheme(path), path.split("://", 1)[1].rstrip("/"))
+    files = [source] if source.is_file() else []
+    if source.is_dir():
+        files = [p for p in source.iterdir() if p.is_file()]
+    for file in files:
+        target = local if file == source else os.path.join(local, file.name)
+        if os.path.isfile(target) and os.path.getsize(target) == file.stat().length:
+            continue
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        file.copy(target + ".partial", overwrite=True)  # a copy cut short is never taken for the file
+        os.replace(target + ".partial", target)
+    return local

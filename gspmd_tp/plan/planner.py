@@ -47,7 +47,7 @@ import os
 import jax
 import numpy as np
 
-from gspmd_tp.job import host_devices, output_paths
+from gspmd_tp.job import host_devices, output_paths, paths
 from gspmd_tp.job.errors import UserError, exit_from_main, interrupted, no_positional_arguments
 from gspmd_tp.plan import analysis, calibration, hardware
 from gspmd_tp.sharding import hlo
@@ -118,11 +118,10 @@ def plan(
         ) from None
     text = compiled.as_text()
     if dump_hlo:
-        os.makedirs(dump_hlo, exist_ok=True)
         name = f"{label}_{mesh_file_name(mesh)}{'_' + s.config.overlap if name_overlap else ''}"
         name += f"_slices{s.model_cfg.mlp_slices}.hlo.txt" if name_slices else ".hlo.txt"
-        with open(os.path.join(dump_hlo, name), "w") as f:
-            f.write(text)
+        paths.of(dump_hlo).mkdir(parents=True, exist_ok=True)
+        (paths.of(dump_hlo) / name).write_text(text)
     n = s.mesh.size
     device = s.mesh.devices.flat[0]
     backend = device.platform

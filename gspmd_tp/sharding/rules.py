@@ -152,7 +152,8 @@ def resolve_path(name_or_path: str) -> Path:
     """A path as given if it exists, else rules/NAME.yaml from the shipped rule files."""
     if not name_or_path.strip():
         raise UserError("config.rules is empty: name a rule file (dp, fsdp, megatron_1d, ...) or its path")
-    path = Path(paths.expand(name_or_path))  # bash leaves `--config.rules=~/x.yaml` as it is
+    # bash leaves `--config.rules=~/x.yaml` as it is; a bucket's file is read from a local copy
+    path = Path(paths.local_copy(name_or_path))
     if path.is_file():
         return path
     if path.is_dir():
@@ -175,7 +176,7 @@ def load_rules(name_or_path: str) -> Rules:
         raise UserError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line})") from None
     except OSError as e:
         raise UserError(f"{path}: cannot read the rule file ({e.strerror or e})") from None
-    return parse_rules(text, str(path))
+    return parse_rules(text, name_or_path if paths.is_url(name_or_path) else str(path))
 
 
 def _rule_lines(node) -> list[int]:

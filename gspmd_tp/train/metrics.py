@@ -85,8 +85,7 @@ def _lines(path: str) -> list[str] | None:
 def cache_dir(workdir: str) -> str:
     """Where the writer keeps its local copies of a run in a bucket: under $XDG_CACHE_HOME (or
     ~/.cache), gspmd_tp/runs/SCHEME/BUCKET/PATH."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return os.path.join(root, "gspmd_tp", "runs", paths.scheme(workdir), workdir.split("://", 1)[1])
+    return os.path.join(paths.cache_root(), "runs", paths.scheme(workdir), workdir.split("://", 1)[1])
 
 
 def _rewrite(path: str, lines: list[str]) -> None:

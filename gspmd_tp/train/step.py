@@ -105,7 +105,13 @@ def _objective_and_grad(model: Transformer, params, batch_i, count: int, accum: 
     return aux, grads
 
 
-def accumulated_grads(
+def accumulated_grads(*args, **kwargs):
+    """(mean token loss, gradient of it): accumulated_grads_and_stats without the router's stats."""
+    loss, grads, _ = accumulated_grads_and_stats(*args, **kwargs)
+    return loss, grads
+
+
+def accumulated_grads_and_stats(
     model: Transformer,
     accum: int,
     param_shardings,
@@ -114,8 +120,8 @@ def accumulated_grads(
     loss_chunk: int = 0,
     reduce_dtype: str = "float32",
 ):
-    """(mean token loss, gradient of it) for a batch (the module docstring) of (batch, seq_len + 1)
-    tokens, over `accum` microbatches.
+    """(mean token loss, gradient of it, router stats) for a batch (the module docstring) of
+    (batch, seq_len + 1) tokens, over `accum` microbatches.
 
     Each microbatch differentiates its loss sum already divided by the tokens of the whole batch
     (a constant), so the gradients sum to the full-batch gradient for any `accum` and no pass over
@@ -132,25 +138,11 @@ def accumulated_grads(
     (model.grad_dtype), so that the reductions GSPMD places on them run in it (norm scales'
     gradients, a few floats per layer, stay float32). For one microbatch the shard_map would sum
     nothing locally, and under tensor parallelism the TPU compiler moves more bytes with it.
+
+    The router's stats of a mixture-of-experts model ({} for a dense one): its losses (in the
+    gradient, weighted by their model.router_*_coef) and balance, each a mean over the microbatches
+    (ROUTER_STATS' names). The loss returned is the token loss alone.
     """
-    loss, grads, _ = accumulated_grads_and_stats(
-        model, accum, param_shardings, params, batch, loss_chunk, reduce_dtype
-    )
-    return loss, grads
-
-
-def accumulated_grads_and_stats(
-    model: Transformer,
-    accum: int,
-    param_shardings,
-    params,
-    batch,
-    loss_chunk: int = 0,
-    reduce_dtype: str = "float32",
-):
-    """accumulated_grads, and the router's stats of a mixture-of-experts model ({} for a dense one):
-    its losses (in the gradient, weighted by their model.router_*_coef) and balance, each a mean
-    over the microbatches (ROUTER_STATS' names). The loss returned is the token loss alone."""
     b, t = batch_tokens(batch).shape
     count = b * (t - 1)
     batch_axes = batch_mesh_axes()

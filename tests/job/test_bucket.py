@@ -108,6 +108,58 @@ def test_the_readers_read_a_run_in_a_bucket_as_on_local_disk(runs, tmp_path, cap
     assert all(a.sharding == t.sharding for a, t in pairs)
 
 
+def test_inputs_in_a_bucket_read_as_their_local_files(runs, tmp_path, capsys, bpe_path):
+    """A rule file, a tokenizer, a prompts file and a Hugging Face model directory (--hf_dir of
+    from-hf) named by URL: each reads as the same file on local disk does, and plan's --dump_hlo
+    writes into the bucket."""
+    import numpy as np
+
+    from gspmd_tp.checkpoint import tool
+    from gspmd_tp.convert import llama
+    from gspmd_tp.data import tokenizer
+    from gspmd_tp.inference import generate
+    from gspmd_tp.plan import planner
+    from gspmd_tp.sharding import rules
+
+    local, _, _ = runs
+    inputs = "gs://bkt/inputs"
+    paths.of(f"{inputs}/r.yaml").write_bytes(rules.resolve_path("megatron_1d").read_bytes())
+    in_bucket = rules.load_rules(f"{inputs}/r.yaml")
+    assert in_bucket.source == f"{inputs}/r.yaml"  # what the run's lines and metadata name
+    assert (in_bucket.mesh_axes, in_bucket.rules) == (rules.load_rules("megatron_1d").mesh_axes,
+                                                      rules.load_rules("megatron_1d").rules)  # fmt: skip
+
+    paths.of(f"{inputs}/tok/tokenizer.json").write_bytes(open(bpe_path, "rb").read())
+    text = b"def f(x):\n    return x\n"
+    for spec in (f"{inputs}/tok/tokenizer.json", f"{inputs}/tok"):  # the file, or its directory
+        assert list(tokenizer.load(spec).encode(text)) == list(tokenizer.load(bpe_path).encode(text))
+
+    paths.of(f"{inputs}/prompts.txt").write_text("def \nclass \n")
+    (tmp_path / "prompts.txt").write_text("def \nclass \n")
+    said = []
+    for prompts in (f"{inputs}/prompts.txt", str(tmp_path / "prompts.txt")):
+        assert generate.main(["--workdir", local, f"--prompts_file={prompts}", "--max_new_tokens=6"]) == 0
+        said.append(capsys.readouterr().out)
+    assert said[0] == said[1] and said[0].count("def ") >= 1
+
+    llama.to_hf(local, f"{inputs}/hf")
+    llama.to_hf(local, str(tmp_path / "hf"))
+    exported = []
+    for i, hf_dir in enumerate((f"{inputs}/hf", str(tmp_path / "hf"))):
+        llama.from_hf(hf_dir, str(tmp_path / f"imported{i}"), small_config())
+        assert tool.main(["export", str(tmp_path / f"imported{i}"), str(tmp_path / f"p{i}.npz")]) == 0
+        with np.load(tmp_path / f"p{i}.npz") as npz:
+            exported.append({k: npz[k] for k in npz.files})
+    assert sorted(exported[0]) == sorted(exported[1])
+    assert all(np.array_equal(exported[0][k], exported[1][k]) for k in exported[1])
+    capsys.readouterr()
+
+    planner.plan(small_config(rules=f"{inputs}/r.yaml", mesh="dp=2,mp=4"), dump_hlo=f"{inputs}/hlo")
+    dumped = _objects(f"{inputs}/hlo")
+    assert len(dumped) == 1 and dumped[0].endswith(".hlo.txt")
+    assert "HloModule" in paths.of(f"gs://{dumped[0]}").read_text()
+
+
 def test_a_second_trainer_is_refused_and_an_expired_lease_taken_over(gcs_emulator):
     workdir = "gs://bkt/runs/b"
     holder = bucket_lease.Lease(f"{workdir}/{output_paths.LOCK}", job=1)
@@ -248,6 +300,24 @@ def test_data_files_and_shards_in_a_bucket_read_as_on_local_disk(gcs_emulator, t
     assert np.array_equal(shards_b[0], train_l) and np.array_equal(shards_b[1], held_l)
     assert np.array_equal(shards_l[0], shards_b[0]) and np.array_equal(shards_l[1], shards_b[1])
     assert any(f.endswith("/shards/shards.json") for f in _objects("gs://bkt/data/shards"))
+
+    # prepare's parquet inputs, read in ranges from the bucket.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": list(range(8)), "body": [f"row {i} " * (i + 2) for i in range(8)]}),
+                   str(tmp_path / "t.parquet"), row_group_size=3)  # fmt: skip
+    paths.of("gs://bkt/data/p/t.parquet").write_bytes((tmp_path / "t.parquet").read_bytes())
+    prepared = []
+    for source, out in (
+        (str(tmp_path / "t.parquet"), str(tmp_path / "pq")),
+        ("gs://bkt/data/p/t.parquet", "gs://bkt/data/pq"),
+    ):
+        prepare.prepare(
+            data_config(train_files=source, eval_files=source, parquet_column="body"), out, chunk_tokens=16
+        )
+        prepared.append(pipeline.load_corpus(data_config(train_files="", shards=out))[0][:])
+    assert len(prepared[0]) > 0 and np.array_equal(prepared[0], prepared[1])
 
 
 def test_train_py_in_a_bucket_stops_on_sigterm_and_resumes_there(gcs_emulator, tmp_path):
