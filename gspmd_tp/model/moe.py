@@ -312,7 +312,8 @@ def _exchanged(x_td, weights_tk, ids_tk, w_in, w_out, axes: tuple, one_pass_grad
     between = every.sum(-1)  # [sender, receiver]
     # where my rows land in each receiver's buffer: after the rows of the senders before me
     landing = jnp.cumsum(between, axis=0) - between  # [sender, receiver]
-    kept = jnp.clip(rows - landing, 0, between)  # what fits, in sender order
+    fits = rows >= receive_rows(t, k, n, g)  # the worst case's buffer: everything fits
+    kept = between if fits else jnp.clip(rows - landing, 0, between)  # what fits, in sender order
     send_sizes, recv_sizes = kept[me], kept[:, me]
     input_offsets = jnp.cumsum(between[me]) - between[me]  # in my sorted rows
     sent = x_td[tokens]
@@ -321,14 +322,15 @@ def _exchanged(x_td, weights_tk, ids_tk, w_in, w_out, axes: tuple, one_pass_grad
         _buffer(rows, sent),
         input_offsets,
         send_sizes,
-        jnp.where(send_sizes > 0, landing[me], 0),
+        landing[me] if fits else jnp.where(send_sizes > 0, landing[me], 0),
         recv_sizes,
         axis_name=axes,
     )
     # Each received row's local expert: the senders' slices in order, each sorted by expert (the
     # first kept rows of it); the rows past them are padding (expert n, left zero by the products).
     mine = jax.lax.dynamic_index_in_dim(every, me, axis=1, keepdims=False)  # [sender, my expert]
-    mine = jnp.clip(recv_sizes[:, None] - (jnp.cumsum(mine, axis=1) - mine), 0, mine)
+    if not fits:
+        mine = jnp.clip(recv_sizes[:, None] - (jnp.cumsum(mine, axis=1) - mine), 0, mine)
     local = jnp.repeat(jnp.tile(jnp.arange(n), g), mine.reshape(-1), total_repeat_length=rows)
     local = jnp.where(jnp.arange(rows) < mine.sum(), local, n)
     by_expert = jnp.argsort(local, stable=True)
