@@ -6,7 +6,10 @@ vocabulary 151,936 (a Qwen3 tokenizer: --config.data.tokenizer=DIR). About 30B p
     python train.py --config=configs/qwen3_30b_a3b.py --workdir=gs://BUCKET/qwen3_moe --distributed
 
 Expert parallelism with FSDP (rules/expert_fsdp.yaml): the experts over `expert`, every other weight
-sharded over both axes; on 64 chips data=8,expert=8 holds 16 experts a chip.
+sharded over both axes; on 64 chips data=8,expert=8 holds 16 experts a chip. The ragged dispatch's
+receive buffers are the worst case's (dropless); --config.model.moe_buffer_factor=2 sizes them at
+twice the balanced load (docs/estimates.md: 39,798 against 54,722 MiB a chip, a third of the exchange's
+bytes), leaving out and counting (expert_dropped) what a busier chip cannot hold.
 """
 
 from gspmd_tp.configs import tiny

@@ -103,6 +103,10 @@ def get_config() -> ConfigDict:
     # each sent to its experts' devices and back (ragged_all_to_all; TPU and GPU only, XLA:CPU has
     # none). auto: ragged on TPU and GPU, gather on CPU.
     c.model.moe_dispatch = "auto"
+    # The ragged dispatch's receive buffer per device: 0, the worst case (every token of the expert
+    # group sent to one device: dropless); >= 1, that many times the balanced load, smaller buffers
+    # and less sent back; assignments past a full buffer are left out, counted in expert_dropped.
+    c.model.moe_buffer_factor = 0.0
 
     c.optim = ConfigDict()
     c.optim.lr = 3e-3  # small model, short run: a high peak rate

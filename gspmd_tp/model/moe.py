@@ -40,6 +40,8 @@ ROUTER_AXES = (EMBED, EXPERTS)
 # What each MoE layer sows: assignments per expert (experts,), router probabilities summed over the
 # tokens (experts,), and the squared log-sum-exp of the router logits summed over the tokens ().
 STATS = ("expert_counts", "router_probs", "router_z")
+# And under a model.moe_buffer_factor: the token-expert assignments its receive buffers left out ().
+DROPPED = "expert_dropped"
 # model.moe_dispatch: auto (ragged on TPU and GPU, gather elsewhere), gather (the all-gather
 # dispatcher), ragged (tokens sent to their experts' devices and back by ragged_all_to_all).
 DISPATCHES = ("auto", "gather", "ragged")
@@ -96,11 +98,13 @@ def router_losses(intermediates, k: int) -> dict:
     aux_loss, Switch's load-balancing loss E * sum_e f_e * P_e (f_e the share of the token-expert
     assignments expert e took, P_e its mean router probability; 1 when balanced); z_loss, ST-MoE's
     mean squared log-sum-exp of the logits; and max_load, the largest expert's share of the
-    assignments over the mean share (1 when balanced), the worst layer's."""
-    found = {name: [] for name in STATS}
+    assignments over the mean share (1 when balanced), the worst layer's. Where the layers sowed
+    DROPPED (a model.moe_buffer_factor), also dropped: the share of all layers' assignments that
+    the ragged exchange's receive buffers left out (0 when no device's load exceeded its buffer)."""
+    found = {name: [] for name in STATS + (DROPPED,)}
     for path, leaf in jax.tree_util.tree_flatten_with_path(intermediates)[0]:
         keys = {getattr(p, "key", None) for p in path}
-        for name in STATS:
+        for name in found:
             if name in keys:
                 found[name].append(leaf)
     counts = jnp.concatenate([c.reshape(-1, c.shape[-1]) for c in found["expert_counts"]])  # (layers, E)
@@ -109,22 +113,27 @@ def router_losses(intermediates, k: int) -> dict:
     tokens = counts.sum(-1) / k  # each token makes k assignments
     n = counts.shape[-1]
     share = counts / counts.sum(-1, keepdims=True)
-    return {
+    out = {
         "aux_loss": (n * (share * probs / tokens[:, None]).sum(-1)).mean(),
         "z_loss": (z / tokens).mean(),
         "max_load": (n * share.max(-1)).max(),
     }
+    if found[DROPPED]:
+        out["dropped"] = sum(d.sum() for d in found[DROPPED]) / counts.sum()
+    return out
 
 
 # --- dispatch ---
 
 
 def experts(cfg: ModelConfig, x_ble, weights_blk, ids_blk, w_in, w_out):
-    """sum_j weights[j] * expert_{ids[j]}(x) of tokens x (batch, length, embed): SwiGLU experts
-    w_in (experts, embed, 2, mlp), w_out (experts, mlp, embed) in the compute dtype, SwiGLU's
-    gradient in one pass where model.mlp_grad means one_pass (kernels.mlp_implementation). Under a
-    mesh whose rules the shapes divide, the all-gather dispatcher (_sharded); else every expert on
-    this program's tokens (no mesh, inside another shard_map, a batch of one row at initialisation)."""
+    """(sum_j weights[j] * expert_{ids[j]}(x) of tokens x (batch, length, embed), the number of
+    token-expert assignments the ragged exchange's receive buffers left out (float32 (), 0 but
+    under a model.moe_buffer_factor that some device's load exceeds)): SwiGLU experts w_in
+    (experts, embed, 2, mlp), w_out (experts, mlp, embed) in the compute dtype, SwiGLU's gradient
+    in one pass where model.mlp_grad means one_pass (kernels.mlp_implementation). Under a mesh
+    whose rules the shapes divide, the sharded dispatch (_sharded); else every expert on this
+    program's tokens (no mesh, inside another shard_map, a batch of one row at initialisation)."""
     one_pass_gradient = kernels.mlp_implementation(cfg) == "one_pass"
     layout = _layout()
     if layout is not None and _divides(layout, x_ble.shape, w_in.shape):
@@ -133,9 +142,11 @@ def experts(cfg: ModelConfig, x_ble, weights_blk, ids_blk, w_in, w_out):
         ragged = (
             dispatch_implementation(cfg.moe_dispatch) == "ragged" and layout["experts"] and not layout["rest"]
         )
-        return _sharded(
-            layout, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gradient, grad_dtype, bool(ragged)
+        factor = cfg.moe_buffer_factor if ragged else None
+        y, dropped = _sharded(
+            layout, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gradient, grad_dtype, factor
         )
+        return y, dropped.sum()
     b, length, d = x_ble.shape
     k = ids_blk.shape[-1]
     y_td = _grouped(
@@ -147,7 +158,7 @@ def experts(cfg: ModelConfig, x_ble, weights_blk, ids_blk, w_in, w_out):
         0,
         one_pass_gradient,
     )
-    return y_td.reshape(b, length, d).astype(x_ble.dtype)
+    return y_td.reshape(b, length, d).astype(x_ble.dtype), jnp.zeros((), jnp.float32)
 
 
 def _grouped(x_td, weights_tk, ids_tk, w_in, w_out, first: int | jax.Array, one_pass_gradient: bool):
@@ -213,14 +224,15 @@ def _divides(layout: dict, x_shape: tuple, w_in_shape: tuple) -> bool:
 
 
 def _sharded(
-    layout: dict, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gradient: bool, grad_dtype, ragged=False
+    layout: dict, x_ble, weights_blk, ids_blk, w_in, w_out, one_pass_gradient: bool, grad_dtype, factor=None
 ):
     """`experts` as a shard_map over the mesh: each device gathers the tokens of the devices that
     share its batch shard's other axes (layout["gather"]), applies its own experts (its share of
     each one's hidden width) to them, and the sums are reduce-scattered back over those axes and
-    added over the hidden width's and the other experts' axes. With `ragged` (every expert axis
-    splits the batch) each device sends each token-expert assignment to the device holding the
-    expert instead and gets its output back (_exchanged)."""
+    added over the hidden width's and the other experts' axes. With a buffer `factor` (the ragged
+    dispatch, where every expert axis splits the batch) each device sends each token-expert
+    assignment to the device holding the expert instead and gets its output back (_exchanged).
+    Returns the outputs and the assignments left out, per batch and length shard (float32)."""
     gather, split, fsdp = layout["gather"], layout["experts"], layout["fsdp"]
     reduce = layout["hidden"] + layout["rest"]
 
@@ -230,14 +242,13 @@ def _sharded(
         if reduce:  # marked as varying there before the products do it: so the backward sums
             # the tokens' gradients over those axes at their own size, not once per assignment
             x, w = (jax.lax.pcast(a, reduce, to="varying") for a in (x, w))
-        if ragged:
+        if factor is not None:
             b, length, d = x.shape
             k = ids.shape[-1]
-            y = _exchanged(
-                x.reshape(-1, d), w.reshape(-1, k), ids.reshape(-1, k), wi, wo, split, one_pass_gradient
-            )
+            flat = (x.reshape(-1, d), w.reshape(-1, k), ids.reshape(-1, k))
+            y, dropped = _exchanged(*flat, wi, wo, split, one_pass_gradient, factor)
             y = y.reshape(b, length, d).astype(x.dtype)
-            return jax.lax.psum(y, reduce) if reduce else y
+            return (jax.lax.psum(y, reduce) if reduce else y), dropped.reshape(1, 1)
         if gather:
             x, w, ids = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, w, ids))
         b, length, d = x.shape
@@ -247,7 +258,7 @@ def _sharded(
         y = y.reshape(b, length, d).astype(x.dtype)  # the sums cross devices in the compute dtype
         if gather:
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
-        return jax.lax.psum(y, reduce) if reduce else y
+        return (jax.lax.psum(y, reduce) if reduce else y), jnp.zeros((1, 1), jnp.float32)
 
     tokens = nn.logical_to_mesh_axes((BATCH, LENGTH, None))
     # The weights' specs: experts over the layout's expert axes, the hidden width over its hidden
@@ -260,43 +271,68 @@ def _sharded(
         body,
         mesh=jax.sharding.get_abstract_mesh(),
         in_specs=(tokens, tokens, tokens, w_in_spec, w_out_spec),
-        out_specs=tokens,
+        out_specs=(tokens, jax.sharding.PartitionSpec(*tokens[:2])),  # one count a token shard
     )(x_ble, weights_blk, ids_blk, w_in, w_out)
 
 
-def _exchanged(x_td, weights_tk, ids_tk, w_in, w_out, axes: tuple, one_pass_gradient: bool):
+def receive_rows(tokens: int, k: int, local: int, group: int, factor: float = 0.0) -> int:
+    """Rows of a device's receive buffer in the ragged exchange, where each of the `group` devices
+    sends the k assignments of its `tokens` tokens and holds `local` experts: the worst case
+    (factor 0), every token of the group sending its assignments to one device, at most
+    min(local, k) of a token's k distinct experts there; else `factor` times the balanced load (the
+    tokens * k rows a device receives when the routing is even), never more than the worst case."""
+    worst = group * tokens * min(local, k)
+    return worst if factor <= 0 else min(worst, math.ceil(factor * tokens * k))
+
+
+def _exchanged(x_td, weights_tk, ids_tk, w_in, w_out, axes: tuple, one_pass_gradient: bool, factor=0.0):
     """Inside the dispatch's map, where the mesh `axes` split both the tokens and the experts (w_in
-    holds this device's n experts, device j's the j-th n of them): each token's weighted sum over
-    its k experts (tokens, embed) float32, by two ragged exchanges. The assignments are sorted by
-    expert, so each device's rows are one slice; the per-expert counts are all-gathered, from
-    which every device knows what it sends each peer and where in the peer's buffer it lands
-    (after the rows of the devices before it), and what it receives. The received rows (grouped by
-    sender, each sender's by expert) are sorted by expert, multiplied in one grouped product, and
-    sent back to where they came from. The receive buffer holds every assignment of the group
-    (dropless: one device may get them all)."""
+    holds this device's n experts, device j's the j-th n of them): (each token's weighted sum over
+    its k experts (tokens, embed) float32, the number of this device's assignments left out (1,)
+    float32), by two ragged exchanges. The assignments are sorted by expert, so each device's rows
+    are one slice; the per-expert counts are all-gathered, from which every device knows what it
+    sends each peer and where in the peer's buffer it lands (after the rows of the devices before
+    it), and what it receives. The received rows (grouped by sender, each sender's by expert) are
+    sorted by expert, multiplied in one grouped product, and sent back to where they came from.
+    The receive buffer holds receive_rows(factor) rows: by default the worst case's, and nothing
+    is left out. With a smaller one a device keeps the first rows that fit, in sender order (each
+    sender's sorted by expert); the rest are left out of the exchange, adding nothing to their
+    tokens' sums (their tokens keep the residual and their other experts' outputs)."""
     t, k = ids_tk.shape
     n, d, _, m = w_in.shape
     g = jax.lax.axis_size(axes)
     me = jax.lax.axis_index(axes)
     flat = ids_tk.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    rows = order // k  # the token of each sorted assignment
+    tokens = order // k  # the token of each sorted assignment
     counts = jnp.bincount(flat, length=n * g).astype(jnp.int32)  # this device's rows per expert
     # [sender, receiver, receiver's expert]: the rows every device sends every device, per expert
     every = jax.lax.all_gather(counts, axes, axis=0, tiled=False).reshape(g, g, n)
+    rows = receive_rows(t, k, n, g, factor)
     between = every.sum(-1)  # [sender, receiver]
-    send_sizes, recv_sizes = between[me], between[:, me]
-    input_offsets = jnp.cumsum(send_sizes) - send_sizes  # in my sorted rows
     # where my rows land in each receiver's buffer: after the rows of the senders before me
     landing = jnp.cumsum(between, axis=0) - between  # [sender, receiver]
-    sent = x_td[rows]
-    buffer = _buffer(g * t * k, sent)
-    got = _ragged_all_to_all(sent, buffer, input_offsets, send_sizes, landing[me], recv_sizes, axis_name=axes)
-    # Each received row's local expert: the senders' slices in order, each sorted by expert; the
-    # rows past them are padding (expert n, left zero by the grouped products).
+    fits = rows >= receive_rows(t, k, n, g)  # the worst case's buffer: everything fits
+    kept = between if fits else jnp.clip(rows - landing, 0, between)  # what fits, in sender order
+    send_sizes, recv_sizes = kept[me], kept[:, me]
+    input_offsets = jnp.cumsum(between[me]) - between[me]  # in my sorted rows
+    sent = x_td[tokens]
+    got = _ragged_all_to_all(
+        sent,
+        _buffer(rows, sent),
+        input_offsets,
+        send_sizes,
+        landing[me] if fits else jnp.where(send_sizes > 0, landing[me], 0),
+        recv_sizes,
+        axis_name=axes,
+    )
+    # Each received row's local expert: the senders' slices in order, each sorted by expert (the
+    # first kept rows of it); the rows past them are padding (expert n, left zero by the products).
     mine = jax.lax.dynamic_index_in_dim(every, me, axis=1, keepdims=False)  # [sender, my expert]
-    local = jnp.repeat(jnp.tile(jnp.arange(n), g), mine.reshape(-1), total_repeat_length=g * t * k)
-    local = jnp.where(jnp.arange(g * t * k) < mine.sum(), local, n)
+    if not fits:
+        mine = jnp.clip(recv_sizes[:, None] - (jnp.cumsum(mine, axis=1) - mine), 0, mine)
+    local = jnp.repeat(jnp.tile(jnp.arange(n), g), mine.reshape(-1), total_repeat_length=rows)
+    local = jnp.where(jnp.arange(rows) < mine.sum(), local, n)
     by_expert = jnp.argsort(local, stable=True)
     sizes = mine.sum(0).astype(jnp.int32)
     gate_up = jax.lax.ragged_dot(got[by_expert], w_in.reshape(n, d, 2 * m), sizes).reshape(-1, 2, m)
@@ -316,7 +352,8 @@ def _exchanged(x_td, weights_tk, ids_tk, w_in, w_out, axes: tuple, one_pass_grad
         axis_name=axes,
     )
     back = back.astype(jnp.float32) * weights_tk.reshape(-1)[order][:, None].astype(jnp.float32)
-    return jnp.zeros((t, d), jnp.float32).at[rows].add(back)
+    dropped = (between[me].sum() - send_sizes.sum()).astype(jnp.float32).reshape(1)
+    return jnp.zeros((t, d), jnp.float32).at[tokens].add(back), dropped
 
 
 def _buffer(rows: int, like):

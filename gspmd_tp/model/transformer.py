@@ -153,6 +153,10 @@ class ModelConfig:
     # auto (ragged on TPU and GPU, gather on CPU), gather (all-gather and reduce-scatter), ragged
     # (ragged_all_to_all to the experts' devices and back; TPU and GPU only).
     moe_dispatch: str = "auto"
+    # The ragged dispatch's receive buffer (moe.receive_rows): 0, sized for the worst case (every
+    # token of the expert group to one device: dropless); >= 1, that many times a device's balanced
+    # load, the assignments past a full buffer left out and counted (the step's expert_dropped).
+    moe_buffer_factor: float = 0.0
     # The weights of the router's losses in the training objective, averaged over the layers: Switch's
     # load-balancing loss (1 when balanced) and ST-MoE's z-loss (moe.router_losses).
     router_aux_loss_coef: float = 0.01
@@ -257,6 +261,11 @@ class ModelConfig:
                 problems.append(f"model.{name} must be 0 or more, got {getattr(self, name)}")
         if self.moe_dispatch not in moe.DISPATCHES:
             problems.append(f"model.moe_dispatch {self.moe_dispatch!r} is not one of {moe.DISPATCHES}")
+        if not (self.moe_buffer_factor == 0 or self.moe_buffer_factor >= 1):  # NaN refused too
+            problems.append(
+                f"model.moe_buffer_factor must be 0 (the worst case's receive buffer) or at least 1 "
+                f"(times a device's balanced load), got {self.moe_buffer_factor}"
+            )
         if self.num_experts > 0 and not 1 <= self.experts_per_token <= self.num_experts:
             problems.append(
                 f"model.experts_per_token must be in 1..model.num_experts ({self.num_experts}), "
@@ -495,7 +504,9 @@ class MoeFeedForward(nn.Module):
         for name, value in stats.items():
             self.sow("intermediates", name, value)
         w_in, w_out = _weight(w_in, dtype, moe.EXPERT_IN), _weight(w_out, dtype, moe.EXPERT_OUT)
-        y_ble = moe.experts(cfg, x_ble, weights_blk, ids_blk, w_in, w_out)
+        y_ble, dropped = moe.experts(cfg, x_ble, weights_blk, ids_blk, w_in, w_out)
+        if cfg.moe_buffer_factor:  # the assignments its receive buffers left out (moe.router_losses)
+            self.sow("intermediates", "expert_dropped", dropped)
         y_ble = _constrain(_constrain_cotangent(y_ble, _WHOLE_WIDTH), (BATCH, NORM_LENGTH, EMBED))
         if cfg.shared_experts:
             shared = dataclasses.replace(cfg, mlp_dim=cfg.shared_experts * m)

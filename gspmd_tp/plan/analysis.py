@@ -155,16 +155,7 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
         ):  # every policy recomputes the forward's gathers (tokens, routes) for the backward
             expert_dispatch += k * cfg.num_layers * (g - 1) * (activation + 2 * routes)
         if cfg.moe_dispatch == "ragged" and not layout["rest"]:
-            # Each assignment's row out to its expert's device and back, forward and backward (the
-            # transposes): ragged-all-to-alls with payloads of the k rows a token and of the
-            # receive buffer (g times that), at the even split; the TPU compiler pads each row to
-            # a multiple of 512 bytes. Plus the per-expert counts gathered.
-            t = (c.batch_size // k // d_ways) * c.seq_len
-            row = cfg.d_model * act_bytes
-            row = -(-row // 512) * 512 if backend == "tpu" else row
-            sent = t * cfg.experts_per_token * row
-            counts = (g - 1) * cfg.num_experts * 4
-            expert_dispatch = float(k * cfg.num_layers * (2 * (g - 1) / g * (1 + g) * sent + counts))
+            expert_dispatch = ragged_dispatch_bytes(s, layout, backend)
     # Sequence parallelism (norm_length) and 2D (embed in activations) turn each all-reduce into
     # an all-gather plus a reduce-scatter: the same ring bytes, except that XLA:CPU lowers the
     # reduce-scatter as a whole all-reduce, so there the pair costs 3/2 of the all-reduce.
@@ -317,6 +308,31 @@ def expert_layout(s: run_setup.Setup) -> dict | None:
     with sharding_context(s.mesh, s.rules):
         layout = moe._layout()
     return layout if layout and layout["experts"] else None
+
+
+def ragged_dispatch_bytes(s: run_setup.Setup, layout: dict, backend: str) -> float:
+    """Bytes per device per step of the ragged dispatch (moe._exchanged) under `layout`, as the HLO
+    reader counts a ragged-all-to-all (its payload, the operand it sends from, at the even split:
+    (g - 1) / g of it): per layer and microbatch, each assignment's row out to its expert's device
+    (a payload of the k rows a token) and back from the receive buffer (a payload of its
+    moe.receive_rows rows, model.moe_buffer_factor's), forward and as the backward's transposes,
+    and once more forward where a remat policy recomputes the layer; plus each device's per-expert
+    counts all-gathered, forward and recomputed (which the TPU compiler writes as an all-reduce:
+    twice an all-gather's ring bytes). The TPU compiler pads each row to a multiple of 512 bytes."""
+    c, cfg = s.config, s.model_cfg
+    mesh_shape = dict(s.mesh.shape)
+    g = math.prod(mesh_shape[a] for a in layout["gather"])
+    local = cfg.num_experts // math.prod(mesh_shape[a] for a in layout["experts"])
+    k = c.grad_accum
+    tokens = c.batch_size // k // math.prod(mesh_shape[a] for a in s.rules.batch_axes()) * c.seq_len
+    row = cfg.d_model * (4 if (backend == "cpu" or cfg.dtype == "float32") else 2)
+    row = -(-row // 512) * 512 if backend == "tpu" else row
+    received = moe.receive_rows(tokens, cfg.experts_per_token, local, g, cfg.moe_buffer_factor)
+    passes = 2 if cfg.remat == "none" else 3  # forward, backward, and the forward recomputed
+    exchange = passes * (g - 1) / g * (tokens * cfg.experts_per_token + received) * row
+    counts = (1 if cfg.remat == "none" else 2) * (g - 1) * cfg.num_experts * 4
+    counts *= 2 if backend == "tpu" else 1
+    return float(k * cfg.num_layers * (exchange + counts))
 
 
 def _expert_weight(row: dict) -> str:

@@ -33,9 +33,10 @@ def _silu(x):
     return x / (1 + np.exp(-x))
 
 
-def reference_moe(cfg, p, x):
+def reference_moe(cfg, p, x, kept=None):
     """The MoE layer in float64 numpy, token by token: softmax over all experts, the top k,
-    renormalised or not, each chosen expert's SwiGLU weighted and summed; plus the shared MLP."""
+    renormalised or not, each chosen expert's SwiGLU weighted and summed (only the (token, expert)
+    pairs in `kept`, where given); plus the shared MLP."""
     x = x.astype(np.float64).reshape(-1, x.shape[-1])
     w = {k: np.asarray(v, np.float64) for k, v in p.items() if k != "shared"}
     out = np.zeros_like(x)
@@ -46,6 +47,8 @@ def reference_moe(cfg, p, x):
         top = np.argsort(-probs, kind="stable")[: cfg.experts_per_token]
         weights = probs[top] / (probs[top].sum() if cfg.router_renormalize else 1.0)
         for e, g in zip(top, weights, strict=True):
+            if kept is not None and (t, int(e)) not in kept:
+                continue
             gate_up = np.einsum("d,dtm->tm", row, w["gate_up"][e])
             out[t] += g * ((_silu(gate_up[0]) * gate_up[1]) @ w["down"][e])
     if "shared" in p:
@@ -176,6 +179,9 @@ def test_the_parameter_count_is_the_models_and_the_flops_count_the_active_ones()
         ({"experts_per_token": 0}, r"model.experts_per_token must be in 1..model.num_experts \(4\), got 0"),
         ({"num_experts": -1}, r"model.num_experts must be 0 or more, got -1"),
         ({"router_aux_loss_coef": float("nan")}, r"model.router_aux_loss_coef must be 0 or more"),
+        ({"moe_buffer_factor": 0.5}, r"model.moe_buffer_factor must be 0 .* or at least 1 .*, got 0.5"),
+        ({"moe_buffer_factor": -1.0}, r"model.moe_buffer_factor must be 0 .*, got -1.0"),
+        ({"moe_buffer_factor": float("nan")}, r"model.moe_buffer_factor must be 0 .*, got nan"),
     ],
 )
 def test_moe_config_problems_are_one_line_each(changes, message):
@@ -227,12 +233,19 @@ def emulated_ragged_all_to_all(
 
 
 @pytest.mark.parametrize(
-    "rules, mesh", [("expert_fsdp", "data=2,expert=4"), ("data_expert_tensor", "data=2,expert=2,tensor=2")]
+    "rules, mesh, factor",
+    [
+        ("expert_fsdp", "data=2,expert=4", 0.0),
+        ("data_expert_tensor", "data=2,expert=2,tensor=2", 0.0),
+        ("expert_fsdp", "data=2,expert=4", 1.8),
+    ],
 )
-def test_the_ragged_dispatch_equals_the_gather_dispatch(monkeypatch, rules, mesh):
+def test_the_ragged_dispatch_equals_the_gather_dispatch(monkeypatch, rules, mesh, factor):
     """moe_dispatch=ragged (its exchange emulated in jnp) against gather, on 8 devices: the layer's
     output and its gradients with respect to the parameters and the tokens, to 1e-5. The routing is
-    far from even (a router scaled up), so the exchange's sizes and offsets differ device by device."""
+    far from even (a router scaled up), so the exchange's sizes and offsets differ device by device.
+    A receive buffer of 1.8 times the balanced load holds this routing's largest load
+    (test_a_smaller_receive_buffer_leaves_out_what_does_not_fit_and_counts_it): the same results."""
     from gspmd_tp.sharding.mesh import make_mesh
     from gspmd_tp.sharding.rules import load_rules
     from gspmd_tp.train.state import sharding_context
@@ -250,7 +263,7 @@ def test_the_ragged_dispatch_equals_the_gather_dispatch(monkeypatch, rules, mesh
     p = layer_params(CFG)
 
     def run(dispatch):
-        cfg = dataclasses.replace(CFG, moe_dispatch=dispatch)
+        cfg = dataclasses.replace(CFG, moe_dispatch=dispatch, moe_buffer_factor=factor)
 
         def loss(p, x):
             y = MoeFeedForward(cfg).apply({"params": p}, x, mutable=["intermediates"])[0]
@@ -266,6 +279,74 @@ def test_the_ragged_dispatch_equals_the_gather_dispatch(monkeypatch, rules, mesh
     assert len(calls) == 2
     for a, b in zip(jax.tree.leaves(ragged), jax.tree.leaves(gather), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_receive_buffer_is_the_worst_case_or_the_factor_of_the_balanced_load():
+    """Worked by hand: 4 devices of 6 tokens, 2 experts a token. With one expert a device a token
+    sends it at most 1 row: 4 * 6 * 1 = 24 rows; with 3 a device, both of its rows: 4 * 6 * 2 = 48.
+    The balanced load is 6 * 2 = 12 rows: 1.5 of it 18, 1.01 of it 12.12 -> 13; 10 of it is capped
+    at the worst case."""
+    assert moe.receive_rows(6, 2, 1, 4) == 24
+    assert moe.receive_rows(6, 2, 3, 4) == 48
+    assert moe.receive_rows(6, 2, 1, 4, 1.5) == 18
+    assert moe.receive_rows(6, 2, 1, 4, 1.01) == 13
+    assert moe.receive_rows(6, 2, 1, 4, 10.0) == 24
+
+
+def _kept_assignments(cfg, p, x, group: int, rows: int) -> set:
+    """(token, expert) pairs the ragged exchange keeps, worked in numpy: the batch rows split one a
+    device over groups of `group` devices, expert e on device e // (experts / group); each
+    receiver takes, sender by sender in order, each sender's assignments to it sorted by expert
+    (then by token and rank), the first `rows` of them."""
+    n = cfg.num_experts // group
+    b, length, _ = x.shape
+    chosen = {}  # device -> [(expert, token, rank)] in that device's sorted order
+    for dev in range(b):
+        flat = []
+        for pos in range(length):
+            logits = x[dev, pos].astype(np.float64) @ np.asarray(p["router"], np.float64)
+            top = np.argsort(-logits, kind="stable")[: cfg.experts_per_token]
+            flat += [(int(e), dev * length + pos, j) for j, e in enumerate(top)]
+        chosen[dev] = sorted(flat)
+    kept = set()
+    for first in range(0, b, group):
+        for receiver in range(group):
+            room = rows
+            for sender in range(first, first + group):
+                mine = [a for a in chosen[sender] if a[0] // n == receiver]
+                kept |= {(t, e) for e, t, _ in mine[:room]}
+                room -= min(room, len(mine))
+    return kept
+
+
+@pytest.mark.parametrize("factor, dropping", [(1.0, True), (1.8, False)])
+def test_a_smaller_receive_buffer_leaves_out_what_does_not_fit_and_counts_it(monkeypatch, factor, dropping):
+    """model.moe_buffer_factor under the ragged dispatch (emulated), expert_fsdp on data=2,expert=4
+    (one sequence of 6 tokens a device, one of the 4 experts a device, 2 a token): each receive
+    buffer holds factor * 12 rows of the worst case's 24. The output equals the float64 reference
+    over the assignments that fit (worked in numpy, _kept_assignments), and router_losses' dropped
+    is the share left out. With the router skewed, a buffer of the balanced load (factor 1) leaves
+    some out; one of 1.8 times it holds this routing's largest load and leaves out none."""
+    from gspmd_tp.sharding.mesh import make_mesh
+    from gspmd_tp.sharding.rules import load_rules
+    from gspmd_tp.train.state import sharding_context
+
+    monkeypatch.setattr(moe, "_ragged_all_to_all", emulated_ragged_all_to_all)
+    loaded = load_rules("expert_fsdp")
+    m = make_mesh("data=2,expert=4", loaded.mesh_axes, jax.devices()[:8], loaded.source)
+    x = np.random.default_rng(1).normal(size=(8, 6, 32)).astype(np.float32)
+    cfg = dataclasses.replace(CFG, moe_dispatch="ragged", moe_buffer_factor=factor)
+    p = layer_params(cfg)
+    kept = _kept_assignments(cfg, p, x, 4, int(np.ceil(factor * 12)))
+    assignments = x.shape[0] * x.shape[1] * cfg.experts_per_token
+    assert (len(kept) < assignments) == dropping
+    layer = lambda p, x: MoeFeedForward(cfg).apply({"params": p}, x, mutable=["intermediates"])  # noqa: E731
+    with sharding_context(m, loaded):
+        y, state = jax.jit(layer)(p, x)
+    want = reference_moe(cfg, p, x, kept).reshape(x.shape)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+    dropped = moe.router_losses(state["intermediates"], cfg.experts_per_token)["dropped"]
+    assert float(dropped) == pytest.approx((assignments - len(kept)) / assignments, abs=1e-7)
 
 
 def test_the_ragged_dispatch_asked_for_on_cpu_is_one_line_naming_gather():

@@ -365,3 +365,23 @@ def test_the_ragged_dispatch_on_tpu_sends_each_assignment_to_its_experts_device_
         p["bytes_per_device"],
         p["analytical"],
     )
+
+
+def test_a_receive_buffer_of_twice_the_balanced_load_is_what_the_ragged_exchange_sends_back_from():
+    """model.moe_buffer_factor=2 under expert_fsdp (data=2,expert=4) with remat full: the same four
+    ragged-all-to-alls a layer over the expert axis, and two more where the backward recomputes the
+    layer's forward. Worked here: a device's 32 tokens send their 2 rows each (64 rows, padded to
+    512 bytes a row), and the exchange back sends from a buffer of 2 * 64 = 128 rows (the worst
+    case's is 4 * 64); per layer forward, recomputed and backward, each at the even split (3/4). The
+    analysis's dispatch term is that plus the per-expert counts gathered (a few hundred bytes)."""
+    overrides = {**MOE_BF16, "model.moe_dispatch": "auto", "model.moe_buffer_factor": 2.0}
+    overrides["model.remat"] = "full"
+    p = tpu_plan("expert_fsdp", **overrides)
+    m = small_config(**overrides).model
+    assert p["collectives"]["ragged-all-to-all"]["count"] == 6 * m.num_layers
+    ragged = [x for x in p["largest_collectives"] if x["kind"] == "ragged-all-to-all"]
+    assert ragged and all(x["group_size"] == 4 for x in ragged)
+    sent, back = 32 * 2 * 512, 2 * 32 * 2 * 512
+    expected = m.num_layers * 3 * 3 / 4 * (sent + back)
+    assert p["bytes_per_device_by_type"]["ragged-all-to-all"] == pytest.approx(expected, rel=1e-9)
+    assert p["analytical"]["expert_dispatch"] == pytest.approx(expected, rel=0.01)
