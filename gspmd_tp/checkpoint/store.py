@@ -63,6 +63,7 @@ FREE_MODEL_KEYS = (
     "attention_block",
     "mlp_grad",
     "moe_dispatch",
+    "moe_buffer_factor",  # how many rows a device receives into, not what the parameters are
 )
 
 # An array replicated over several devices is saved a slice per replica, in parallel; each slice

@@ -258,6 +258,8 @@ def progress_line(step: int, total: int, m: dict) -> str:
     if "router_aux_loss" in m:  # a mixture of experts: its balance (1 when even) and its largest expert
         parts.append(f"aux {m['router_aux_loss']:.3f}")
         parts.append(f"max_load {m['expert_max_load']:.2f}x")
+    if "expert_dropped" in m:  # model.moe_buffer_factor's buffers left assignments out
+        parts.append(f"dropped {m['expert_dropped']:.2%}")
     parts += [
         f"grad_norm {m['grad_norm']:.3f}",
         f"lr {m['learning_rate']:.2e}",

@@ -82,8 +82,13 @@ def _apply(model: Transformer, params, inputs, return_hidden: bool, documents: d
 
 
 # The router's losses in a step's stats (mean over the microbatches), by moe.router_losses' names.
-ROUTER_STATS = {"aux_loss": "router_aux_loss", "z_loss": "router_z_loss", "max_load": "expert_max_load"}
-ROUTER_STATS["dropped"] = "expert_dropped"  # under a model.moe_buffer_factor alone
+# "dropped": the share of assignments a full receive buffer left out, under model.moe_buffer_factor alone.
+ROUTER_STATS = {
+    "aux_loss": "router_aux_loss",
+    "z_loss": "router_z_loss",
+    "max_load": "expert_max_load",
+    "dropped": "expert_dropped",
+}
 
 
 def _objective_and_grad(model: Transformer, params, batch_i, count: int, accum: int, loss_chunk: int):

@@ -242,6 +242,13 @@ def test_progress_line_without_mfu_or_eval():
     assert "MFU" not in line and "eval_loss" not in line
 
 
+def test_progress_line_of_a_mixture_of_experts():
+    moe = {"router_aux_loss": 1.0234, "expert_max_load": 1.361}
+    line = metrics.progress_line(3, 9, progress_metrics(**moe))
+    assert "aux 1.023" in line and "max_load 1.36x" in line and "dropped" not in line
+    assert "dropped 0.25%" in metrics.progress_line(3, 9, progress_metrics(**moe, expert_dropped=0.0025))
+
+
 # --- the FLOP formula and the parameter count ----------------------------------------------------
 
 CFG = ModelConfig(
