@@ -230,120 +230,110 @@ def stdout_to_stderr():
 
 @contextlib.contextmanager
 def workdir_lock(workdir: str, warn=print):
-    """Holds WORKDIR/train.lock (an exclusive flock, taken by process 0) while the body runs: a
-    second job on the workdir is a JobError on every process before it reads or writes there (it
-    would take the running job's checkpoints in progress for damaged ones). A workdir this call
-    created and left holding only the lock is removed. No locks on the filesystem: a warning.
+    """Holds WORKDIR/train.lock while the body runs: an exclusive flock taken by process 0, or in a
+    bucket a lease object (bucket_lease). A second job on the workdir is a JobError on every process
+    before it reads or writes there (it would take the running job's checkpoints in progress for
+    damaged ones); no locks on the filesystem: a warning. A workdir this call created and left
+    holding only the lock is removed.
 
-    Every process of the job must then read the number process 0 wrote in the lock file: one given
-    another --workdir, or storage process 0 does not write to, would save its shards elsewhere and
-    wait in the save's barriers. JobError on every process instead, naming the first.
-
-    A workdir in a bucket is held by a lease object instead (bucket_lease), the same way."""
-    if paths.is_url(workdir):
-        with _bucket_workdir_lock(workdir, warn):
-            yield
-        return
-    import jax
-
-    from gspmd_tp.job import distributed
-
-    path, held_by, lock, created, job = os.path.join(workdir, LOCK), None, None, False, 0
-    unwritable = None
-    if jax.process_index() == 0:
-        created = not os.path.exists(workdir)
-        # check_dir's os.access says yes to root even where the filesystem refuses (/proc): probed
-        # first, so that a refusal leaves no directory that makedirs made on the way to the workdir.
-        refused = write_refused(workdir, directory=True)
-        try:
-            if refused:
-                raise refused
-            os.makedirs(workdir, exist_ok=True)
-            lock = open(path, "a+")
-            if created:
-                _created.append(workdir)  # from here an os._exit removes it too
-        except OSError as e:
-            unwritable = f"{e.strerror}: {e.filename}"
-            if created and os.path.isdir(workdir) and not os.listdir(workdir):
-                os.rmdir(workdir)
-    if lock is not None:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            held_by = lock.readline().strip() or "a process that has not said which"
-            lock.close()
-        except OSError as e:
-            warn(
-                f"warning: {path}: cannot lock it ({e.strerror}); nothing stops a second run on this workdir"
-            )
-        if not lock.closed:
-            job = secrets.randbelow(2**31 - 1) + 1  # int32, never 0 (no line written)
-            try:
-                lock.seek(0)
-                lock.truncate()
-                since = time.strftime("%Y-%m-%d %H:%M:%S")
-                lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}\n{_JOB}{job}\n")
-                lock.flush()
-                os.fsync(lock.fileno())  # seen by the other hosts of the job (NFS: close-to-open)
-            except OSError:
-                job = 0
-    # 0: go on; 1: locked by another job; 2: process 0 cannot write the workdir.
-    outcome = distributed.from_process_0(1 if held_by is not None else 2 if unwritable else 0)
-    process_0 = "as process 0 of this job found"
-    if outcome == 2:  # nothing was created, nothing to clean up
-        raise JobError(f"--workdir={workdir}: cannot write there ({unwritable or process_0})")
-    try:
-        if outcome == 1:
-            raise JobError(
-                f"--workdir={workdir} is in use by another job ({held_by or process_0}; {path}): "
-                "let it finish or stop it (SIGTERM saves and exits), then run again"
-            )
-        if jax.process_count() > 1:
-            _check_one_workdir(workdir, path, distributed.from_process_0(job))
-        yield
-    finally:
-        if lock is not None and not lock.closed:
-            lock.close()  # releases the flock
-        if workdir in _created:
-            _remove_if_only_the_lock(workdir)
-            _created.remove(workdir)
-
-
-@contextlib.contextmanager
-def _bucket_workdir_lock(workdir: str, warn):
-    """workdir_lock for a workdir in a bucket: process 0 holds the lease WORKDIR/train.lock."""
+    Every process then reads the number process 0 wrote in the lock: one given another --workdir, or
+    storage process 0 does not write to, would save its shards elsewhere and wait in the save's
+    barriers; JobError on every process instead, naming the first."""
     import jax
 
     from gspmd_tp.job import bucket_lease, distributed
 
-    path, lease, held_by, unwritable, job = f"{workdir}/{LOCK}", None, None, None, 0
+    url = paths.is_url(workdir)
+    path = f"{workdir}/{LOCK}" if url else os.path.join(workdir, LOCK)
+    held_by, unwritable, job, release = None, None, 0, lambda: None
     if jax.process_index() == 0:
-        job = secrets.randbelow(2**31 - 1) + 1  # int32, never 0
-        lease = bucket_lease.Lease(path, job, warn)
         try:
-            lease.acquire()
+            release, job = _lease(path, warn) if url else _flock(workdir, path, warn)
         except bucket_lease.Held as e:
-            held_by, lease = str(e), None
+            held_by = str(e)
         except Exception as e:  # noqa: BLE001 - OSError, gcsfs's HttpError (a 403 of read-only credentials)
-            unwritable, lease = f"{type(e).__name__}: {e}", None
+            unwritable = (
+                f"{e.strerror}: {e.filename}" if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+            )
     outcome = distributed.from_process_0(1 if held_by is not None else 2 if unwritable else 0)
     process_0 = "as process 0 of this job found"
     try:
         if outcome == 2:
             raise JobError(f"--workdir={workdir}: cannot write there ({unwritable or process_0})")
         if outcome == 1:
+            expiry = (
+                f"; a lease its holder no longer renews expires {bucket_lease.LEASE_S / 60:.0f} minutes "
+                "after its last renewal"
+            )
             raise JobError(
                 f"--workdir={workdir} is in use by another job ({held_by or process_0}; {path}): let it "
-                "finish or stop it (SIGTERM saves and exits), then run again; a lease its holder no "
-                f"longer renews expires {bucket_lease.LEASE_S / 60:.0f} minutes after its last renewal"
+                f"finish or stop it (SIGTERM saves and exits), then run again{expiry if url else ''}"
             )
         if jax.process_count() > 1:
             _check_one_workdir(workdir, path, distributed.from_process_0(job))
         yield
     finally:
-        if lease is not None:
-            lease.release()
+        release()
+
+
+def _new_job() -> int:
+    return secrets.randbelow(2**31 - 1) + 1  # int32, never 0 (0: none written)
+
+
+def _lease(path: str, warn):
+    from gspmd_tp.job import bucket_lease
+
+    lease = bucket_lease.Lease(path, _new_job(), warn)
+    lease.acquire()
+    return lease.release, lease.job
+
+
+def _flock(workdir: str, path: str, warn):
+    """(release, job number written or 0) of the flock on `path`, `workdir` created where missing;
+    bucket_lease.Held where another job holds it, OSError where the workdir cannot be written."""
+    from gspmd_tp.job import bucket_lease
+
+    created = not os.path.exists(workdir)
+    try:
+        # Probed first (os.access says yes to root where the filesystem refuses, /proc), so that a
+        # refusal leaves no directory that makedirs made on the way to the workdir.
+        if refused := write_refused(workdir, directory=True):
+            raise refused
+        os.makedirs(workdir, exist_ok=True)
+        lock = open(path, "a+")
+    except OSError:
+        if created and os.path.isdir(workdir) and not os.listdir(workdir):
+            os.rmdir(workdir)
+        raise
+    if created:
+        _created.append(workdir)  # from here an os._exit removes it too
+
+    def release():
+        lock.close()  # releases the flock
+        if workdir in _created:
+            _remove_if_only_the_lock(workdir)
+            _created.remove(workdir)
+
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        held_by = lock.readline().strip() or "a process that has not said which"
+        release()
+        raise bucket_lease.Held(held_by) from None
+    except OSError as e:
+        warn(f"warning: {path}: cannot lock it ({e.strerror}); nothing stops a second run on this workdir")
+    job = _new_job()
+    try:
+        lock.seek(0)
+        lock.truncate()
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}\n{_JOB}{job}\n")
+        lock.flush()
+        os.fsync(lock.fileno())  # seen by the other hosts of the job (NFS: close-to-open)
+    except OSError:
+        job = 0
+    return release, job
 
 
 def _remove_if_only_the_lock(workdir: str) -> None:
@@ -354,18 +344,15 @@ def _remove_if_only_the_lock(workdir: str) -> None:
     others = [os.path.join(workdir, name) for name in names if name != LOCK]
     if not all(os.path.isdir(p) and not os.path.islink(p) and not os.listdir(p) for p in others):
         return
-    try:
+    with contextlib.suppress(OSError):  # another process of the job wrote there meanwhile: its files stay
         for p in others:
             os.rmdir(p)
         os.remove(os.path.join(workdir, LOCK))
         os.rmdir(workdir)
-    except OSError:
-        pass  # another process of the job wrote there meanwhile: its files stay
 
 
 def remove_created_workdirs() -> None:
-    """What workdir_lock's exit does, for an exit through os._exit that skips it: removes each
-    workdir it created that holds only the lock."""
+    """workdir_lock's exit, for an exit through os._exit that skips it."""
     for workdir in _created:
         _remove_if_only_the_lock(workdir)
 
