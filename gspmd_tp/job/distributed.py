@@ -175,7 +175,6 @@ _done = threading.Event()  # this process leaves: a peer's exit is no more a dea
 _heard = threading.Event()  # the watcher heard a peer's stop or error, or saw a peer die
 _told_once = threading.Lock()
 _others_leave = threading.Event()  # they leave too (leave): process 0 waits for them
-_alone = threading.Event()  # process 0 saw the others gone
 _in_callback = threading.Event()  # the watcher's rounds are over: it calls on_told or on_death
 
 
@@ -197,14 +196,9 @@ def _watch(on_told, on_death) -> None:
             live = client.get_live_nodes(everyone)
             told = client.key_value_dir_get(_TOLD)
         except jax.errors.JaxRuntimeError:  # the service is gone (process 0 died): JAX ends this process
-            _in_callback.set()
             return
-        if _done.is_set():  # leaving: process 0 hosts the service, and leaves once the others left
-            if len(live) == 1:
-                _alone.set()
-            if me != 0 or not _others_leave.is_set() or _alone.is_set():
-                return
-            continue
+        if _done.is_set():  # leaving: a peer's exit is no more a death
+            return
         news = sorted((int(k.rpartition("/")[2]), v) for k, v in told if k.rpartition("/")[2] != str(me))
         if news:
             _heard.set()
@@ -234,7 +228,8 @@ def _hear_told(seconds: float = 10) -> None:
 
 def tell(kind: str, text: str) -> bool:
     """Tells the others that this process stops before training (`kind` "stop" and the signal
-    number, or "error" and its message); returns once they read it, and whether it told them."""
+    number, or "error" and its message); returns once they read it, and whether it told them.
+    Its exit alone would read as a death, and only after the heartbeat timeout."""
     if not before_training():
         return False
     first = (text.strip().splitlines() or [""])[0][:_MESSAGE_CHARS]
@@ -290,23 +285,23 @@ def leave(together: bool = True) -> None:
         if time.monotonic() > deadline:
             break
         _watcher.join(0.05)
-    if _job["me"] == 0 and _others_leave.is_set() and _in_callback.is_set():
-        _wait_for_the_others(deadline)
     # Process 0 only once the others have gone: ending the service at once may cut the answer to the
-    # last one's disconnection, which aborts it (as measured).
-    if _job["me"] != 0 or _alone.is_set():
+    # last one's disconnection, which aborts it (as measured); with others still there, its exit ends
+    # them anyway.
+    if _job["me"] != 0 or (_others_leave.is_set() and _the_others_gone(deadline)):
         jax.distributed.shutdown()
 
 
-def _wait_for_the_others(deadline: float) -> None:
-    """Process 0, its watcher done: liveness rounds until the others have gone."""
+def _the_others_gone(deadline: float) -> bool:
+    """Process 0: liveness rounds until the others have gone (True) or `deadline`."""
     while time.monotonic() < deadline:
         try:
             if len(_job["client"].get_live_nodes(list(range(_job["count"])))) == 1:
-                _alone.set()
-                return
+                return True
         except jax.errors.JaxRuntimeError:
-            return
+            return False
+        time.sleep(0.05)
+    return False
 
 
 def check_device_counts() -> None:
@@ -331,7 +326,8 @@ def check_same_everywhere(
     config: dict | None, rules_text: str | None = None, flags: dict | None = None
 ) -> None:
     """JobError on every process naming the first config key, rule file (`rules_text`) or flag of
-    `flags` ({"--name": value}) that some process was given otherwise: they would train apart."""
+    `flags` ({"--name": value}) that some process was given otherwise: they would train apart.
+    Not multihost_utils.assert_equal, which says that values differ but not which."""
     if jax.process_count() == 1:
         return
     from flax import traverse_util
