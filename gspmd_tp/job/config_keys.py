@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from gspmd_tp.job.errors import UserError
+from gspmd_tp.job.errors import CONFIGS, UserError
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
+DEFAULT_CONFIG = CONFIGS / "tiny.py"
 
 
 # What other trainers (MaxText, t5x, levanter, Hugging Face) call some keys: the hint such a key gets.

@@ -48,12 +48,12 @@ def initialize(
     `join_timeout_s`: one line, exit 1. A second call is harmless."""
     if jax.distributed.is_initialized():
         return
-    if num_processes < 1:
-        raise UserError(f"--num_processes={num_processes}: must be 1 or more")
-    if heartbeat_timeout_s < 1:
-        raise UserError(f"--heartbeat_timeout_s={heartbeat_timeout_s}: must be 1 or more")
-    if join_timeout_s < 1:
-        raise UserError(f"--join_timeout_s={join_timeout_s}: must be 1 or more")
+    counts = dict(
+        num_processes=num_processes, heartbeat_timeout_s=heartbeat_timeout_s, join_timeout_s=join_timeout_s
+    )
+    for name, value in counts.items():
+        if value < 1:
+            raise UserError(f"--{name}={value}: must be 1 or more")
     host, _, port = coordinator_address.rpartition(":")
     if coordinator_address and not (host and port.isdigit() and 0 < int(port) < 65536):
         raise UserError(
@@ -84,28 +84,24 @@ def initialize(
     # missed_heartbeat_callback aborts with std::bad_cast (jaxlib 0.10.2, as measured); with it
     # follow() says the death in one line, and leave() stands in for the shutdown barrier it drops.
     jax.config.update("jax_enable_recoverability", True)
-    timeouts = {
+    kwargs = {
         "heartbeat_timeout_seconds": heartbeat_timeout_s,
         "shutdown_timeout_seconds": heartbeat_timeout_s,
         "initialization_timeout": join_timeout_s + 60,  # after _join's one line
     }
-    job = dict(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
+    if explicit:  # else jax.distributed.initialize finds a TPU pod's or SLURM job's itself
+        kwargs.update(coordinator_address=coordinator_address, num_processes=num_processes)
+        kwargs["process_id"] = process_id
     try:
-        _join(
-            {**(job if explicit else {}), **timeouts}, join_timeout_s, given if explicit else "--distributed"
-        )
+        _join(kwargs, join_timeout_s, given if explicit else "--distributed")
     except (ValueError, RuntimeError) as e:  # no cluster found for --distributed, a port taken, ...
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         failed = "--distributed (no TPU pod or SLURM job found?)" if not explicit else where
         raise UserError(f"{failed}: joining the job failed: {first}") from None
     joined = jax_distributed.global_state  # not jax.process_count(): that would make the backend
     if joined.num_processes > 1:
-        _job.update(
-            client=joined.client,
-            me=joined.process_id,
-            count=joined.num_processes,
-            timeout=heartbeat_timeout_s,
-        )
+        _job.update(client=joined.client, me=joined.process_id, count=joined.num_processes)
+        _job["timeout"] = heartbeat_timeout_s
         _same_process_count(joined, join_timeout_s)
         _telling.set()
     check_device_counts()
@@ -172,10 +168,9 @@ _job: dict = {}  # client, me, count, timeout: in a job of several
 _watcher: threading.Thread | None = None
 _telling = threading.Event()  # joined, and this process's training loop not begun: stops are told
 _done = threading.Event()  # this process leaves: a peer's exit is no more a death
-_heard = threading.Event()  # the watcher heard a peer's stop or error, or saw a peer die
+_heard = threading.Event()  # the watcher heard a peer's stop or error, or saw a peer die: its rounds are over
 _told_once = threading.Lock()
 _others_leave = threading.Event()  # they leave too (leave): process 0 waits for them
-_in_callback = threading.Event()  # the watcher's rounds are over: it calls on_told or on_death
 
 
 def follow(on_told, on_death) -> None:
@@ -200,19 +195,13 @@ def _watch(on_told, on_death) -> None:
         if _done.is_set():  # leaving: a peer's exit is no more a death
             return
         news = sorted((int(k.rpartition("/")[2]), v) for k, v in told if k.rpartition("/")[2] != str(me))
-        if news:
+        if news or len(live) < len(everyone):
             _heard.set()
-            _in_callback.set()
+            if not news:
+                return on_death(min(set(everyone) - set(live)))
             _hear_told()
-            process, text = news[0]
-            kind, _, rest = text.partition(" ")
-            on_told(process, kind, rest)
-            return
-        if len(live) < len(everyone):
-            _heard.set()
-            _in_callback.set()
-            on_death(min(set(everyone) - set(live)))
-            return
+            kind, _, rest = news[0][1].partition(" ")
+            return on_told(news[0][0], kind, rest)
         time.sleep(_ROUND_S)
 
 
@@ -281,7 +270,7 @@ def leave(together: bool = True) -> None:
     deadline = time.monotonic() + seconds
     # Until the watcher stops calling the service (a client shut down under its call, or two
     # liveness rounds at once, are not ours to try): it returns after its round.
-    while _watcher is not None and _watcher.is_alive() and not _in_callback.is_set():
+    while _watcher is not None and _watcher.is_alive() and not _heard.is_set():
         if time.monotonic() > deadline:
             break
         _watcher.join(0.05)
