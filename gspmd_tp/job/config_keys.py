@@ -1,26 +1,21 @@
-"""The keys a run's config has: those of configs/tiny.py, which every shipped config starts from.
-
-tiny.get_config() is a locked ConfigDict, so a config file that sets a key tiny lacks (a misspelling,
-`optim.learning_rate` for `optim.lr`) fails as it loads, with ml_collections' suggestion of the key
-meant, and one that deletes a key fails the same way. check_keys holds a config built otherwise to
-the same keys. Imports no jax.
+"""The keys a run's config has: configs/tiny.py's, a locked ConfigDict every shipped config starts
+from, so a key it lacks fails as the file loads with ml_collections' "did you mean". check_keys
+holds a config built otherwise to the same keys. Imports no jax.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import re
-from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from gspmd_tp.job.errors import UserError
+from gspmd_tp.job.errors import CONFIGS, UserError
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
+DEFAULT_CONFIG = CONFIGS / "tiny.py"
 
 
-# What other trainers (MaxText, t5x, levanter, Hugging Face) call some of the keys, for the hint a
-# key given under such a name gets.
+# What other trainers (MaxText, t5x, levanter, Hugging Face) call some keys: the hint such a key gets.
 OTHER_NAMES = {
     "learning_rate": "optim.lr",
     "warmup": "optim.warmup_steps",
@@ -102,10 +97,8 @@ def laid_over(defaults: dict, saved: dict) -> dict:
 
 
 def check_keys(config, skip: tuple[str, ...] = ("model",)) -> None:
-    """Raises UserError naming the first key `config` has that tiny's locked config refuses (with
-    ml_collections' suggestion of the key meant), or one `config` lacks; the sections in `skip` are
-    checked elsewhere (config.model by run_setup.model_config). A config that starts from
-    tiny.get_config() has neither: its lock refused them as it loaded."""
+    """UserError naming the first key `config` has that tiny's locked config refuses, or one it
+    lacks; the sections in `skip` are checked elsewhere (run_setup.model_config)."""
     _check(config.to_dict(), _tiny(), "config", skip)
 
 
@@ -128,8 +121,8 @@ def _check(given: dict, locked: ConfigDict, where: str, skip: tuple[str, ...] = 
 
 
 def refusal_hint(key: str, refusal: str) -> str:
-    """ " (gspmd_tp calls it config.PATH)" where another trainer calls a key `key`, else the
-    suggestion in a locked ConfigDict's `refusal` of it (" (Did you mean ...?)"), else ""."""
+    """ " (gspmd_tp calls it config.PATH)" for another trainer's name, else the locked ConfigDict's
+    `refusal` suggestion (" (Did you mean ...?)"), else ""."""
     if named := ours(key):
         return f" (gspmd_tp calls it {named})"
     suggestion = re.search(r"Did you mean .*\?", refusal)
@@ -137,8 +130,8 @@ def refusal_hint(key: str, refusal: str) -> str:
 
 
 def changed(saved: dict, now: dict, skip: tuple[str, ...] = (), where: str = "") -> list[str]:
-    """`KEY before -> after` for each key whose value differs between two config dicts (the keys
-    `saved` lacks, added since it was written, are taken as equal); dotted keys in `skip` are left out."""
+    """`KEY before -> after` for each key whose value differs (keys `saved` lacks count as equal);
+    dotted keys in `skip` are left out."""
     lines = []
     for key, value in now.items():
         dotted = f"{where}{key}"

@@ -1,8 +1,6 @@
-"""Joining JAX's multi-controller runtime (jax.distributed), and what the job's processes tell each
-other through its coordination service: the key-value store and barriers on jax.distributed's client
-for the job flags and for a stop or error before training, and the service's liveness (what
-multihost_utils.live_devices is made of) for a peer that died or hangs. The values the trainer and
-the tools compare go through jax.experimental.multihost_utils."""
+"""Joining jax.distributed, and what the job's processes tell each other through its coordination
+service: its key-value store and barriers (job flags, a stop or error before training) and its
+liveness (a peer dead or hung). Values compared go through jax.experimental.multihost_utils."""
 
 from __future__ import annotations
 
@@ -24,8 +22,8 @@ from gspmd_tp.job.errors import JobError, UserError
 
 
 def _port_taken(port: int) -> bool:
-    """Whether a socket already listens on `port` on some interface: JAX's coordination service
-    binds it on all of them, and its failed bind can crash the process."""
+    """Whether `port` is taken on some interface: the coordination service binds all of them, and
+    its failed bind can crash the process."""
     for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
         try:
             with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -45,20 +43,17 @@ def initialize(
     heartbeat_timeout_s: int = 100,
     join_timeout_s: int = 300,
 ) -> None:
-    """Joins the job's processes: given explicitly (address, count, id), or found on TPU pods and
-    SLURM (`auto`); neither: a single process. A second call is harmless.
-
-    Bad flags are one UserError before anything joins, another process count than process 0's one
-    UserError on both once they joined; a job not all joined in `join_timeout_s` exits with one
-    line, status 1; a peer dead or silent for `heartbeat_timeout_s` ends the job (follow)."""
+    """Joins the job given explicitly (address, count, id) or found on TPU pods and SLURM (`auto`);
+    neither: a single process. Bad flags: one UserError before joining; a job not all joined in
+    `join_timeout_s`: one line, exit 1. A second call is harmless."""
     if jax.distributed.is_initialized():
         return
-    if num_processes < 1:
-        raise UserError(f"--num_processes={num_processes}: must be 1 or more")
-    if heartbeat_timeout_s < 1:
-        raise UserError(f"--heartbeat_timeout_s={heartbeat_timeout_s}: must be 1 or more")
-    if join_timeout_s < 1:
-        raise UserError(f"--join_timeout_s={join_timeout_s}: must be 1 or more")
+    counts = dict(
+        num_processes=num_processes, heartbeat_timeout_s=heartbeat_timeout_s, join_timeout_s=join_timeout_s
+    )
+    for name, value in counts.items():
+        if value < 1:
+            raise UserError(f"--{name}={value}: must be 1 or more")
     host, _, port = coordinator_address.rpartition(":")
     if coordinator_address and not (host and port.isdigit() and 0 < int(port) < 65536):
         raise UserError(
@@ -77,8 +72,7 @@ def initialize(
         raise UserError(f"{given}: all three are needed, with 0 <= process_id < num_processes")
     if not explicit and not auto:
         return
-    where = f"--coordinator_address={coordinator_address}"  # as the messages name the coordinator
-    how = given if explicit else "--distributed"
+    where = f"--coordinator_address={coordinator_address}"
     if explicit and process_id == 0 and _port_taken(int(port)):
         raise UserError(
             f"{where}: port {port} is already in use on this host (another job's coordinator?); choose "
@@ -86,20 +80,20 @@ def initialize(
         )
     # CPU processes exchange collectives over gloo; accelerators bring their own transport.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # Without it the service ends every process at a peer's death with a fatal log and a stack dump,
-    # and the client's missed_heartbeat_callback (the way to end it with one line) aborts the process
-    # with std::bad_cast in jaxlib 0.10.2, as measured. With it, follow() tells the death in one line;
-    # the price is the shutdown barrier, which leave() makes explicit.
+    # Without it a peer's death ends every process with a fatal log and stack dump, and the client's
+    # missed_heartbeat_callback aborts with std::bad_cast (jaxlib 0.10.2, as measured); with it
+    # follow() says the death in one line, and leave() stands in for the shutdown barrier it drops.
     jax.config.update("jax_enable_recoverability", True)
-    timeouts = {
+    kwargs = {
         "heartbeat_timeout_seconds": heartbeat_timeout_s,
         "shutdown_timeout_seconds": heartbeat_timeout_s,
         "initialization_timeout": join_timeout_s + 60,  # after _join's one line
     }
-    job = dict(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
-    job = job if explicit else {}  # jax.distributed.initialize finds a TPU pod's or SLURM job's itself
+    if explicit:  # else jax.distributed.initialize finds a TPU pod's or SLURM job's itself
+        kwargs.update(coordinator_address=coordinator_address, num_processes=num_processes)
+        kwargs["process_id"] = process_id
     try:
-        _join({**job, **timeouts}, join_timeout_s, how)
+        _join(kwargs, join_timeout_s, given if explicit else "--distributed")
     except (ValueError, RuntimeError) as e:  # no cluster found for --distributed, a port taken, ...
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         failed = "--distributed (no TPU pod or SLURM job found?)" if not explicit else where
@@ -107,17 +101,16 @@ def initialize(
     joined = jax_distributed.global_state  # not jax.process_count(): that would make the backend
     if joined.num_processes > 1:
         _job.update(client=joined.client, me=joined.process_id, count=joined.num_processes)
-        _job.update(timeout=heartbeat_timeout_s)
+        _job["timeout"] = heartbeat_timeout_s
         _same_process_count(joined, join_timeout_s)
         _telling.set()
     check_device_counts()
 
 
 def _join(kwargs: dict, seconds: int, how: str) -> None:
-    """jax.distributed.initialize(**kwargs) on a thread of its own: the main thread runs a stop
-    signal's handler meanwhile (inside initialize it would run only once the job joined), and prints
-    one line where the job has not all joined within `seconds` (JAX's own abort is a stack trace
-    that blames a dead task)."""
+    """jax.distributed.initialize(**kwargs) on a thread, so that the main thread runs a stop signal's
+    handler meanwhile (inside initialize, only once all joined) and prints one line where the job has
+    not joined within `seconds` (JAX's own abort is a stack trace blaming a dead task)."""
     failed: list[Exception] = []
 
     def join():
@@ -143,8 +136,8 @@ def _join(kwargs: dict, seconds: int, how: str) -> None:
 
 
 def _same_process_count(joined, seconds: int) -> None:
-    """JobError, on process 0 and each process started with another --num_processes than its own:
-    JAX lets such a process join without a word (and it would wait for processes that never come)."""
+    """JobError on process 0 and each process given another --num_processes: JAX lets it join
+    without a word, to wait for processes that never come."""
     client, process_id, count = joined.client, joined.process_id, joined.num_processes
     address, key = joined.coordinator_address, "gspmd_tp/num_processes/"
     try:
@@ -166,28 +159,25 @@ def _same_process_count(joined, seconds: int) -> None:
             )
 
 
-# ---- What the processes tell each other, and a peer's death: one thread per process follows both.
+# ---- A peer's stop, error or death: one thread per process follows them.
 
 _TOLD = "gspmd_tp/told/"  # + the teller's process id: "stop SIGNUM" or "error MESSAGE"
 _ROUND_S = 0.5  # between two liveness rounds: how late a stop or error told is seen
 _MESSAGE_CHARS = 1000  # of an error's first line: the others print it within a line of their own
-_job: dict = {}  # client, me, count, timeout: once this process joined a job of several
+_job: dict = {}  # client, me, count, timeout: in a job of several
 _watcher: threading.Thread | None = None
 _telling = threading.Event()  # joined, and this process's training loop not begun: stops are told
 _done = threading.Event()  # this process leaves: a peer's exit is no more a death
-_heard = threading.Event()  # the watcher heard a peer's stop or error, or saw a peer die
+_heard = threading.Event()  # the watcher heard a peer's stop or error, or saw a peer die: its rounds are over
 _told_once = threading.Lock()
 _others_leave = threading.Event()  # they leave too (leave): process 0 waits for them
-_alone = threading.Event()  # process 0 saw the others gone
-_in_callback = threading.Event()  # the watcher's rounds are over: it calls on_told or on_death
 
 
 def follow(on_told, on_death) -> None:
-    """Where this process joined a job of several, on a thread of its own: calls
-    on_told(process, kind, text) once another process told its stop ("stop", the signal's number) or
-    its error ("error", its first line) before training, or on_death(process) once the coordination
-    service sees a process gone or silent for --heartbeat_timeout_s (its liveness rounds are
-    barriers: a process whose thread stops calling is waited for until then)."""
+    """In a job of several, on a thread: calls on_told(process, kind, text) once another process
+    told its stop ("stop", signal number) or error ("error", first line) before training, or
+    on_death(process) once the service sees a process gone or silent for --heartbeat_timeout_s.
+    Home-made polling: jaxlib 0.10.2's missed-heartbeat callback aborts the process (see initialize)."""
     global _watcher
     if _job:
         _watcher = threading.Thread(target=_watch, args=(on_told, on_death), name="peers", daemon=True)
@@ -201,35 +191,23 @@ def _watch(on_told, on_death) -> None:
             live = client.get_live_nodes(everyone)
             told = client.key_value_dir_get(_TOLD)
         except jax.errors.JaxRuntimeError:  # the service is gone (process 0 died): JAX ends this process
-            _in_callback.set()
             return
-        if _done.is_set():  # leaving: process 0 hosts the service, and leaves once the others left
-            if len(live) == 1:
-                _alone.set()
-            if me != 0 or not _others_leave.is_set() or _alone.is_set():
-                return
-            continue
+        if _done.is_set():  # leaving: a peer's exit is no more a death
+            return
         news = sorted((int(k.rpartition("/")[2]), v) for k, v in told if k.rpartition("/")[2] != str(me))
-        if news:
+        if news or len(live) < len(everyone):
             _heard.set()
-            _in_callback.set()
+            if not news:
+                return on_death(min(set(everyone) - set(live)))
             _hear_told()
-            process, text = news[0]
-            kind, _, rest = text.partition(" ")
-            on_told(process, kind, rest)
-            return
-        if len(live) < len(everyone):
-            _heard.set()
-            _in_callback.set()
-            on_death(min(set(everyone) - set(live)))
-            return
+            kind, _, rest = news[0][1].partition(" ")
+            return on_told(news[0][0], kind, rest)
         time.sleep(_ROUND_S)
 
 
 def _hear_told(seconds: float = 10) -> None:
-    """Waits, at most `seconds`, until every process read what one told (the teller and each
-    other process call this once): a teller that exits first would be taken for dead, and process
-    0's exit ends the coordination service."""
+    """Waits, at most `seconds`, until every process read what one told: a teller that exits first
+    would be taken for dead, and process 0's exit ends the service."""
     if _told_once.acquire(blocking=False):
         try:
             _job["client"].wait_at_barrier("gspmd_tp/told", int(seconds * 1000))
@@ -238,9 +216,9 @@ def _hear_told(seconds: float = 10) -> None:
 
 
 def tell(kind: str, text: str) -> bool:
-    """Tells the other processes that this one stops (`kind` "stop", `text` the signal's number, or
-    "error" and its message) before its training loop began, and returns once they read it; whether
-    it told them (see before_training)."""
+    """Tells the others that this process stops before training (`kind` "stop" and the signal
+    number, or "error" and its message); returns once they read it, and whether it told them.
+    Its exit alone would read as a death, and only after the heartbeat timeout."""
     if not before_training():
         return False
     first = (text.strip().splitlines() or [""])[0][:_MESSAGE_CHARS]
@@ -253,19 +231,18 @@ def tell(kind: str, text: str) -> bool:
 
 
 def before_training() -> bool:
-    """Whether this process is in a multi-process job that joined and its training loop has not
-    begun: where tell() tells the others."""
+    """Whether this process joined a job of several and its training loop has not begun."""
     return _telling.is_set()
 
 
 def training_began() -> None:
-    """From now on this process's stops are the training loop's, which every process sees."""
+    """From now on stops are the training loop's, which every process sees."""
     _telling.clear()
 
 
 def a_peer_died(seconds: float) -> bool:
-    """Whether the thread that follow() started hears of a peer's death (or its stop or error),
-    waiting at most `seconds`: a collective may fail on a dead peer's closed connection first."""
+    """Whether follow()'s thread hears of a peer's death, stop or error within `seconds`: a
+    collective may fail on a dead peer's closed connection first."""
     return bool(_job and _watcher) and _heard.wait(seconds)
 
 
@@ -275,11 +252,10 @@ def heartbeat_timeout_s() -> float:
 
 
 def leave(together: bool = True) -> None:
-    """This process leaves the job: every process at this point where `together` (the run's end, or
-    an error that each reports itself), else this one alone. Process 0, which hosts the coordination
-    service, leaves last where the others leave too (its exit aborts their JAX clients); the
-    others disconnect at once, so that the service sees them gone, not dead. The barrier here stands
-    in for JAX's shutdown barrier, which recoverability turns off."""
+    """Leaves the job: every process at this point where `together`, else this one alone. Process 0
+    hosts the service and leaves last where the others leave too (its exit aborts their clients);
+    the others disconnect at once, so the service sees them gone, not dead. The barrier stands in
+    for JAX's shutdown barrier, which recoverability turns off."""
     if not _job or _done.is_set():
         return
     seconds = _job["timeout"]
@@ -292,35 +268,34 @@ def leave(together: bool = True) -> None:
         _others_leave.set()
     _done.set()
     deadline = time.monotonic() + seconds
-    # Until the watcher stopped calling the service (a client shut down under a call of its own, or
-    # two liveness rounds of one process at once, are not ours to try): it returns after its round.
-    while _watcher is not None and _watcher.is_alive() and not _in_callback.is_set():
+    # Until the watcher stops calling the service (a client shut down under its call, or two
+    # liveness rounds at once, are not ours to try): it returns after its round.
+    while _watcher is not None and _watcher.is_alive() and not _heard.is_set():
         if time.monotonic() > deadline:
             break
         _watcher.join(0.05)
-    if _job["me"] == 0 and _others_leave.is_set() and _in_callback.is_set():
-        _wait_for_the_others(deadline)
-    # At once: the service sees this process gone, not dead. On process 0 once the others have
-    # gone (as measured, an exit that ends the service at once may still cut the answer to the last
-    # one's disconnection, which aborts it); with others still there, its exit ends them anyway.
-    if _job["me"] != 0 or _alone.is_set():
+    # Process 0 only once the others have gone: ending the service at once may cut the answer to the
+    # last one's disconnection, which aborts it (as measured); with others still there, its exit ends
+    # them anyway.
+    if _job["me"] != 0 or (_others_leave.is_set() and _the_others_gone(deadline)):
         jax.distributed.shutdown()
 
 
-def _wait_for_the_others(deadline: float) -> None:
-    """Process 0, where its watcher no longer runs its rounds: runs them until the others have gone."""
+def _the_others_gone(deadline: float) -> bool:
+    """Process 0: liveness rounds until the others have gone (True) or `deadline`."""
     while time.monotonic() < deadline:
         try:
             if len(_job["client"].get_live_nodes(list(range(_job["count"])))) == 1:
-                _alone.set()
-                return
+                return True
         except jax.errors.JaxRuntimeError:
-            return
+            return False
+        time.sleep(0.05)
+    return False
 
 
 def check_device_counts() -> None:
-    """JobError, on every process (no collective: each sees every device), where the job's processes
-    hold different numbers of devices: the batch and every exchange give each the same share."""
+    """JobError on every process (each sees every device) where the processes hold different numbers
+    of devices: the batch and every exchange give each the same share."""
     counts = [0] * jax.process_count()
     for d in jax.devices():
         counts[d.process_index] += 1
@@ -339,12 +314,14 @@ def check_device_counts() -> None:
 def check_same_everywhere(
     config: dict | None, rules_text: str | None = None, flags: dict | None = None
 ) -> None:
-    """JobError, on every process, naming the first config key, the rule file (`rules_text`) or the
-    flag of `flags` ({"--name": value}) that some process was given otherwise: processes started
-    with other values would train apart."""
+    """JobError on every process naming the first config key, rule file (`rules_text`) or flag of
+    `flags` ({"--name": value}) that some process was given otherwise: they would train apart.
+    Not multihost_utils.assert_equal, which says that values differ but not which."""
     if jax.process_count() == 1:
         return
-    items = sorted(_flat(config or {}).items())
+    from flax import traverse_util
+
+    items = sorted((f"config.{k}", v) for k, v in traverse_util.flatten_dict(config or {}, sep=".").items())
     if rules_text is not None:
         items.append(("the rule file's text", rules_text))
     items += (flags or {}).items()
@@ -363,8 +340,8 @@ def check_same_everywhere(
 
 
 def first_disagreement(values: list) -> tuple[int, int] | None:
-    """(i, p): values[i] is the first value that process p holds otherwise (compared by a 24-bit
-    digest of its repr); (len(values), p) where p holds another number of values; None where all agree."""
+    """(i, p): values[i] is the first value process p holds otherwise (by a 24-bit digest of its
+    repr); (len(values), p) where p holds another number of values; None where all agree."""
     digests = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:3], "little") for v in values]
     rows = every_process(digests)
     other = next((p for p, row in enumerate(rows) if len(row) != len(digests)), None)
@@ -379,9 +356,8 @@ def first_disagreement(values: list) -> tuple[int, int] | None:
 
 
 def agreed(fn, *args):
-    """fn(*args) with one outcome on every process: where it raises UserError on some process (a file
-    only that host lacks), that one raises it and every other names it, instead of waiting in a
-    collective that the failed process never joins."""
+    """fn(*args) with one outcome on every process: a UserError on one (a file only its host lacks)
+    is raised there and named on every other, which would otherwise wait in a collective."""
     if jax.process_count() == 1:
         return fn(*args)
     try:
@@ -397,8 +373,8 @@ def agreed(fn, *args):
 
 
 def agreed_setup(config, fn, *args):
-    """fn(*args), a run_setup.Setup, made alike on every process: `config` compared first, fn run
-    under agreed(), then the rule file's text that fn read compared."""
+    """fn(*args), a run_setup.Setup, alike on every process: `config` compared, fn run under
+    agreed(), then the rule file's text compared."""
     check_same_everywhere(config.to_dict())
     s = agreed(fn, *args)
     check_same_everywhere(None, s.rules.text)
@@ -417,8 +393,7 @@ def every_process(values: list[int]) -> list[list[int]]:
 
 
 def hosts() -> list[int]:
-    """Each process's host, numbered from 0 in the order the processes first name it (its host name,
-    compared by a 48-bit digest)."""
+    """Each process's host, numbered from 0 in process order (by a 48-bit digest of its name)."""
     digest = hashlib.sha256(socket.gethostname().encode()).digest()
     rows = every_process([int.from_bytes(digest[i : i + 3], "little") for i in (0, 3)])
     numbers: dict[tuple[int, ...], int] = {}
@@ -436,9 +411,9 @@ def barrier() -> None:
 
 
 def share(values) -> jax.Array:
-    """Starts gathering each process's int32 `values` (as many on each) into a (processes, len)
-    array, and returns it without waiting, unlike multihost_utils.process_allgather: the loop's stop
-    check reads it one check later, so the host never waits for the step it just dispatched."""
+    """Starts gathering each process's int32 `values` into a (processes, len) array and returns it
+    without waiting, unlike multihost_utils.process_allgather: the stop check reads it one check
+    later, so the host never waits for the step it just dispatched."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     mesh = Mesh(np.array(jax.devices()), ("devices",))
@@ -465,13 +440,3 @@ def _sum_over_devices(mesh):
     return jax.jit(
         jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec("devices"), out_specs=PartitionSpec())
     )
-
-
-def _flat(config: dict, prefix: str = "config.") -> dict:
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat

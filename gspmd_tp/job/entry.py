@@ -1,17 +1,12 @@
-"""How every command starts: train.py, bench.py and each `python -m gspmd_tp.X` call begin() first
-thing under `__main__`, before jax is imported, and the tools run() their main() once imported.
-
-No jax import here (nor anything slow): begin() must run before it. The simulated CPU devices are
-no reason to: each command asks for them once its flags are read (host_devices.request), jax
-imported or not.
-"""
+"""How every command starts: begin() first thing under `__main__`, before jax is imported (so
+nothing slow here), then run(main) once the imports are done."""
 
 from gspmd_tp.job import errors
 
 
 def begin() -> None:
-    """Until run() (train and bench: until signals.run_job), Ctrl-C exits at once with one line;
-    JAX_PLATFORMS=cpu is set on a host without accelerators (before jax reads it, as it is imported)."""
+    """Until run() (train, bench: signals.run_job), Ctrl-C exits at once with one line; and
+    JAX_PLATFORMS=cpu on a host without accelerators, before jax reads it."""
     errors.exit_on_ctrl_c_while_importing()
     from gspmd_tp.job import host_devices
 
@@ -32,9 +27,8 @@ def start_job(argv: list[str], config) -> None:
 
 
 def run(main, flags_parser=None):
-    """Runs a tool's main() once its imports are done, Ctrl-C raising KeyboardInterrupt again for
-    main() to catch. With `flags_parser` (errors.parse_flags), as absl's app.run(main): the flags are
-    absl's global ones; without, main() parses the command's own and returns the exit status."""
+    """Runs a tool's main(), Ctrl-C raising KeyboardInterrupt again for it to catch: as absl's
+    app.run(main) with `flags_parser`, else main() parses its own flags and returns the status."""
     errors.ctrl_c_raises()
     if flags_parser is None:
         errors.exit_from_main(main())

@@ -19,27 +19,24 @@ class UserError(ValueError):
 
 
 class JobError(UserError):
-    """A UserError that every process of a multi-process job raises at the same point (an exchange
-    told each the outcome): each prints its own line. Any other UserError before training began is
-    this process's alone, and signals.run_job tells the others of it (distributed.tell)."""
+    """A UserError that every process of a job raises at the same point, each printing its own line;
+    any other UserError before training is this process's alone, which run_job tells the others."""
 
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 def interrupted(left: str = "nothing in the workdir was written") -> int:
-    """One line on stderr for a command stopped by Ctrl-C, in place of KeyboardInterrupt's traceback,
-    saying what it `left` (a reader such as evaluate writes nothing in the workdir); returns INTERRUPTED."""
+    """One line on stderr for a command stopped by Ctrl-C, in place of a traceback, saying what it
+    `left`; returns INTERRUPTED."""
     print(f"stopped by Ctrl-C ({left})", file=sys.stderr, flush=True)
     return INTERRUPTED
 
 
 def exit_on_ctrl_c_while_importing() -> None:
-    """Until ctrl_c_raises(): Ctrl-C exits at once, status 130, with interrupted()'s line. Called
-    first thing under __main__ (entry.begin): a KeyboardInterrupt raised inside jax's imports
-    (seconds, before main() and its own handler run) prints a traceback through them, or breaks
-    jaxlib's initialisation into an ImportError or an abort; this handler runs only between Python
-    statements, and nothing is written yet."""
+    """Until ctrl_c_raises(): Ctrl-C exits at once, status 130, with interrupted()'s line (entry.begin):
+    a KeyboardInterrupt inside jax's imports prints a traceback through them, or breaks jaxlib's
+    initialisation into an ImportError or an abort."""
     signal.signal(signal.SIGINT, lambda *_: os._exit(interrupted("nothing written")))
 
 
@@ -49,8 +46,8 @@ def ctrl_c_raises() -> None:
 
 
 def exit_from_main(code: int) -> None:
-    """sys.exit(code), but at once after Ctrl-C: a normal exit while XLA's compiler threads still run
-    can end in a segfault."""
+    """sys.exit(code), but at once after Ctrl-C: a normal exit while XLA's compiler threads run can
+    segfault."""
     if code == INTERRUPTED:
         sys.stdout.flush()
         os._exit(code)
@@ -63,8 +60,8 @@ def warn(message: str) -> None:
 
 
 def no_positional_arguments(argv: list[str]) -> None:
-    """One line on stderr and exit 1 where absl left a positional argument (`config.steps=5`
-    without its dashes would otherwise be dropped and the run go on with the default)."""
+    """One line on stderr and exit 1 where absl left a positional argument (`config.steps=5` without
+    its dashes would be dropped silently)."""
     if len(argv) > 1:
         usage = "flags are --NAME=VALUE, config keys --config.KEY=VALUE"
         print(f"error: unexpected argument {argv[1]!r} ({usage})", file=sys.stderr)
@@ -72,8 +69,8 @@ def no_positional_arguments(argv: list[str]) -> None:
 
 
 def shipped_config(argument: str) -> str:
-    """`--config=NAME[:ARG]` as the file of the shipped config NAME (configs/NAME.py), where NAME is no
-    path and no file here; any other argument as it is."""
+    """`--config=NAME[:ARG]` as the shipped configs/NAME.py where NAME is no path and no file here;
+    any other argument as it is."""
     name, colon, arg = argument.partition(":")
     if "/" in name or name.endswith(".py") or os.path.exists(name) or not (CONFIGS / f"{name}.py").is_file():
         return argument
@@ -86,27 +83,22 @@ def shipped_config_names() -> list[str]:
 
 
 def define_config(default: str | None, help_text: str):
-    """The --config flag (ml_collections): a config file, or the name of a shipped one (tiny,
-    gpt2_small, ...), plus --config.KEY=VALUE overrides; `default` is such a name.
-
-    Without --config on the command line the default is loaded (and overridden) right here.
-    """
+    """The ml_collections --config flag: a config file or a shipped one's name (`default` is one),
+    plus --config.KEY=VALUE overrides. Without --config the default is loaded right here."""
     from absl import flags
     from ml_collections import config_flags
 
     with _config_mistakes_exit(default=default):
         holder = config_flags.DEFINE_config_file("config", default and shipped_config(default), help_text)
-    paths.expand_config_flag("config")  # --config=~/c.py, which bash leaves as it is
     parser = flags.FLAGS["config"].parser
-    parse = parser.parse
-    parser.parse = lambda argument: parse(shipped_config(argument))
+    parse = parser.parse  # and --config=~/c.py, which bash leaves as it is
+    parser.parse = lambda argument: parse(shipped_config(paths.expand(argument)))
     return holder
 
 
 def parse_flags(argv: list[str], load: bool = True) -> list[str]:
-    """app.run's flags_parser: absl's parsing, plus a --config file that does not load (with
-    `load`; else when first used, through loaded_config) or an override naming a key the config
-    lacks reported in one line on stderr (exit 1)."""
+    """app.run's flags_parser: absl's parsing, with a --config file that does not load (with `load`;
+    else at loaded_config) or an override of a key the config lacks as one line on stderr (exit 1)."""
     from absl import flags
 
     with _config_mistakes_exit(argv), _no_none_warning():
@@ -131,10 +123,9 @@ _HELP = ("-h", "-?", "--help", "--helpshort", "--helpfull")
 
 
 def parse_command_flags(flag_values, argv: list[str], usage: str) -> list[str]:
-    """absl's parsing of `argv` into a command's own FlagValues (evaluate, generate and the
-    checkpoint tool: commands with flags of the same names, which tests run in one process), each
-    parse starting from the defaults. --help prints `usage` and the flags; a mistake is one line on
-    stderr and exit 1, as parse_flags reports train's. Returns argv[0] and the positional arguments."""
+    """absl's parsing of `argv` into a command's own FlagValues (evaluate, generate, checkpoint: flags
+    of the same names, run by tests in one process), from the defaults each time. --help prints
+    `usage` and the flags; a mistake is one line, exit 1. Returns argv[0] and the positional args."""
     from absl import flags
 
     if any(arg in _HELP for arg in argv[1:]):
@@ -190,8 +181,8 @@ def _config_mistakes_exit(argv: list[str] | None = None, default: str | None = N
 
 @contextlib.contextmanager
 def _no_none_warning():
-    """Keeps ml_collections' logged warning for a get_config() that returned None (and absl's line
-    about logging before flag parsing) off stderr: loaded_config() says so in its one line."""
+    """Keeps ml_collections' logged warning for a get_config() that returned None off stderr:
+    loaded_config() says so in its one line."""
     import logging
 
     def keep(record: logging.LogRecord) -> bool:
@@ -206,8 +197,8 @@ def _no_none_warning():
 
 
 def _raised_by_get_config(e: BaseException) -> BaseException | None:
-    """The TypeError or ValueError that the --config file's get_config() raised, where absl's flag
-    error `e` wraps one: ml_collections re-raises it with the whole traceback as its message."""
+    """The TypeError or ValueError the config file's get_config() raised, where absl's error `e` wraps
+    one (ml_collections re-raises it with the whole traceback as its message)."""
     wrapped = e.__context__
     if isinstance(wrapped, (TypeError, ValueError)) and "Error whilst parsing config file" in str(wrapped):
         return wrapped.__context__ or wrapped

@@ -1,15 +1,11 @@
-"""Simulated CPU devices, asked of jax by its option jax_num_cpu_devices: any time before jax's
-backend starts (its first jax.devices() or computation), jax imported or not. Before jax is imported
-the option is set through its variable, JAX_NUM_CPU_DEVICES, which jax reads as it is imported; so
-no import here, and train.py and bench.py import jax only inside their job, under its stop signals.
+"""Simulated CPU devices through jax's option jax_num_cpu_devices (before jax is imported, its
+variable JAX_NUM_CPU_DEVICES), any time before the backend starts; a count the caller chose
+(XLA_FLAGS, the variable, the option) wins. No jax import here: train.py and bench.py import jax
+under their stop signals.
 
-A device count the caller chose (--xla_force_host_platform_device_count in XLA_FLAGS,
-JAX_NUM_CPU_DEVICES, or the option set already) always wins; accelerators ignore the count.
-
-With simulated devices the train step's temporaries live in host memory, allocated and freed by
-glibc's malloc at every step. A buffer over 64 MiB requested from a worker thread's arena is
-always mmap'd and munmap'd, so each step faults its pages in afresh; `tune_malloc` keeps freed
-memory for reuse instead (docs/benchmarks.md).
+With simulated devices the step's temporaries are host memory: a buffer over 64 MiB from a worker
+thread's arena is mmap'd and munmap'd at every step, its pages faulted in afresh; `tune_malloc`
+keeps freed memory for reuse instead (measured: docs/benchmarks.md).
 """
 
 import ctypes
@@ -26,10 +22,8 @@ _ACCELERATOR_NODES = ("/dev/nvidia[0-9]*", "/dev/accel*", "/dev/vfio/[0-9]*", "/
 
 
 def request(count: int, tune: bool = True) -> None:
-    """Asks jax for `count` host (CPU) devices unless a count is chosen already (`chosen_count`);
-    with `tune` and count > 0, also `tune_malloc()`. Also `cpu_platform_where_alone()`. Call it
-    before jax's backend starts: a backend started already keeps its devices (and a mesh that
-    needs more names --config.host_device_count, in one line)."""
+    """Asks jax for `count` CPU devices unless a count is chosen already; with `tune`, also
+    tune_malloc(); and cpu_platform_where_alone(). A backend started already keeps its devices."""
     jax = sys.modules.get("jax")  # imported by the caller, or not yet: then jax reads the variables
     if cpu_platform_where_alone() and jax:
         jax.config.update("jax_platforms", "cpu")
@@ -46,9 +40,8 @@ def request(count: int, tune: bool = True) -> None:
 
 
 def chosen_count() -> int | None:
-    """The CPU device count the caller chose, else None: XLA_FLAGS' --xla_force_host_platform_device_count,
-    JAX_NUM_CPU_DEVICES, or (jax imported) jax_num_cpu_devices set in this process (by a request
-    before this one, or the caller's jax.config.update)."""
+    """The CPU device count the caller chose (XLA_FLAGS, which jax_num_cpu_devices would override;
+    JAX_NUM_CPU_DEVICES; the option set in this process), else None."""
     for flag in os.environ.get("XLA_FLAGS", "").split():
         if flag.startswith(f"--{_FLAG}=") and flag.split("=", 1)[1].isdigit():
             return int(flag.split("=", 1)[1])
@@ -64,12 +57,9 @@ def has_accelerator_nodes() -> bool:
 
 
 def cpu_platform_where_alone() -> bool:
-    """On a Linux host without accelerator device nodes, sets JAX_PLATFORMS=cpu unless it is set;
-    returns whether it set it.
-
-    An installed libtpu (the test extra brings one, for plan --target) otherwise probes for a TPU
-    at every start: a second lost and five lines of warnings on stderr, above a one-line error.
-    """
+    """On a Linux host without accelerator device nodes, sets JAX_PLATFORMS=cpu unless set; returns
+    whether it did. An installed libtpu otherwise probes for a TPU at every start: a second lost and
+    five lines of warnings above a one-line error."""
     if sys.platform.startswith("linux") and "JAX_PLATFORMS" not in os.environ and not has_accelerator_nodes():
         os.environ["JAX_PLATFORMS"] = "cpu"
         return True
@@ -89,12 +79,10 @@ def _cpu_only_glibc() -> ctypes.CDLL | None:
 
 
 def tune_malloc() -> bool:
-    """On a host without accelerators, makes glibc's malloc keep and reuse freed memory: one arena
-    (so no buffer is too big for its arena's heap), no mmap'd chunks, no trimming (-1: never).
-    Call it before jax's backend starts: its threads, which pick their arenas, start then (importing
-    jax starts none). The heap grows to its steady size over the first ~15 steps and stays there,
-    about twice the untuned peak (bench_cpu dp=2,mp=4: 3.7 GB against 1.9 GB resident). Returns
-    whether it was applied."""
+    """On a host without accelerators, makes glibc's malloc keep and reuse freed memory: one arena,
+    no mmap'd chunks, no trimming; before the backend's threads pick their arenas. The heap settles
+    in ~15 steps at about twice the untuned peak (bench_cpu dp=2,mp=4: 3.7 against 1.9 GB resident).
+    Returns whether it was applied."""
     libc = _cpu_only_glibc()
     if libc is None:
         return False
@@ -105,8 +93,8 @@ def tune_malloc() -> bool:
 
 
 def flag_from_argv(argv: list[str], name: str) -> str | None:
-    """The value of --name=VALUE or --name VALUE (absl's space form) in argv, the last one given as
-    absl takes it, else None: for what must be known before the flags are parsed."""
+    """The last value of --name=VALUE or --name VALUE in argv (as absl takes it), else None: for what
+    must be known before the flags are parsed."""
     value = None
     for i, arg in enumerate(argv):
         if arg.startswith(f"{name}="):

@@ -1,11 +1,5 @@
-"""The flags that make a command one process of a multi-process job, and joining the job with them:
-absl flags, defined here once for every command that takes them (train.py, bench.py, evaluate,
-generate).
-
-No jax import here, so entry points can define their flags before jax is imported. An entry point
-that defines them in absl's global FLAGS adopts them (flags.adopt_module_key_flags) so that its
---helpshort lists them.
-"""
+"""The absl flags that make a command one process of a job (train.py, bench.py, evaluate, generate),
+and joining the job with them. No jax import here: entry points define flags before importing it."""
 
 import sys
 
@@ -30,8 +24,7 @@ _DEFINE = {str: flags.DEFINE_string, int: flags.DEFINE_integer, bool: flags.DEFI
 
 
 def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
-    """Defines the job flags in `flag_values`: absl's global FLAGS (train.py, bench.py), or the
-    FlagValues of a command of its own (a reader of a trained run)."""
+    """Defines the job flags in `flag_values`: absl's FLAGS, or a reader command's own."""
     for name, default, text in _JOB:
         _DEFINE[type(default)](name, default, text, flag_values=flag_values)
 
@@ -41,8 +34,7 @@ def _values(flag_values: flags.FlagValues) -> dict:
 
 
 def join(flag_values: flags.FlagValues = flags.FLAGS) -> None:
-    """Joins the job the job flags of `flag_values` name (distributed.initialize); a single process
-    without them. For a job that signals.run_job runs: its stop signals stay signals'."""
+    """Joins the job the flags of `flag_values` name (distributed.initialize), for signals.run_job."""
     from gspmd_tp.job import distributed, signals
 
     v = _values(flag_values)
@@ -54,27 +46,22 @@ def join(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         v["heartbeat_timeout_s"],
         v["join_timeout_s"],
     )
-    # Again: jax.distributed.initialize's preemption notifier takes SIGTERM over (and only logs it; its
-    # sync point, multihost_utils.reached_preemption_sync_point, would see no Ctrl-C, nor a second
-    # signal that must exit at once): the loop's StopSignal agrees on the step itself.
+    # Again: jax.distributed.initialize's preemption notifier takes SIGTERM over; its sync point
+    # (multihost_utils.reached_preemption_sync_point) would see no Ctrl-C, nor a second signal.
     signals.take_stop_signals()
     signals.follow_the_peers()
 
 
 def _asks_for_a_job(flag_values: flags.FlagValues) -> bool:
-    """Whether the job flags of `flag_values` name a job of several processes (or one to find:
-    --distributed)."""
+    """Whether the job flags of `flag_values` name a job of several processes (or --distributed)."""
     v = _values(flag_values)
     return v["num_processes"] != 1 or v["distributed"] or bool(v["coordinator_address"])
 
 
 def run_reader(work, flag_values: flags.FlagValues, left: str) -> int:
-    """Runs work() -> the text for stdout (or None) as a command that reads a trained run, and
-    returns its exit status. Alone: a UserError is one line on stderr (status 1), Ctrl-C one line
-    saying what it `left` (status 130). Where the job flags of `flag_values` name a job: joined first
-    and run under signals.run_job, so that a peer's death, error or stop ends every process at once
-    with one line; stdout holds process 0's text alone (gloo prints its own lines there while the
-    processes join)."""
+    """Runs work() -> text for stdout (or None) as a reader of a trained run; returns the exit status.
+    Alone: a UserError is one line (status 1), Ctrl-C one line saying what it `left` (130). In a job:
+    joined and run under signals.run_job; stdout holds process 0's text alone (gloo prints there)."""
     if not _asks_for_a_job(flag_values):
         try:
             text = work()

@@ -1,9 +1,6 @@
-"""Output paths checked before any work (a command that computes for minutes must not fail when it
-comes to write), written whole or not at all, and the workdir's lock.
-
-Each path may be local or a bucket URL (paths.is_url). The checks write nothing, unless asked to
-probe a local path by writing (then they leave nothing behind); a bucket's are reads only
-(paths.check_bucket). No jax import at module level, so entry points can check their flags first.
+"""Output paths checked before any work (a command must not fail minutes later when it writes),
+written whole or not at all, and the workdir's lock. Local or bucket URLs; the checks write nothing
+but a local probe they remove. No jax import at module level: entry points check flags first.
 """
 
 import contextlib
@@ -32,8 +29,7 @@ def _nearest_existing(path: str) -> str:
 
 
 def _not_creatable(directory: str) -> str | None:
-    """Why directory `directory` could not be written to or created, or None where it could: the
-    nearest existing path at or above it must be a writable directory."""
+    """Why directory `directory` could not be written or created, else None."""
     existing = _nearest_existing(directory)
     if not os.path.isdir(existing):
         return f"{existing} is a file, not a directory"
@@ -47,10 +43,8 @@ def _not_creatable(directory: str) -> str | None:
 
 
 def write_refused(path: str, directory: bool = False) -> OSError | None:
-    """The error the filesystem gives a write at `path` (a directory with `directory`), found by
-    writing, else None: os.access says yes to root where the filesystem refuses (/proc, a read-only
-    mount). An existing file is opened for appending; otherwise a temporary file is made and removed
-    in the nearest existing directory. Nothing is left behind."""
+    """The error a write at `path` (a directory with `directory`) gets, found by writing and leaving
+    nothing behind, else None: os.access says yes to root where the filesystem refuses (/proc)."""
     full = os.path.abspath(path)
     if not directory and os.path.isfile(full):
         try:
@@ -67,49 +61,40 @@ def write_refused(path: str, directory: bool = False) -> OSError | None:
 
 
 def check_dir(path: str, flag: str, probe: bool = False) -> None:
-    """UserError ("FLAG=PATH: why") unless directory `path` is writable or can be created; with
-    `probe`, found so by writing there too (write_refused)."""
-    if not path:
-        raise UserError(f"{flag} is empty")  # an unset shell variable, say: not the current directory
-    if paths.is_url(path):
-        paths.check_bucket(path, flag)
-        if paths.of(path).is_file():
-            raise UserError(f"{flag}={path}: is an object (a file), not a directory")
-        return
-    reason = _not_creatable(os.path.abspath(path))
-    if reason:
-        raise UserError(f"{flag}={path}: {reason}")
-    refused = probe and write_refused(path, directory=True)
-    if refused:
-        raise UserError(f"{flag}={path}: cannot write there ({refused.strerror})")
+    """UserError ("FLAG=PATH: why") unless directory `path` is writable or creatable; with `probe`,
+    found so by writing too."""
+    _check(path, flag, probe, directory=True)
 
 
 def check_file(path: str, flag: str, probe: bool = False) -> None:
-    """UserError ("FLAG=PATH: why") unless file `path` can be written (not a directory, not
-    read-only, its directory writable or creatable); with `probe`, found so by writing too."""
+    """UserError ("FLAG=PATH: why") unless file `path` can be written; with `probe`, found so by
+    writing too."""
+    _check(path, flag, probe, directory=False)
+
+
+def _check(path: str, flag: str, probe: bool, directory: bool) -> None:
     if not path:
-        raise UserError(f"{flag} is empty")
-    if paths.is_url(path):
+        raise UserError(f"{flag} is empty")  # an unset shell variable, say: not the current directory
+    where, full, url = f"{flag}={path}", os.path.abspath(path), paths.is_url(path)
+    if url:
         paths.check_bucket(path, flag)
-        if paths.of(path).is_dir():
-            raise UserError(f"{flag}={path}: is a directory, not a file")
+    if directory and url and paths.of(path).is_file():
+        raise UserError(f"{where}: is an object (a file), not a directory")
+    if not directory and (paths.of(path).is_dir() if url else os.path.isdir(full)):
+        raise UserError(f"{where}: is a directory, not a file")
+    if url:
         return
-    full = os.path.abspath(path)
-    if os.path.isdir(full):
-        raise UserError(f"{flag}={path}: is a directory, not a file")
-    if os.path.exists(full) and not os.access(full, os.W_OK):
-        raise UserError(f"{flag}={path}: the file is not writable")
-    reason = _not_creatable(os.path.dirname(full))
-    if reason:
-        raise UserError(f"{flag}={path}: {reason}")
-    refused = probe and write_refused(path)
-    if refused:
-        raise UserError(f"{flag}={path}: cannot write it ({refused.strerror})")
+    if not directory and os.path.exists(full) and not os.access(full, os.W_OK):
+        raise UserError(f"{where}: the file is not writable")
+    if reason := _not_creatable(full if directory else os.path.dirname(full)):
+        raise UserError(f"{where}: {reason}")
+    if probe and (refused := write_refused(path, directory)):
+        raise UserError(f"{where}: cannot write {'there' if directory else 'it'} ({refused.strerror})")
 
 
 def check_image(path: str, flag: str) -> None:
-    """check_file (probing by writing), and an extension that names an image format matplotlib
-    writes: it would otherwise write NAME.png, or fail once the work is done."""
+    """check_file (probing), and an extension naming an image format matplotlib writes (else it
+    writes NAME.png, or fails once the work is done)."""
     from matplotlib.backend_bases import FigureCanvasBase
 
     check_file(path, flag, probe=True)
@@ -117,13 +102,6 @@ def check_image(path: str, flag: str) -> None:
     if extension not in FigureCanvasBase.get_supported_filetypes():
         what = f"the extension .{extension} is not an image format" if extension else "no file extension"
         raise UserError(f"{flag}={path}: {what}; name it *.png, *.svg or *.pdf")
-
-
-def make_parent(path: str) -> None:
-    """Creates the directory that file `path` goes in, where it is missing (a bucket has none)."""
-    if paths.is_url(path):
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
 def _remove(path: str) -> None:
@@ -142,18 +120,14 @@ def _remove(path: str) -> None:
 
 @contextlib.contextmanager
 def whole_file(path: str):
-    """Yields a temporary name beside file `path` for the body to write: renamed to `path` once the
-    body is done, removed where it raises (Ctrl-C too), so a write cut short leaves no file that
-    looks complete and an older one as it was.
-
-    For a bucket URL the temporary name is local (a file, or a directory the body makes) and is
-    uploaded once the body is done: an object appears whole when its upload ends.
-    """
+    """Yields a temporary name beside file `path` for the body to write: renamed to `path` when done,
+    removed where it raises, so a write cut short leaves the older file as it was. For a bucket URL
+    the name is local (a file or directory), uploaded when done: an object appears whole."""
     if paths.is_url(path):
         with _uploaded(path) as partial:
             yield partial
         return
-    make_parent(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     partial = f"{path}.{os.getpid()}.partial"
     try:
         yield partial
@@ -165,8 +139,7 @@ def whole_file(path: str):
 
 @contextlib.contextmanager
 def _uploaded(url: str):
-    """Yields a local name (in a temporary directory, with `url`'s file name) for the body to write,
-    then uploads it (a directory recursively) to `url`; the local copy is removed either way."""
+    """Yields a local name for the body to write, then uploads it (a directory recursively) to `url`."""
     staging = tempfile.mkdtemp(prefix="gspmd_tp-upload-")
     partial = os.path.join(staging, os.path.basename(url) or "upload")
     try:
@@ -195,9 +168,8 @@ def _names(directory: str) -> set[str] | None:
 
 @contextlib.contextmanager
 def removed_if_cut_short(directory: str):
-    """Runs the body, which writes into `directory`; where it raises (Ctrl-C too), removes what it
-    added there (and the directory, if it was new), so a write cut short neither looks complete nor
-    stands in the next one's way. Nothing that was there before is touched."""
+    """Where the body, writing into `directory`, raises (Ctrl-C too), removes what it added (and the
+    directory, if new): a write cut short neither looks complete nor stands in the next one's way."""
     names = _names(directory)
     existed, before = names is not None, names or set()
     try:
@@ -215,8 +187,8 @@ def removed_if_cut_short(directory: str):
 
 @contextlib.contextmanager
 def stdout_to_stderr():
-    """Within it, file descriptor 1 goes to stderr (Python's prints and a library's own, such as
-    gloo's connection lines), so that stdout holds only the report printed after it."""
+    """Within it fd 1 goes to stderr (gloo prints its connection lines there), so that stdout holds
+    only the report printed after it."""
     sys.stdout.flush()
     saved = os.dup(1)
     try:
@@ -230,120 +202,110 @@ def stdout_to_stderr():
 
 @contextlib.contextmanager
 def workdir_lock(workdir: str, warn=print):
-    """Holds WORKDIR/train.lock (an exclusive flock, taken by process 0) while the body runs: a
-    second job on the workdir is a JobError on every process before it reads or writes there (it
-    would take the running job's checkpoints in progress for damaged ones). A workdir this call
-    created and left holding only the lock is removed. No locks on the filesystem: a warning.
+    """Holds WORKDIR/train.lock while the body runs (orbax locks nothing): a flock taken by process
+    0, or in a bucket a lease (bucket_lease). A second job on the workdir is a JobError on every
+    process before it reads or writes there (it would take the running job's checkpoints in progress
+    for damaged ones); no locks on the filesystem: a warning. A workdir this call created and left
+    holding only the lock is removed.
 
-    Every process of the job must then read the number process 0 wrote in the lock file: one given
-    another --workdir, or storage process 0 does not write to, would save its shards elsewhere and
-    wait in the save's barriers. JobError on every process instead, naming the first.
-
-    A workdir in a bucket is held by a lease object instead (bucket_lease), the same way."""
-    if paths.is_url(workdir):
-        with _bucket_workdir_lock(workdir, warn):
-            yield
-        return
-    import jax
-
-    from gspmd_tp.job import distributed
-
-    path, held_by, lock, created, job = os.path.join(workdir, LOCK), None, None, False, 0
-    unwritable = None
-    if jax.process_index() == 0:
-        created = not os.path.exists(workdir)
-        # check_dir's os.access says yes to root even where the filesystem refuses (/proc): probed
-        # first, so that a refusal leaves no directory that makedirs made on the way to the workdir.
-        refused = write_refused(workdir, directory=True)
-        try:
-            if refused:
-                raise refused
-            os.makedirs(workdir, exist_ok=True)
-            lock = open(path, "a+")
-            if created:
-                _created.append(workdir)  # from here an os._exit removes it too
-        except OSError as e:
-            unwritable = f"{e.strerror}: {e.filename}"
-            if created and os.path.isdir(workdir) and not os.listdir(workdir):
-                os.rmdir(workdir)
-    if lock is not None:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            held_by = lock.readline().strip() or "a process that has not said which"
-            lock.close()
-        except OSError as e:
-            warn(
-                f"warning: {path}: cannot lock it ({e.strerror}); nothing stops a second run on this workdir"
-            )
-        if not lock.closed:
-            job = secrets.randbelow(2**31 - 1) + 1  # int32, never 0 (no line written)
-            try:
-                lock.seek(0)
-                lock.truncate()
-                since = time.strftime("%Y-%m-%d %H:%M:%S")
-                lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}\n{_JOB}{job}\n")
-                lock.flush()
-                os.fsync(lock.fileno())  # seen by the other hosts of the job (NFS: close-to-open)
-            except OSError:
-                job = 0
-    # 0: go on; 1: locked by another job; 2: process 0 cannot write the workdir.
-    outcome = distributed.from_process_0(1 if held_by is not None else 2 if unwritable else 0)
-    process_0 = "as process 0 of this job found"
-    if outcome == 2:  # nothing was created, nothing to clean up
-        raise JobError(f"--workdir={workdir}: cannot write there ({unwritable or process_0})")
-    try:
-        if outcome == 1:
-            raise JobError(
-                f"--workdir={workdir} is in use by another job ({held_by or process_0}; {path}): "
-                "let it finish or stop it (SIGTERM saves and exits), then run again"
-            )
-        if jax.process_count() > 1:
-            _check_one_workdir(workdir, path, distributed.from_process_0(job))
-        yield
-    finally:
-        if lock is not None and not lock.closed:
-            lock.close()  # releases the flock
-        if workdir in _created:
-            _remove_if_only_the_lock(workdir)
-            _created.remove(workdir)
-
-
-@contextlib.contextmanager
-def _bucket_workdir_lock(workdir: str, warn):
-    """workdir_lock for a workdir in a bucket: process 0 holds the lease WORKDIR/train.lock."""
+    Every process then reads the number process 0 wrote in the lock: one given another --workdir, or
+    storage process 0 does not write to, would save its shards elsewhere and wait in the save's
+    barriers; JobError on every process instead, naming the first."""
     import jax
 
     from gspmd_tp.job import bucket_lease, distributed
 
-    path, lease, held_by, unwritable, job = f"{workdir}/{LOCK}", None, None, None, 0
+    url = paths.is_url(workdir)
+    path = f"{workdir}/{LOCK}" if url else os.path.join(workdir, LOCK)
+    held_by, unwritable, job, release = None, None, 0, lambda: None
     if jax.process_index() == 0:
-        job = secrets.randbelow(2**31 - 1) + 1  # int32, never 0
-        lease = bucket_lease.Lease(path, job, warn)
         try:
-            lease.acquire()
+            release, job = _lease(path, warn) if url else _flock(workdir, path, warn)
         except bucket_lease.Held as e:
-            held_by, lease = str(e), None
+            held_by = str(e)
         except Exception as e:  # noqa: BLE001 - OSError, gcsfs's HttpError (a 403 of read-only credentials)
-            unwritable, lease = f"{type(e).__name__}: {e}", None
+            unwritable = (
+                f"{e.strerror}: {e.filename}" if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+            )
     outcome = distributed.from_process_0(1 if held_by is not None else 2 if unwritable else 0)
     process_0 = "as process 0 of this job found"
     try:
         if outcome == 2:
             raise JobError(f"--workdir={workdir}: cannot write there ({unwritable or process_0})")
         if outcome == 1:
+            expiry = (
+                f"; a lease its holder no longer renews expires {bucket_lease.LEASE_S / 60:.0f} minutes "
+                "after its last renewal"
+            )
             raise JobError(
                 f"--workdir={workdir} is in use by another job ({held_by or process_0}; {path}): let it "
-                "finish or stop it (SIGTERM saves and exits), then run again; a lease its holder no "
-                f"longer renews expires {bucket_lease.LEASE_S / 60:.0f} minutes after its last renewal"
+                f"finish or stop it (SIGTERM saves and exits), then run again{expiry if url else ''}"
             )
         if jax.process_count() > 1:
             _check_one_workdir(workdir, path, distributed.from_process_0(job))
         yield
     finally:
-        if lease is not None:
-            lease.release()
+        release()
+
+
+def _new_job() -> int:
+    return secrets.randbelow(2**31 - 1) + 1  # int32, never 0 (0: none written)
+
+
+def _lease(path: str, warn):
+    from gspmd_tp.job import bucket_lease
+
+    lease = bucket_lease.Lease(path, _new_job(), warn)
+    lease.acquire()
+    return lease.release, lease.job
+
+
+def _flock(workdir: str, path: str, warn):
+    """(release, job number written or 0) of the flock on `path`, `workdir` created where missing;
+    bucket_lease.Held where another job holds it, OSError where the workdir cannot be written."""
+    from gspmd_tp.job import bucket_lease
+
+    created = not os.path.exists(workdir)
+    try:
+        # Probed first (os.access says yes to root where the filesystem refuses, /proc), so that a
+        # refusal leaves no directory that makedirs made on the way to the workdir.
+        if refused := write_refused(workdir, directory=True):
+            raise refused
+        os.makedirs(workdir, exist_ok=True)
+        lock = open(path, "a+")
+    except OSError:
+        if created and os.path.isdir(workdir) and not os.listdir(workdir):
+            os.rmdir(workdir)
+        raise
+    if created:
+        _created.append(workdir)  # from here an os._exit removes it too
+
+    def release():
+        lock.close()  # releases the flock
+        if workdir in _created:
+            _remove_if_only_the_lock(workdir)
+            _created.remove(workdir)
+
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        held_by = lock.readline().strip() or "a process that has not said which"
+        release()
+        raise bucket_lease.Held(held_by) from None
+    except OSError as e:
+        warn(f"warning: {path}: cannot lock it ({e.strerror}); nothing stops a second run on this workdir")
+    job = _new_job()
+    try:
+        lock.seek(0)
+        lock.truncate()
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}\n{_JOB}{job}\n")
+        lock.flush()
+        os.fsync(lock.fileno())  # seen by the other hosts of the job (NFS: close-to-open)
+    except OSError:
+        job = 0
+    return release, job
 
 
 def _remove_if_only_the_lock(workdir: str) -> None:
@@ -354,18 +316,15 @@ def _remove_if_only_the_lock(workdir: str) -> None:
     others = [os.path.join(workdir, name) for name in names if name != LOCK]
     if not all(os.path.isdir(p) and not os.path.islink(p) and not os.listdir(p) for p in others):
         return
-    try:
+    with contextlib.suppress(OSError):  # another process of the job wrote there meanwhile: its files stay
         for p in others:
             os.rmdir(p)
         os.remove(os.path.join(workdir, LOCK))
         os.rmdir(workdir)
-    except OSError:
-        pass  # another process of the job wrote there meanwhile: its files stay
 
 
 def remove_created_workdirs() -> None:
-    """What workdir_lock's exit does, for an exit through os._exit that skips it: removes each
-    workdir it created that holds only the lock."""
+    """workdir_lock's exit, for an exit through os._exit that skips it."""
     for workdir in _created:
         _remove_if_only_the_lock(workdir)
 

@@ -1,14 +1,7 @@
-"""Paths as a user types them on a command line: a local path or a bucket URL (gs://BUCKET/...),
-through one path library, etils.epath (what orbax uses), which reaches buckets through fsspec
-(gcsfs for gs://). A leading `~` is the home directory in every command's local path flags: bash
-expands it only at the start of a word or after the `=` of a variable assignment, so
-`--workdir=~/runs/x` reaches the command as it was typed.
-
-The endpoint and credentials are the standard ones of the storage clients (docs/storage.md):
-STORAGE_EMULATOR_HOST (gcsfs) and TENSORSTORE_GCS_HTTP_URL (orbax's array reads and writes) for
-another endpoint; Application Default Credentials, or GOOGLE_AUTH_TOKEN_FOR_TESTING.
-
-No jax import here, so entry points can read their flags first.
+"""Paths as typed: local or a bucket URL (gs://BUCKET/...), through etils.epath (orbax's, fsspec
+below it). A leading `~` is expanded in every path flag: bash leaves `--workdir=~/x` as it is.
+Endpoint and credentials are the storage clients' standard variables (docs/storage.md). No jax
+import here, so entry points can read their flags first.
 """
 
 from __future__ import annotations
@@ -53,8 +46,7 @@ def of(path: str):
 
 
 def check_scheme(path: str, flag: str = "") -> None:
-    """UserError unless `path` is local or a URL whose scheme the path library handles with a client
-    installed."""
+    """UserError unless `path` is local or a URL whose scheme epath handles, its client installed."""
     import importlib.util
 
     from gspmd_tp.job.errors import UserError
@@ -82,12 +74,10 @@ def endpoint() -> str:
 
 
 def _configure_gcsfs() -> None:
-    """Defaults for gcsfs, where the user set none (fsspec reads FSSPEC_GS_* variables too), before
-    the first instance is made. No cached listings: tensorstore writes a checkpoint's arrays, and
-    the other hosts their shards, past this process's gcsfs, so a cached listing of a run would miss
-    steps. And where STORAGE_EMULATOR_HOST is set, another endpoint than Google's has no
-    storage-control API: gcsfs's probe of a bucket's layout (its experimental zonal-bucket support)
-    would print a warning on every bucket it opens."""
+    """Defaults for gcsfs where the user set none, before its first instance. No cached listings:
+    tensorstore and the other hosts write past this process's gcsfs, so a cached listing would miss
+    steps. Another endpoint than Google's has no storage-control API: gcsfs's zonal-bucket probe
+    would warn on every bucket."""
     import fsspec.config
 
     fsspec.config.conf.setdefault("gs", {}).setdefault("use_listings_cache", False)
@@ -101,9 +91,8 @@ def bucket_of(path: str) -> str:
 
 
 def check_bucket(path: str, flag: str) -> None:
-    """UserError where the bucket of URL `path` cannot be used, found by reading only: the scheme is
-    not handled, there are no credentials, the endpoint cannot be reached, the credentials are
-    refused, or the bucket does not exist. A local path passes."""
+    """UserError where the bucket of URL `path` cannot be used (scheme, credentials, endpoint,
+    refusal, no such bucket), found by reading only. A local path passes."""
     from gspmd_tp.job.errors import UserError
 
     check_scheme(path, flag)
@@ -132,8 +121,8 @@ def check_bucket(path: str, flag: str) -> None:
 
 
 def _probe(url: str, token: str) -> tuple[int, str]:
-    """(HTTP status, why) of one GET of `url` with the credentials the clients use (status 0: no
-    answer). One request with a short timeout: gcsfs retries a refused connection for half a minute."""
+    """(HTTP status, why) of one GET of `url` (0: no answer). Not through gcsfs, which retries a
+    refused connection for half a minute."""
     import urllib.error
     import urllib.request
 
@@ -152,8 +141,8 @@ def _probe(url: str, token: str) -> tuple[int, str]:
 
 
 def _access_token() -> str:
-    """The bearer token the storage clients send: GOOGLE_AUTH_TOKEN_FOR_TESTING where set (tensorstore
-    reads it), else Application Default Credentials' (refreshed: an expired or revoked one raises)."""
+    """The storage clients' bearer token: GOOGLE_AUTH_TOKEN_FOR_TESTING, else Application Default
+    Credentials' (refreshed: an expired or revoked one raises)."""
     token = os.environ.get("GOOGLE_AUTH_TOKEN_FOR_TESTING")
     if token:
         return token
@@ -171,8 +160,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def define_flag(name: str, default: str | None, help_text: str, flag_values=None):
-    """An absl string flag holding a path, its leading `~` expanded as it is parsed; in absl's
-    global FLAGS, or in a command's own `flag_values`."""
+    """An absl string flag holding a path, its leading `~` expanded, in FLAGS or `flag_values`."""
     from absl import flags
 
     class _PathParser(flags.ArgumentParser):
@@ -188,16 +176,6 @@ def define_flag(name: str, default: str | None, help_text: str, flag_values=None
         flag_values=flags.FLAGS if flag_values is None else flag_values,
         serializer=flags.ArgumentSerializer(),
     )
-
-
-def expand_config_flag(name: str = "config") -> None:
-    """Makes the ml_collections --config flag `name` (already defined) read `--config=~/c.py` as a
-    file under the home directory, as the other path flags do."""
-    from absl import flags
-
-    parser = flags.FLAGS[name].parser
-    parse = parser.parse
-    parser.parse = lambda argument: parse(expand(argument))
 
 
 def move(source: str, target: str) -> None:

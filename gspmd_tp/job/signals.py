@@ -1,11 +1,11 @@
-"""How a job stops: SIGTERM and Ctrl-C, inside the training loop and around it, and another
-process's stop, death or error (told through JAX's coordination service: distributed.follow); each
-ends in one line and an exit status.
+"""How a job stops: SIGTERM and Ctrl-C inside the training loop and around it, and another process's
+stop, death or error (distributed.follow); each ends in one line and an exit status.
 
-Inside the loop, StopSignal makes a first signal a checkpoint at the next step boundary, the same
-one on every process. Around it (joining the job, compiling, restoring, exiting), and in bench.py's
-job, which has no loop, run_job's handlers exit at once. No jax import at module level: train.py
-installs the handlers before jax is imported, while the job's processes join.
+Inside the loop, StopSignal makes a first signal a checkpoint at the next step boundary, the same on
+every process. Around it (joining, compiling, restoring, exiting; bench.py's whole job) run_job's
+handlers exit at once. Home-made beside JAX's preemption notifier, which sees SIGTERM only, only
+logs it, and cannot tell a second signal that must exit at once. No jax import at module level:
+train.py installs the handlers before jax is imported.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class _Deliveries:
     """Counts stop signals as the kernel delivers them: Python's C handler writes a byte per signal
-    to the wakeup fd at once, while the Python handler may run much later (after a long call into
-    C), once however many came. Main thread only."""
+    to the wakeup fd at once, while the Python handler runs once, maybe much later (after a long call
+    into C), however many came. Main thread only."""
 
     def __init__(self):
         self._read, self._write = os.pipe()
@@ -51,27 +51,24 @@ class _Deliveries:
 
 # ---- Around the training loop: run_job's handlers, which exit at once.
 
-# What a stop outside the training loop means, said in the one line it prints.
 _BEFORE_TRAINING = "before training began; no checkpoint was written"
-_BEFORE = _BEFORE_TRAINING  # run_job's `before`, for a job that does not train
+_BEFORE = _BEFORE_TRAINING  # what a stop before the job's end leaves, said in its line
 _OUTSIDE_THE_LOOP = _BEFORE
 _ENDED = False  # the job's work is done: what is left is the exit
-# One stop prints its line and exits: a signal's handler on the main thread, a peer's stop or death
-# on the thread that follows them, or a failed collective. Reentrant: a second signal may run its
-# handler inside the first's.
+# One stop prints its line and exits: a signal's handler, the thread that follows the peers, or a
+# failed collective. Reentrant: a second signal may run its handler inside the first's.
 _STOPPING = threading.RLock()
 _own: _Deliveries | None = None  # this process's stop signals, for the thread that follows the peers
 
 
 def _job():
-    """gspmd_tp.job.distributed where this process imported it (and may have joined a job), else
-    None: this module imports no jax."""
+    """gspmd_tp.job.distributed where imported (this module imports no jax), else None."""
     return sys.modules.get("gspmd_tp.job.distributed")
 
 
 def follow_the_peers() -> None:
-    """Another process stopped, died or failed before training: this one stops at once too, rather
-    than wait for it in a collective. After it died during training: at once as well."""
+    """Another process stopped, died or failed: this one stops at once too, rather than wait for it
+    in a collective."""
     _job().follow(_peer_told, _peer_died)
 
 
@@ -81,29 +78,26 @@ def _leave(together: bool) -> None:
 
 
 def run_job(job, before: str = "", after: str = "") -> None:
-    """Runs job() (join the job's processes, then train) with this module's stops in place; every
-    failure ends in one line and an exit status. Call before jax is imported. A job that does not
-    train (bench.py) says what a stop leaves `before` its end and `after` it."""
+    """Runs job() (join, then train) with this module's stops in place; every failure ends in one
+    line and an exit status. Call before jax is imported. A job that does not train (bench.py) says
+    what a stop leaves `before` its end and `after` it."""
     global _OUTSIDE_THE_LOOP, _BEFORE, _ENDED, _own
-    _BEFORE = before or _BEFORE
-    _OUTSIDE_THE_LOOP = _BEFORE
+    _BEFORE = _OUTSIDE_THE_LOOP = before or _BEFORE
     take_stop_signals()  # from the start: while the job's processes join, too
     _own = _Deliveries()
     try:
         job()
-        # What is left is the exit, which in a multi-process job waits for the slowest peer.
         _OUTSIDE_THE_LOOP = after or "after the run ended; its checkpoints are written"
         _ENDED = True
-        _leave(together=True)
+        _leave(together=True)  # which waits for the slowest peer
     except JobError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        _leave(together=True)  # each process says its own (distributed.agreed): nothing to tell
+        _leave(together=True)  # each process says its own (distributed.agreed)
         sys.exit(1)
     except UserError as e:
         with _STOPPING:
             print(f"error: {e}", file=sys.stderr, flush=True)
-            # This process's alone (a file or a limit of its host), before training: the others are
-            # told and stop too.
+            # This process's alone (a file or a limit of its host): the others are told and stop too.
             if (d := _job()) is not None and d.tell("error", str(e)):
                 _exit(None, 1)
             _leave(together=False)
@@ -117,28 +111,25 @@ def run_job(job, before: str = "", after: str = "") -> None:
 def _failed(e: Exception) -> None:
     import jax
 
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     if jax.process_count() == 1:
         if "RESOURCE_EXHAUSTED" in str(e):  # what check_memory could not foresee (others' use)
-            first = str(e).strip().splitlines()[0]
             print(
                 f"error: out of memory: {first} (python -m gspmd_tp.plan shows per-device memory)",
                 file=sys.stderr,
             )
             sys.exit(1)
         raise e
-    # A failed collective in a multi-process job almost always means a peer died: the thread that
-    # follows the peers names it and exits (its line, not this guess) once the coordination service
-    # sees it gone, within the heartbeat timeout; gloo sees the closed connection first.
+    # A failed collective almost always means a peer died, which gloo sees first: the thread that
+    # follows the peers names it (its line, not this guess) within the heartbeat timeout.
     d = _job()
     if d.a_peer_died(d.heartbeat_timeout_s() + 5):
         time.sleep(15)
-    # Exit now, alone: leaving together would wait at the job's last barrier for that peer.
-    with _STOPPING:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    with _STOPPING:  # now, alone: leaving together would wait for that peer
         what = f"error: process {jax.process_index()}: {type(e).__name__}: {first}"
         if d.before_training():
-            # No peer was seen to die: most likely this process's own error (a bug), whose traceback
-            # says where. The others are told: they would wait for this process in a collective.
+            # No peer seen to die: most likely this process's own bug, whose traceback says where;
+            # the others are told (they would wait for it in a collective).
             traceback.print_exception(e)
             print(what, file=sys.stderr, flush=True)
             d.tell("error", f"{type(e).__name__}: {first}")
@@ -147,39 +138,32 @@ def _failed(e: Exception) -> None:
 
 
 def take_stop_signals():
-    """SIGTERM and Ctrl-C stop the job at once, one line each (again after a library took them over)."""
+    """SIGTERM and Ctrl-C stop the job at once, one line each (again after a library took them)."""
     for sig in STOP_SIGNALS:
-        signal.signal(sig, _stop_outside_the_loop)
-
-
-def _stop_outside_the_loop(signum, frame):
-    # Exits from the handler itself: an exception raised here is lost where the handler runs inside
-    # a garbage-collection callback, and the process would go on into a collective its peers,
-    # stopped, never join.
-    _stopped(signal.Signals(signum))
+        # Exits from the handler itself: an exception raised there is lost where it runs inside a
+        # garbage-collection callback, and the process would go on into a collective.
+        signal.signal(sig, lambda signum, _: _stopped(signal.Signals(signum)))
 
 
 def _stopped(sig: signal.Signals, process: int | None = None):
-    """One line, and out at once: a normal exit while XLA's compiler threads run can segfault.
-    Before training, the other processes are told (distributed.tell); `process`: the one signalled,
-    where it is another."""
+    """One line and out at once (a normal exit while XLA's compiler threads run can segfault); before
+    training the others are told. `process`: the one signalled, where it is another."""
     with _STOPPING:
-        name = "Ctrl-C" if sig == signal.SIGINT else sig.name
         if process is None and not _ENDED and (d := _job()) is not None:
             d.tell("stop", str(int(sig)))
+        name = "Ctrl-C" if sig == signal.SIGINT else sig.name
         where = "" if process is None else f" on process {process}"
         _exit(f"stopped by {name}{where} {_OUTSIDE_THE_LOOP}", 128 + sig)
 
 
 def _exit(line: str | None, status: int):
-    """Prints `line` and exits at once, removing the workdir this process made where it holds only
-    the lock (what the lock's own exit would have done), and leaving the job alone."""
+    """Prints `line` and exits at once, removing a workdir this process made that holds only the lock,
+    and leaving the job alone."""
     if line is not None:
         print(line, file=sys.stderr, flush=True)
-        # The line stays the last one: what the leaving prints (an async save's commit cancelled on
-        # another thread, the coordination client's own farewell) goes nowhere.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stderr.fileno())
+        # The line stays the last: what leaving prints (an async save's commit cancelled on orbax's
+        # thread, the coordination client's farewell) goes nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
     output_paths.remove_created_workdirs()
     _leave(together=False)
     os._exit(status)
@@ -187,15 +171,16 @@ def _exit(line: str | None, status: int):
 
 def _peer_told(process: int, kind: str, text: str):
     if kind == "stop":
-        _peer_stopped(int(text), process)
-    _peer_failed(process, text)
-
-
-def _peer_stopped(signum: int, process: int):
-    # Signalled too (a job stopped as a whole) while its handler still waits for the main thread
-    # (busy compiling): this process's own line, as where its handler came first.
-    own = _own_signal()
-    _stopped(own or signal.Signals(signum), None if own else process)
+        # Signalled too (a job stopped as a whole) while its handler waits for a busy main thread:
+        # this process's own line, as where its handler came first.
+        own = _own_signal()
+        _stopped(own or signal.Signals(int(text)), None if own else process)
+    if _BEFORE != _BEFORE_TRAINING:  # a job that does not train
+        _peer_ended(f"stopped: process {process} stopped with an error (error: {text}) {_BEFORE}")
+    _peer_ended(
+        f"stopped: process {process} stopped with an error before training began (error: {text}); "
+        "no checkpoint was written"
+    )
 
 
 _HOW = "killed, crashed, or silent for --heartbeat_timeout_s"
@@ -205,44 +190,32 @@ _HOW_IN_TRAINING = "killed, crashed, exited at once, or silent for --heartbeat_t
 def _peer_died(process: int):
     if _job().before_training():
         _peer_ended(f"stopped: process {process} died ({_HOW}) {_BEFORE}")
-    # During training the peer may also have exited at once (a second stop signal, a failed step),
-    # and a save of this process may be in flight (left unfinished: the next start removes it).
+    # During training the peer may also have exited at once (a second signal, a failed step), and a
+    # save of this process may be in flight (left unfinished: the next start removes it).
     _peer_ended(
-        f"stopped: process {process} died during training ({_HOW_IN_TRAINING}); run again to resume "
-        "from the newest complete checkpoint"
-    )
-
-
-def _peer_failed(process: int, message: str):
-    if _BEFORE != _BEFORE_TRAINING:  # a job that does not train
-        _peer_ended(f"stopped: process {process} stopped with an error (error: {message}) {_BEFORE}")
-    _peer_ended(
-        f"stopped: process {process} stopped with an error before training began (error: {message}); "
-        "no checkpoint was written"
+        f"stopped: process {process} died during training ({_HOW_IN_TRAINING}); run again to resume from the "
+        "newest complete checkpoint"
     )
 
 
 def _peer_ended(line: str):
-    # At once: a collective that failed on the closed connection waits for this line
-    # (distributed.a_peer_died). And no wait for a signal of this process's own still on its way:
-    # where process 0 died, JAX's client aborts this process as soon as it sees the service gone.
+    # At once: a failed collective waits for this line (distributed.a_peer_died), and where process 0
+    # died, JAX's client aborts this process as soon as it sees the service gone.
     with _STOPPING:
-        own = _own_signal(waits=(0,))  # a job stopped as a whole: this process's own line
-        if own:
+        if own := _own_signal(waits=(0,)):  # a job stopped as a whole: this process's own line
             _stopped(own)
         _exit(line, 1)
 
 
 def _own_signal(waits=(0, 0.2)) -> signal.Signals | None:
-    """A stop signal this process received, its handler run or not, or None. On the thread that
+    """A stop signal this process received, its handler run or not, or None; on the thread that
     follows the peers."""
-    # A signal sent before the peer's stop may not be delivered yet (the kernel hands it to the
-    # main thread, which may be waiting for a core): pending, seen where this thread blocks it.
+    # One sent before the peer's stop may not be delivered yet (the kernel hands it to the main
+    # thread, which may wait for a core): pending, seen where this thread blocks it.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     for wait in waits:  # and a handler that took it may be writing its byte right now
         time.sleep(wait)
-        own = _own.take() if _own is not None else []
-        own += sorted(signal.sigpending() & set(STOP_SIGNALS))
+        own = (_own.take() if _own is not None else []) + sorted(signal.sigpending() & set(STOP_SIGNALS))
         if own:
             return own[0]
     return None
@@ -258,7 +231,7 @@ class StopSignal:
     def __init__(self, log):
         self._log = log
         self._signum = 0  # the signal this process received, 0 for none
-        self.stopped_by: str | None = None  # what stopped the run: this process's signal, or a peer's
+        self.stopped_by: str | None = None  # this process's signal, or a peer's
         self._previous: dict = {}
         self._deliveries: _Deliveries | None = None
         self._shared = None  # multi-process: every process's signal as of the last check, on device
@@ -267,13 +240,13 @@ class StopSignal:
 
     def __enter__(self) -> StopSignal:
         if (d := _job()) is not None:
-            d.training_began()  # a stop from here on is seen by every process at a step boundary
+            d.training_began()
         # signal.signal works on the main thread only; elsewhere (a library caller's worker thread)
         # the process keeps its own handlers.
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
-            self._deliveries = _Deliveries()  # run_job's is given back on exit
+            self._deliveries = _Deliveries()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -286,39 +259,35 @@ class StopSignal:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        # Two signals while the main thread was in one long call run this handler once: counted.
+        # Two signals during one long call into C run this handler once: counted.
         if self._signum or (self._deliveries is not None and len(self._deliveries.take()) > 1):
-            # The user (or the scheduler) insists: no checkpoint, the shell's exit code.
             _exit(f"received {name} again: exiting at once without saving", 128 + signum)
         self._signum = signum
+        again = "(send again to exit at once)"
         if self._agreed:  # the job already stops on a peer's signal, which stays the reason
             self._log(
-                f"received {name}: already stopping at the next step boundary, by {self.stopped_by} "
-                "(send again to exit at once)"
+                f"received {name}: already stopping at the next step boundary, by {self.stopped_by} {again}"
             )
             return
         self.stopped_by = name
         if self._finishing:
             self._log(
-                f"received {name} while the run finishes: it exits once its last checkpoint is written "
-                "(send again to exit at once)"
+                f"received {name} while the run finishes: it exits once its last checkpoint is "
+                f"written {again}"
             )
             return
-        self._log(
-            f"received {name}: saving a checkpoint at the next step boundary, then stopping "
-            "(send again to exit at once)"
-        )
+        self._log(f"received {name}: saving a checkpoint at the next step boundary, then stopping {again}")
 
     def finishing(self) -> None:
-        """The loop is over: a first signal now only says that the run exits once its last checkpoint
-        is written; a second still exits at once."""
+        """The loop is over: a first signal now only says the run exits once its last checkpoint is
+        written; a second still exits at once."""
         self._finishing = True
 
     def requested(self) -> bool:
-        """True once a stop signal arrived on any process of the job. Every process calls it at the
-        same points and stops at the same one (or the collective save deadlocks): each call starts a
-        gather of every process's signal and reads the previous call's, so the host never waits for
-        the step it just dispatched, and a signal stops every process one call later."""
+        """True once a stop signal arrived on any process. Every process calls it at the same points
+        and stops at the same one (else the collective save deadlocks): each call starts a gather of
+        every process's signal and reads the previous call's, so a signal stops every process one
+        call later."""
         import jax
 
         from gspmd_tp.job import distributed

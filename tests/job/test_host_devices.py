@@ -54,13 +54,6 @@ def test_a_request_gives_the_devices_before_or_after_jax_is_imported_unless_a_co
     assert result.stdout.split() == [str(devices), "cpu"]
 
 
-def test_the_count_chosen_is_read_from_xla_flags_then_from_jax(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=3")
-    assert host_devices.chosen_count() == 3
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
-    assert host_devices.chosen_count() is None  # conftest chose its count through XLA_FLAGS alone
-
-
 def test_malloc_tuning_is_left_out_on_accelerator_hosts(monkeypatch):
     seen = []
     monkeypatch.setattr(host_devices.glob, "glob", lambda p: seen.append(p) or ["/dev/nvidia0"])

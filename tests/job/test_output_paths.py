@@ -78,12 +78,6 @@ def test_a_read_only_directory_is_refused(tmp_path):
         locked.chmod(0o755)
 
 
-def test_make_parent_creates_the_missing_directories(tmp_path):
-    path = tmp_path / "a" / "b" / "report.json"
-    output_paths.make_parent(str(path))
-    assert path.parent.is_dir() and not path.exists()
-
-
 def test_an_empty_path_is_refused_not_taken_for_the_current_directory():
     with pytest.raises(UserError, match=_whole("--workdir is empty")):
         output_paths.check_dir("", "--workdir")
@@ -128,6 +122,9 @@ def test_a_file_written_whole_replaces_the_old_one_only_when_done(tmp_path):
     with output_paths.whole_file(str(path)) as partial:
         open(partial, "w").write("new")
     assert os.listdir(tmp_path) == ["out.npz"] and path.read_text() == "new"
+    with output_paths.whole_file(str(tmp_path / "a" / "b" / "report.json")) as partial:  # made on the way
+        open(partial, "w").write("{}")
+    assert (tmp_path / "a" / "b" / "report.json").read_text() == "{}"
 
 
 @pytest.mark.parametrize("existed", [False, True])
