@@ -63,6 +63,8 @@ FREE_MODEL_KEYS = (
     "attention_block",
     "mlp_grad",
     "moe_dispatch",
+    "context_parallel",
+    "context_load_balance",
 )
 
 # An array replicated over several devices is saved a slice per replica, in parallel; each slice
