@@ -8,7 +8,8 @@ keys and values (model.context_parallel):
   context axes, passes each device's block (keys, values, their positions and segment ids) round
   the ring by ppermute, one step per device, and accumulates a streaming (log-sum-exp) softmax.
   Each step's permute of the next block is issued before the products on the current one, so the
-  transfer can run beside them.
+  transfer can run beside them. The backward pass is a second ring (_ring_backward) that recomputes
+  each block's scores from the saved log-sum-exp: no step's scores are kept.
 
 model.context_load_balance: under the causal mask the device of the last chunk scores every key and
 the first almost none. The train and eval steps lay the sequence out in zigzag order (zigzag_order:
@@ -156,7 +157,7 @@ def ring_attention(layout: dict, q_blhd, k_blkd, v_blkd, positions_bl, segment_i
     if segment_ids_bl is None:  # one segment: the causal mask alone
         segment_ids_bl = jnp.zeros((b, length), jnp.int32)
     positions_bl = jnp.broadcast_to(positions_bl, (b, length)).astype(jnp.int32)
-    body = lambda *args: _ring_body(layout["axes"], layout["n"], zigzag, *args)  # noqa: E731
+    body = lambda *args: _ring(layout["axes"], layout["n"], zigzag, *args)  # noqa: E731
     out = jax.shard_map(
         body,
         mesh=jax.sharding.get_abstract_mesh(),
@@ -168,9 +169,23 @@ def ring_attention(layout: dict, q_blhd, k_blkd, v_blkd, positions_bl, segment_i
     return out.reshape(b, length, heads, hd)
 
 
-def _ring_body(axes: tuple, n: int, zigzag: bool, q, k, v, pos, seg):
-    """One device's ring: q (b, c, kv_heads, group, d) its queries, k and v (b, c, kv_heads, d) and
-    pos, seg (b, c) its keys' block at the start (the queries' positions and segment ids too).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ring(axes: tuple, n: int, zigzag: bool, q, k, v, pos, seg):
+    """_ring_forward's output, its gradient _ring_backward's: a second ring that recomputes each
+    block's scores from the saved log-sum-exp (FlashAttention's backward), so the backward pass keeps
+    no step's scores."""
+    return _ring_forward(axes, n, zigzag, q, k, v, pos, seg)[0]
+
+
+def _ring_fwd(axes, n, zigzag, q, k, v, pos, seg):
+    out, lse = _ring_forward(axes, n, zigzag, q, k, v, pos, seg)
+    return out, (q, k, v, pos, seg, out, lse)
+
+
+def _ring_forward(axes: tuple, n: int, zigzag: bool, q, k, v, pos, seg):
+    """One device's ring, (output, log-sum-exp (b, kv_heads, group, c) of each query's scores): q
+    (b, c, kv_heads, group, d) its queries, k and v (b, c, kv_heads, d) and pos, seg (b, c) its
+    keys' block at the start (the queries' positions and segment ids too).
 
     Step s holds the block of device (i - s) mod n: the permute that brings the next block is issued
     first, then the products on this one. Plain split (chunk i of n): every block computed whole
@@ -194,7 +209,7 @@ def _ring_body(axes: tuple, n: int, zigzag: bool, q, k, v, pos, seg):
             ahead = jax.lax.ppermute(block, axes, perm) if s < n - 1 else None
             state = _update(state, q, pos, seg, block)
             block = ahead
-        return _finish(state, q.dtype)
+        return _finish(state, q.dtype), _lse(state)
 
     h = q.shape[1] // 2
     half = lambda x, i: x[:, i * h : (i + 1) * h]  # noqa: E731
@@ -215,7 +230,88 @@ def _ring_body(axes: tuple, n: int, zigzag: bool, q, k, v, pos, seg):
             new = _update(pick(state_a, state_b), pick(qa, qb), pick(pa, pb), pick(sa, sb), second)
             state_a, state_b = pick(new, state_a), pick(state_b, new)
         block = ahead
-    return jnp.concatenate([_finish(state_a, q.dtype), _finish(state_b, q.dtype)], axis=1)
+    out = jnp.concatenate([_finish(state_a, q.dtype), _finish(state_b, q.dtype)], axis=1)
+    return out, jnp.concatenate([_lse(state_a), _lse(state_b)], axis=-1)
+
+
+def _ring_backward(axes, n, zigzag, residuals, d_out):
+    """The gradients of (q, k, v) of _ring: the blocks go round again, each with the gradients of
+    its keys and values accumulated so far (n permutes of them: the last brings them home); each
+    step recomputes the products the forward made on that block, in the same schedule."""
+    q, k, v, pos, seg, out, lse = residuals
+    me = jax.lax.axis_index(axes)
+    perm = [(j, (j + 1) % n) for j in range(n)]
+    # D: each query's sum of d_out * out, (b, kv_heads, group, c), as lse.
+    d = jnp.moveaxis(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1), 1, 3)
+    block = (k, v, pos, seg)
+    f32 = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+    if not zigzag:
+        dq, acc = f32(q), (f32(k), f32(v))
+        queries = (q, d_out, lse, d, pos, seg)
+        for s in range(n):
+            ahead = jax.lax.ppermute(block, axes, perm) if s < n - 1 else None
+            gq, gk, gv = _product_grads(queries, block)
+            dq, acc = dq + gq, (acc[0] + gk, acc[1] + gv)
+            acc = jax.lax.ppermute(acc, axes, perm)
+            block = ahead
+        return dq.astype(q.dtype), acc[0].astype(k.dtype), acc[1].astype(v.dtype), None, None
+
+    h = q.shape[1] // 2
+    half = lambda x, i, axis=1: jax.lax.slice_in_dim(x, i * h, (i + 1) * h, axis=axis)  # noqa: E731
+    qs = [
+        (half(q, i), half(d_out, i), half(lse, i, 3), half(d, i, 3), half(pos, i), half(seg, i))
+        for i in (0, 1)
+    ]
+    dq = [f32(qs[0][0]), f32(qs[1][0])]
+    zeros_kv = (f32(half(k, 0)), f32(half(v, 0)))
+    acc = [zeros_kv, zeros_kv]  # (d keys, d values) of the block's first and second chunk
+    add = lambda x, y: jax.tree.map(jnp.add, x, y)  # noqa: E731
+    for s in range(n):
+        ahead = jax.lax.ppermute(block, axes, perm) if s < n - 1 else None
+        first, second = (tuple(half(x, i) for x in block) for i in (0, 1))
+        if s == 0:
+            gq, gk, gv = _product_grads(qs[0], first)
+            dq[0], acc[0] = dq[0] + gq, add(acc[0], (gk, gv))
+            gq, gk, gv = _product_grads(qs[1], block)
+            dq[1] = dq[1] + gq
+            acc = [add(acc[i], (half(gk, i), half(gv, i))) for i in (0, 1)]
+        else:
+            gq, gk, gv = _product_grads(qs[1], first)
+            dq[1], acc[0] = dq[1] + gq, add(acc[0], (gk, gv))
+            early = (me - s) % n < me
+            pick = functools.partial(_pick, early)
+            gq, gk, gv = _product_grads(pick(qs[0], qs[1]), pick(first, second))
+            zero = jnp.zeros_like(gq)
+            dq = [dq[0] + pick(gq, zero), dq[1] + pick(zero, gq)]
+            g, none = (gk, gv), jax.tree.map(jnp.zeros_like, (gk, gv))
+            acc = [add(acc[0], pick(g, none)), add(acc[1], pick(none, g))]
+        acc = jax.lax.ppermute(acc, axes, perm)
+        block = ahead
+    dq = jnp.concatenate(dq, axis=1).astype(q.dtype)
+    dk, dv = (jnp.concatenate([acc[0][i], acc[1][i]], axis=1) for i in (0, 1))
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_backward)
+
+
+def _product_grads(queries, block):
+    """(d q, d k, d v), float32, of one product of the ring: queries (q, d_out, lse, D, positions,
+    segment ids) against a key block (k, v, positions, segment ids), the probabilities recomputed
+    from the forward's log-sum-exp."""
+    q, d_out, lse, d, q_pos, q_seg = queries
+    k, v, k_pos, k_seg = block
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    allowed = ((q_pos[:, :, None] >= k_pos[:, None, :]) & (q_seg[:, :, None] == k_seg[:, None, :]))[
+        :, None, None
+    ]
+    p = jnp.where(allowed, jnp.exp(scores - lse[..., None]), 0.0)
+    dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), d_out, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bqkgd,bskd->bkgqs", d_out, v, preferred_element_type=jnp.float32)
+    ds = p * (dp - d[..., None])
+    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
+    return dq, dk, dv
 
 
 def _pick(which, x, y):
@@ -239,6 +335,12 @@ def _update(state, q, q_pos, q_seg, block):
     alpha = jnp.exp(m - m_new)
     pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m_new, total * alpha + p.sum(-1), acc * alpha[..., None] + pv
+
+
+def _lse(state):
+    """The log-sum-exp of each query's scores (b, kv_heads, group, q), from a finished streaming softmax."""
+    m, total, _ = state
+    return m + jnp.log(total)
 
 
 def _finish(state, dtype):

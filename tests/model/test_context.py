@@ -3,6 +3,7 @@ against a float64 softmax written out, and the attention work each device does, 
 causal mask (useful pairs) and from the compiled ring program (its dot FLOPs)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import small_config
@@ -103,6 +104,33 @@ def test_ring_attention_equals_the_softmax_written_out(rules, mesh, n, zigzag):
     got, text = _attention(rules, mesh, cfg, q, k, v, positions, segments, zigzag)
     assert "collective-permute" in text and "all-gather" not in text
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("rules, mesh, n", CASES[:1])
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_ring_attention_gradients_equal_plain_attentions_on_one_device(rules, mesh, n, zigzag):
+    """The ring's written-out backward (a second ring, the scores recomputed from the saved
+    log-sum-exp) against autodiff of the einsum path with no mesh, in the original order, for the
+    gradients of a weighted sum of the output."""
+    q, k, v, positions, segments, _ = _operands(False, n)
+    weights = np.asarray(jax.random.normal(jax.random.key(1), q.shape))
+
+    def plain(q, k, v):
+        return jnp.sum(kernels.attention(ModelConfig(), q, k, v, segment_ids=jnp.asarray(segments)) * weights)
+
+    want = jax.grad(plain, argnums=(0, 1, 2))(q, k, v)
+    order = context.zigzag_order(L, n) if zigzag else np.arange(L)
+    s = run_setup.setup(small_config(rules=rules, mesh=mesh))
+    cfg = ModelConfig(context_parallel="ring", context_load_balance=zigzag)
+    p, g, w = (jnp.asarray(x[:, order]) for x in (positions, segments, weights))
+
+    def ring(q, k, v):
+        return jnp.sum(kernels.attention(cfg, q, k, v, segment_ids=g, positions=p, zigzag=zigzag) * w)
+
+    with state_lib.sharding_context(s.mesh, s.rules):
+        got = jax.jit(jax.grad(ring, argnums=(0, 1, 2)))(*(x[:, order] for x in (q, k, v)))
+    for name, a, b in zip("qkv", got, want, strict=True):
+        np.testing.assert_allclose(a, np.asarray(b)[:, order], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def _dot_flops(text: str) -> float:

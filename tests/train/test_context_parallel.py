@@ -120,16 +120,21 @@ def test_the_held_out_loss_under_the_balanced_ring_equals_one_device():
 
 
 def test_the_ring_passes_the_keys_and_values_round_context_and_gathers_nothing():
-    """context_dp on data=2,context=4, ring, from the compiled step: no all-gather over context;
-    each layer's keys and values go round the 4 devices in 3 permutes each, forward, and their
-    gradients 3 each back: 2 layers x 2 passes x 3 x 2 permutes of one device's block (4 rows x 8
-    positions x 8 kv heads x 8 float32: 8 KiB)."""
+    """context_dp on data=2,context=4, the balanced ring, from the compiled step: no all-gather; each
+    layer's keys and values go round the 4 devices in 3 permutes each, forward, and again in the
+    backward ring (2 layers x 2 passes x 3 x 2 permutes of one device's block: 4 rows x 8 positions
+    x 8 kv heads x 8 float32, 8 KiB), their gradients with them in 4 permutes, the last bringing
+    them home, each as its two zigzag chunks (2 layers x 4 x 2 x 2 permutes of 4 KiB)."""
     s = run_setup.setup(small_config(rules="context_dp", mesh="data=2,context=4", **strategy("ring", True)))
     found = hlo.collectives(step_lib.compile_train_step(s).as_text(), 8)
     assert not [c for c in found if c.kind == "all-gather"]
     block = 4 * 8 * 8 * 8 * 4
-    permutes = [c for c in found if c.kind == "collective-permute" and c.result_bytes == block]
-    assert sum(c.executions for c in permutes) == 2 * 2 * 3 * 2
+
+    def permutes(size):
+        return sum(c.executions for c in found if c.kind == "collective-permute" and c.result_bytes == size)
+
+    assert permutes(block) == 2 * 2 * 3 * 2
+    assert permutes(block // 2) == 2 * 4 * 2 * 2
 
 
 def test_the_keys_and_values_are_gathered_over_context_and_the_queries_never():
