@@ -81,6 +81,16 @@ def get_config() -> ConfigDict:
     # einsum only: queries in blocks of this many positions, each scoring only the keys up to its
     # end (skips the masked upper triangle; exact). 0: the whole square at once.
     c.model.attention_block = 0
+    # all_gather | ring: under a rule file that splits length over mesh axes (context parallelism:
+    # context_dp, fsdp_context_tensor), how attention reaches the other devices' keys and values.
+    # all_gather: gathered whole (GSPMD's); ring: passed round the context axis by ppermute, one
+    # block a step beside the products on the one before, under a streaming softmax (einsum blocks:
+    # model.attention einsum or auto, model.attention_block 0). No context axis: plain attention.
+    c.model.context_parallel = "all_gather"
+    # Under context parallelism: each sequence laid out in zigzag order (device i of n holds chunks
+    # i and 2n-1-i of 2n), so every device does the same causal attention work; seq_len must divide
+    # by 2n. False: device i holds chunk i (the last device's queries see every key, the first's few).
+    c.model.context_load_balance = False
     c.model.scan_layers = True
     # auto | fused | one_pass | xla: the SwiGLU MLP's gradient (auto: fused on GPU where mlp is not
     # split over a mesh axis, one_pass on other GPU runs, xla elsewhere)

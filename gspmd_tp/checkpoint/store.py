@@ -64,6 +64,8 @@ FREE_MODEL_KEYS = (
     "mlp_grad",
     "moe_dispatch",
     "moe_buffer_factor",  # how many rows a device receives into, not what the parameters are
+    "context_parallel",
+    "context_load_balance",
 )
 
 # An array replicated over several devices is saved a slice per replica, in parallel; each slice

@@ -28,7 +28,8 @@ DEFAULT_DEVICES = 8  # what train.py simulates by default (configs/tiny.py host_
 # A reader's --config.model overrides that change the parameters: the fix is to leave them out.
 READ_AS_SAVED = (
     "the parameters are read as saved: leave out the --config.model overrides that change them "
-    "(dtype, remat, remat_save, attention, attention_block, mlp_grad and moe_dispatch may differ)"
+    "(dtype, remat, remat_save, attention, attention_block, mlp_grad, moe_dispatch, moe_buffer_factor, "
+    "context_parallel and context_load_balance may differ: checkpoint/store.FREE_MODEL_KEYS)"
 )
 
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from gspmd_tp.model import context
 from gspmd_tp.sharding.axes import BATCH, EMBED, HEADS, KV_HEADS, KV_LENGTH, LENGTH, MLP, NORM_LENGTH, VOCAB
 from gspmd_tp.sharding.rules import UNCONSTRAINED, axes_of
 
@@ -144,17 +145,38 @@ CUDNN_SEGMENTS = (
 )
 
 
-def attention(cfg: ModelConfig, q_blhd, k_bskd, v_bskd, mask=None, segment_ids=None):
+def attention(
+    cfg: ModelConfig, q_blhd, k_bskd, v_bskd, mask=None, segment_ids=None, positions=None, zigzag=False
+):
     """Softmax attention of scaled queries (batch, length, heads, head_dim) over keys and values
     (batch, s, kv_heads, head_dim), query head h reading key/value head h // group (the grouping of
     the fused qkv kernel). Causal, by model.attention's implementation, and with `segment_ids`
     (batch, length) a query sees only the keys of its own segment (packed documents); or, given
     `mask` (broadcasting to (batch, kv_heads, group, length, s): decoding from the cache), the einsum
-    path under it. Returns (batch, length, heads, head_dim)."""
+    path under it. Returns (batch, length, heads, head_dim).
+
+    Self-attention under a context axis (context.py): with model.context_parallel "ring", ring
+    attention where the mesh splits these shapes evenly; `zigzag` (model.context_load_balance: the
+    sequence in context.zigzag_order), causal by `positions` (batch, length), the true positions,
+    rather than by index."""
     b, length, heads, hd = q_blhd.shape
+    if mask is None and (zigzag or cfg.context_parallel == "ring"):
+        layout = context.ring_layout(q_blhd.shape, k_bskd.shape, zigzag)
+        if positions is None:
+            positions = jnp.arange(length, dtype=jnp.int32)
+        positions = jnp.broadcast_to(positions, (b, length)).astype(jnp.int32)
+        if cfg.context_parallel == "ring" and layout is not None:
+            return context.ring_attention(layout, q_blhd, k_bskd, v_bskd, positions, segment_ids, zigzag)
+        if zigzag:
+            mask = _positional_mask(positions, segment_ids)
+            segment_ids = None
     implementation = attention_implementation(cfg.attention, cfg.dtype, segmented=segment_ids is not None)
     if segment_ids is not None:  # the queries' by length, the keys' by kv_length (gathered with the keys)
         segment_ids = _segments_of_queries_and_keys(segment_ids)
+    if mask is not None and zigzag and implementation != "einsum":  # xla: the positional mask
+        return jax.nn.dot_product_attention(
+            q_blhd, k_bskd, v_bskd, mask=mask[:, 0], scale=1.0, implementation=implementation
+        )
     if mask is None and implementation != "einsum":
         if segment_ids is None:
             return jax.nn.dot_product_attention(
@@ -172,6 +194,18 @@ def attention(cfg: ModelConfig, q_blhd, k_bskd, v_bskd, mask=None, segment_ids=N
     else:
         out = _causal_in_blocks(q_blkgd, k_bskd, v_bskd, cfg.attention_block, segment_ids)
     return out.reshape(b, length, heads, hd)
+
+
+def _positional_mask(positions_bl, segment_ids=None):
+    """(batch, 1, 1, length, s): a query sees a key of no greater position (positions (batch,
+    length), the true ones of a reordered sequence) and, with `segment_ids`, of its own segment; the
+    queries' by length, the keys' by kv_length (gathered with the keys)."""
+    q_pos, k_pos = _segments_of_queries_and_keys(positions_bl)
+    allowed = q_pos[:, :, None] >= k_pos[:, None, :]
+    if segment_ids is not None:
+        q_seg, k_seg = _segments_of_queries_and_keys(segment_ids)
+        allowed &= q_seg[:, :, None] == k_seg[:, None, :]
+    return allowed[:, None, None]
 
 
 def _segments_of_queries_and_keys(segment_ids):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from gspmd_tp.model import kernels, moe
+from gspmd_tp.model import context, kernels, moe
 from gspmd_tp.sharding.axes import (
     BATCH,
     EMBED,
@@ -121,6 +121,16 @@ class ModelConfig:
     # scoring only the keys up to its own end, so the causal upper triangle beyond the diagonal
     # blocks is never computed (0: one block, the whole square). The same result, to rounding.
     attention_block: int = 0
+    # Under a rule file that splits `length` over mesh axes (context parallelism, context.py): how
+    # attention reaches the other devices' keys and values. all_gather: GSPMD gathers them whole
+    # (kv_length left unsplit); ring: they go round the context axes by ppermute, a block a step,
+    # under a streaming softmax (einsum blocks: model.attention einsum or auto, attention_block 0).
+    # Without a context axis both are plain attention.
+    context_parallel: str = "all_gather"
+    # Under context parallelism: the train and eval steps lay each sequence out in zigzag order
+    # (device i of n holds chunks i and 2n-1-i of 2n), so the causal square's work is the same on
+    # every device; attention masks by true positions. seq_len must divide by 2n.
+    context_load_balance: bool = False
     scan_layers: bool = True
     # The SwiGLU MLP's gradient. xla: autodiff's (its two halves zero-padded and added); one_pass:
     # SwiGLU's gradient as one elementwise pass; fused: the whole MLP's backward written out, SwiGLU's
@@ -237,6 +247,10 @@ class ModelConfig:
                 f"{self.mlp_slices} slices: set one of the two"
             )
         problems += self._moe_problems()
+        if self.context_parallel not in context.STRATEGIES:
+            problems.append(
+                f"model.context_parallel {self.context_parallel!r} is not one of {context.STRATEGIES}"
+            )
         if self.attention not in kernels.ATTENTION_IMPLEMENTATIONS:
             problems.append(
                 f"model.attention {self.attention!r} is not one of {kernels.ATTENTION_IMPLEMENTATIONS}"
@@ -423,6 +437,7 @@ class Attention(nn.Module):
     """Causal self-attention with grouped key/value heads and a fused qkv kernel."""
 
     cfg: ModelConfig
+    zigzag: bool = False  # the sequence in context.zigzag_order, `positions` its true positions
 
     @nn.compact
     def __call__(self, x_ble, positions, segment_ids=None):
@@ -452,14 +467,18 @@ class Attention(nn.Module):
         q_blhd = checkpoint_name(_constrain(q_blhd, (BATCH, LENGTH, HEADS, HEAD_DIM)), "query")
         k_blkd = rotary(k_blkd, positions, cfg.rope_theta)
         # Keys and values by kv_length, apart from the queries' length: context parallelism splits the
-        # queries by position and gathers the keys and values whole here (rules: kv_length -> null).
-        k_blkd = checkpoint_name(_constrain(k_blkd, (BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM)), "key")
-        v_blkd = _constrain(qkv_blkgd[:, :, :, group + 1], (BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM))
+        # queries by position and gathers the keys and values whole here (rules: kv_length -> null);
+        # the ring keeps them split as the queries are (context.py).
+        kv_length = LENGTH if decoding is None and context.rings(cfg) else KV_LENGTH
+        k_blkd = checkpoint_name(_constrain(k_blkd, (BATCH, kv_length, KV_HEADS, HEAD_DIM)), "key")
+        v_blkd = _constrain(qkv_blkgd[:, :, :, group + 1], (BATCH, kv_length, KV_HEADS, HEAD_DIM))
 
         mask = None  # causal
         if decoding is not None:  # keys and values: the cache so far plus these tokens
             k_blkd, v_blkd, mask = _extend_cache(self, k_blkd, v_blkd, decoding)
-        out_blhd = kernels.attention(cfg, q_blhd, k_blkd, v_blkd, mask, segment_ids)
+        out_blhd = kernels.attention(
+            cfg, q_blhd, k_blkd, v_blkd, mask, segment_ids, None if decoding else positions, self.zigzag
+        )
         out_blhd = _constrain(out_blhd, (BATCH, LENGTH, HEADS, HEAD_DIM))
         y_ble = kernels.project(
             "blhd,hde->ble", out_blhd, _weight(w_out, dtype, OUT_AXES), OUT_AXES, cfg.grad_dtype
@@ -518,6 +537,7 @@ class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     cfg: ModelConfig
+    zigzag: bool = False  # Attention's
 
     @nn.compact
     def __call__(self, x_ble, positions, segment_ids=None):
@@ -527,7 +547,8 @@ class Block(nn.Module):
         # sequences (length). Under sequence parallelism the second constraint is the all-gather.
         h = _constrain(RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_ble), (BATCH, NORM_LENGTH, EMBED))
         h = checkpoint_name(_constrain(h, _WHOLE_WIDTH), "attn_in")
-        x_ble = x_ble + checkpoint_name(Attention(cfg, name="attn")(h, positions, segment_ids), "attn_out")
+        attn = Attention(cfg, self.zigzag, name="attn")
+        x_ble = x_ble + checkpoint_name(attn(h, positions, segment_ids), "attn_out")
         h = _constrain(RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_ble), (BATCH, NORM_LENGTH, EMBED))
         h = checkpoint_name(_constrain(h, _WHOLE_WIDTH), "mlp_in")
         mlp = MoeFeedForward(cfg, name="moe") if cfg.num_experts else FeedForward(cfg, name="mlp")
@@ -548,12 +569,16 @@ class Transformer(nn.Module):
         decoding: Decoding | None = None,
         segment_ids_bl=None,
         positions_bl=None,
+        zigzag: bool = False,
     ):
         """Logits; with return_hidden, (final-normed hidden states, output projection (embed,
         vocab)) instead, so that a loss can project a block of positions at a time. With `decoding`,
         attention reads and extends the key/value cache (apply with mutable=["cache"]). Packed
         documents: segment_ids_bl (batch, length) keeps each position's attention within its
-        segment, positions_bl (batch, length) are the rotary positions (by default 0, 1, ...)."""
+        segment, positions_bl (batch, length) are the rotary positions (by default 0, 1, ...).
+        `zigzag`: the sequence comes in context.zigzag_order (the steps' under
+        model.context_load_balance) and positions_bl are its true positions, which the causal mask
+        compares."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         embedding = _param(self, "embedding", _INIT, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
         x_ble = kernels.embed(cfg, embedding, tokens_bl)
@@ -564,6 +589,8 @@ class Transformer(nn.Module):
         positions = jnp.arange(tokens_bl.shape[1], dtype=jnp.int32)
         if positions_bl is not None:
             positions = positions_bl
+        elif zigzag:
+            raise ValueError("a sequence in zigzag order needs its true positions (positions_bl)")
         if decoding is not None:
             positions = decoding  # Block hands it to Attention unchanged
 
@@ -580,10 +607,10 @@ class Transformer(nn.Module):
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: LAYERS},
             )
-            x_ble, _ = stack(cfg, name="layers")(x_ble, positions, segment_ids_bl)
+            x_ble, _ = stack(cfg, zigzag, name="layers")(x_ble, positions, segment_ids_bl)
         else:
             for i in range(cfg.num_layers):
-                x_ble, _ = block(cfg, name=f"layers_{i}")(x_ble, positions, segment_ids_bl)
+                x_ble, _ = block(cfg, zigzag, name=f"layers_{i}")(x_ble, positions, segment_ids_bl)
 
         x_ble = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_ble)
         x_ble = _constrain(x_ble, _WHOLE_WIDTH)

@@ -17,6 +17,7 @@ from gspmd_tp.data import pipeline, tokenizer
 from gspmd_tp.job.config_keys import check_keys, ours
 from gspmd_tp.job.errors import UserError, warn
 from gspmd_tp.model import moe
+from gspmd_tp.model.context import heads_follow_kv_heads
 from gspmd_tp.model.kernels import (
     CUDNN_SEGMENTS,
     attention_implementation,
@@ -179,11 +180,13 @@ def setup(config, devices=None, rules: Rules | None = None) -> Setup:
         _check_mlp_slices(model_cfg, rules, mesh)
     _check_experts(model_cfg, rules, mesh)
     _check_sequence(config.seq_len, rules, mesh)
+    # Ring attention and the zigzag order mask by positions, which cuDNN's fused attention cannot.
+    positional = _check_context(model_cfg, config.seq_len, rules, mesh)
     model_cfg = dataclasses.replace(
         model_cfg,
         mlp_grad=mlp_grad,
         attention=attention_implementation(
-            model_cfg.attention, model_cfg.dtype, platform, segmented=config.data.document_mask
+            model_cfg.attention, model_cfg.dtype, platform, segmented=config.data.document_mask or positional
         ),
         moe_dispatch=moe.dispatch_implementation(model_cfg.moe_dispatch, platform),
     )
@@ -274,6 +277,64 @@ def _check_sequence(seq_len: int, rules: Rules, mesh) -> None:
                 f"config.seq_len={seq_len} is not divisible by the mesh axes {sizes} that {rules.source} "
                 f"splits {name} over"
             )
+
+
+def _check_context(model_cfg: ModelConfig, seq_len: int, rules: Rules, mesh) -> bool:
+    """Whether model.context_parallel='ring' or model.context_load_balance applies: the rule file
+    splits length over mesh axes of more than one device (a warning where it does not, and nothing
+    changes). UserError where one of them cannot run: a seq_len the zigzag's 2 x context chunks do
+    not divide, an attention path other than einsum blocks under the ring, query blocks or cuDNN
+    under the zigzag order."""
+    ring, balance = model_cfg.context_parallel == "ring", model_cfg.context_load_balance
+    asked = [k for k, on in (("context_parallel='ring'", ring), ("context_load_balance=True", balance)) if on]
+    if not asked:
+        return False
+    ways, sizes = mesh_ways(mesh.shape, rules.spec((axes.LENGTH,))[0])
+    if ways == 1:
+        warn(
+            f"warning: config.model.{' and config.model.'.join(asked)} changes nothing: {rules.source} on "
+            f"mesh {mesh_string(mesh)} splits length over no mesh axis of more than one device (no "
+            "context parallelism: context_dp or fsdp_context_tensor split it)"
+        )
+        return False
+    if balance and seq_len % (2 * ways):
+        raise UserError(
+            f"config.seq_len={seq_len} is not divisible by {2 * ways}, twice the mesh axes {sizes} that "
+            f"{rules.source} splits length over: config.model.context_load_balance gives each device "
+            "two chunks"
+        )
+    attention, block = model_cfg.attention, model_cfg.attention_block
+    if ring and not heads_follow_kv_heads(rules.rules):
+        warn(
+            f"warning: config.model.context_parallel='ring' falls back to all-gather attention: "
+            f"{rules.source} splits heads over mesh axes kv_heads is not split over (give kv_heads the "
+            "axes of heads)"
+        )
+    if ring and attention in ("xla", "cudnn"):
+        raise UserError(
+            f"config.model.context_parallel='ring' attends block by block in its own einsum; "
+            f"config.model.attention={attention!r} cannot run there: set config.model.attention='einsum' "
+            "(or 'auto'), or config.model.context_parallel='all_gather'"
+        )
+    if ring and block:
+        raise UserError(
+            f"config.model.attention_block={block} splits the whole sequence's causal square, which "
+            "config.model.context_parallel='ring' never holds (it attends a context chunk at a time): "
+            "set config.model.attention_block=0, or config.model.context_parallel='all_gather'"
+        )
+    if balance and block:
+        raise UserError(
+            f"config.model.attention_block={block} leaves out keys by their index, which "
+            "config.model.context_load_balance reorders: set config.model.attention_block=0, or "
+            "config.model.context_load_balance=False"
+        )
+    if balance and attention == "cudnn":
+        raise UserError(
+            "config.model.context_load_balance masks by true positions, which "
+            "config.model.attention='cudnn' cannot take (its causal mask is by index): set "
+            "config.model.attention='einsum' or 'xla', or config.model.context_load_balance=False"
+        )
+    return True
 
 
 def _check_experts(model_cfg: ModelConfig, rules: Rules, mesh) -> None:

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from gspmd_tp.data import pipeline
-from gspmd_tp.model import moe
+from gspmd_tp.model import context, moe
 from gspmd_tp.model.transformer import Transformer
 from gspmd_tp.sharding import axes
 from gspmd_tp.sharding.rules import axes_of, batch_mesh_axes, mesh_ways
@@ -58,6 +58,10 @@ def _loss_sums_and_router(model: Transformer, params, batch, loss_chunk: int = 0
     if padded:
         valid = targets != pipeline.PAD
         inputs, targets = (jnp.where(t == pipeline.PAD, 0, t) for t in (inputs, targets))
+    shards = context.balanced_shards(model.cfg)
+    if shards:
+        inputs, targets, valid, documents = _zigzag(shards, inputs, targets, valid, documents)
+        documents["zigzag"] = True
     out, router = _apply(model, params, inputs, return_hidden=bool(loss_chunk), documents=documents)
     if loss_chunk:
         hidden, head = out
@@ -69,10 +73,23 @@ def _loss_sums_and_router(model: Transformer, params, batch, loss_chunk: int = 0
     return (*sums, router)
 
 
+def _zigzag(shards: int, inputs, targets, valid, documents: dict):
+    """(inputs, targets, valid, documents) laid out in context.zigzag_order over `shards` context
+    devices, and documents' positions_bl the true positions (the original ones where there are
+    none). The same permutation of every (batch, seq_len) array: the sum of token losses is the
+    same, and so is every token's loss. Each row is whole on its devices here (the batch is split
+    by rows), so the reorder moves nothing between devices."""
+    order = context.zigzag_order(inputs.shape[1], shards)
+    take = lambda x: None if x is None else jnp.take(x, order, axis=1)  # noqa: E731
+    documents = {k: take(v) for k, v in documents.items()}
+    documents.setdefault("positions_bl", jnp.broadcast_to(jnp.asarray(order), inputs.shape))
+    return take(inputs), take(targets), take(valid), documents
+
+
 def _apply(model: Transformer, params, inputs, return_hidden: bool, documents: dict):
     """(model.apply's output, the router's losses): an MoE model's layers sow their router
     statistics, read here; a dense model's apply is as it always was. `documents`: the inputs'
-    segment_ids_bl and positions_bl, or {}."""
+    segment_ids_bl and positions_bl, or {}, and zigzag where they are in context.zigzag_order."""
     if not model.cfg.num_experts:
         return model.apply({"params": params}, inputs, return_hidden=return_hidden, **documents), {}
     out, state = model.apply(
