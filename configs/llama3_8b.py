@@ -11,6 +11,8 @@ compile whatever the depth. The vocabulary is Llama 3's
 size, exact: it divides by any tensor axis up to 256 (data.tokenizer bytes uses the first 256 ids;
 with Llama 3's tokenizer.json, model.vocab_size=0 pads its size to a multiple of 128). Global batch
 128 sequences of 8,192 tokens (1M tokens a step, one sequence per chip on 128 chips).
+Long context (docs/estimates.md, "Llama-3-8B at long context on v5p"): --config.seq_len=131072
+--config.batch_size=2 --config.model.remat=full under context_dp or fsdp_context_tensor.
 """
 
 from gspmd_tp.configs import llama_1b

@@ -117,6 +117,8 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
 
     d_ways = ways(batch_axes)
     k = c.grad_accum
+    context = context_layout(s)
+    seq = c.seq_len // (context["ways"] if context else 1)  # the positions of a device's queries
     act_bytes = 4 if (backend == "cpu" or cfg.dtype == "float32") else 2  # XLA:CPU promotes bf16
     # What an all-gather moves per byte of a product's operand: the TPU compiler rounds float32
     # operands to bfloat16 (JAX's default precision) and gathers them after the cast.
@@ -128,7 +130,7 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     # A weight used in products gets its gradient in the compute dtype, all-reduced or
     # reduce-scattered in it before the float32 update (XLA:CPU promotes the all-reduce to float32).
     gradient = act_bytes / 4
-    activation = (c.batch_size // k // d_ways) * c.seq_len * cfg.d_model * act_bytes
+    activation = (c.batch_size // k // d_ways) * seq * cfg.d_model * act_bytes
     layout = expert_layout(s)
     # (all-reduces per microbatch, the mesh axes they run over), one entry per kind.
     reductions = [
@@ -144,7 +146,7 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
         # The routed experts' outputs and input gradients, reduced over their hidden width's axes
         # and the expert axes the batch does not split (the router weights' gradient with them).
         r = ways(set(layout["hidden"] + layout["rest"]))
-        routes = (c.batch_size // k // d_ways) * c.seq_len * cfg.experts_per_token * 4  # per device
+        routes = (c.batch_size // k // d_ways) * seq * cfg.experts_per_token * 4  # per device
         tensor_parallel += k * cfg.num_layers * 2 * (r - 1) / r * (2 * activation + routes)
         # Tokens out and back, forward and backward, and the routes gathered (ids, weights) and the
         # weights' gradient scattered: each moves (g - 1) times a device's share.
@@ -207,8 +209,9 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     unmodelled |= {
         (n, tuple(sorted(a)))
         for n, a in ((axes.LENGTH, hidden_axes(axes.LENGTH)), (axes.HEAD_DIM, head_dim))
-        if a
+        if a and not (n == axes.LENGTH and context)  # context parallelism: its own terms below
     }
+    unmodelled |= context_unmodelled(s, context)
     # A weight split over an axis that neither the batch nor its own activations use is gathered
     # whole for every use ([mlp, [dp, mp]] after [batch, dp]: the activation cannot take dp).
     for row in rows:
@@ -221,8 +224,9 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     # Sequence parallelism over axes the sublayers do not split (norm_length on an axis of its own):
     # the residual stream is gathered over them for every sublayer, which no term above counts.
     length_axes = set(axes_of(list(residual)[1])) if len(residual) > 1 else set()
-    if length_axes - tp_axes:
-        unmodelled.add((axes.NORM_LENGTH, tuple(sorted(length_axes - tp_axes))))
+    context_axes = set(context["axes"]) if context else set()
+    if length_axes - tp_axes - context_axes:
+        unmodelled.add((axes.NORM_LENGTH, tuple(sorted(length_axes - tp_axes - context_axes))))
     # Query heads split where their key/value heads are not (fewer kv_heads than the mesh axis):
     # every device computes the scores of the heads it does not hold, and they are gathered.
     if hidden_axes(axes.HEADS) != hidden_axes(axes.KV_HEADS):
@@ -275,7 +279,7 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
             # A lookup table split on embed is read where it lies: each device looks up its own
             # slice of every row and the rows are exchanged (all-to-all) forward and backward; the
             # table is never gathered and its gradient never reduced.
-            rows_bytes = (c.batch_size // k // d_ways) * c.seq_len * cfg.d_model * act_bytes
+            rows_bytes = (c.batch_size // k // d_ways) * seq * cfg.d_model * act_bytes
             fsdp_gather += k * 2 * (f - 1) / f * rows_bytes
         elif f > 1:
             gathered = local * f
@@ -288,13 +292,23 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
             if bf16_reduce and matrix and backend != "cpu":
                 reduced = 0.5
             fsdp_reduce += k * (f - 1) / f * gathered * reduced
+    context_kv = context_kv_bytes(s, context, backend)
+    context_grad = context_gradient_bytes(s, context, rows, backend, dp_reductions)
     return {
         "tensor_parallel": tensor_parallel,
         "data_parallel": data_parallel,
         "fsdp_gather": fsdp_gather,
         "fsdp_reduce": fsdp_reduce,
         "expert_dispatch": expert_dispatch,
-        "total": tensor_parallel + data_parallel + fsdp_gather + fsdp_reduce + expert_dispatch,
+        "context_kv": context_kv,
+        "context_grad": context_grad,
+        "total": tensor_parallel
+        + data_parallel
+        + fsdp_gather
+        + fsdp_reduce
+        + expert_dispatch
+        + context_kv
+        + context_grad,
         "unmodelled": sorted(f"{name}->{','.join(mesh_axes)}" for name, mesh_axes in unmodelled),
     }
 
@@ -340,3 +354,136 @@ def _expert_weight(row: dict) -> str:
     not), "" for any other parameter row."""
     names = tuple(row["logical"])
     return "in" if names[-4:] == moe.EXPERT_IN else "out" if names[-3:] == moe.EXPERT_OUT else ""
+
+
+# --- context parallelism ---
+
+# How the keys and values of the whole sequence reach a device's queries (model.context_parallel
+# where the config has it): all_gather (gathered whole inside attention, kv_length unsharded) or
+# ring (blocks passed round the context axis by collective-permute).
+CONTEXT_STRATEGIES = ("all_gather", "ring")
+
+
+def context_strategy(s: run_setup.Setup) -> str:
+    """model.context_parallel of the setup (the resolved model config's, else the config's), or
+    all_gather where the config has no such key (the only strategy before the ring)."""
+    strategy = getattr(s.model_cfg, "context_parallel", None)
+    if strategy is None and "context_parallel" in s.config.model:
+        strategy = s.config.model.context_parallel
+    return strategy or "all_gather"
+
+
+def context_layout(s: run_setup.Setup) -> dict | None:
+    """Context parallelism under the setup's rules, or None where no mesh axis splits the queries'
+    `length`: the strategy, the mesh axes of `length` and how many ways they split it, and the axes
+    of the keys' `kv_length` and of their heads."""
+    mesh_shape = dict(s.mesh.shape)
+    length = tuple(axes_of(s.rules.spec((axes.BATCH, axes.LENGTH))[-1]))
+    ways = math.prod(mesh_shape[a] for a in length)
+    if ways == 1:
+        return None
+    kv_spec = s.rules.spec((axes.BATCH, axes.KV_LENGTH, axes.KV_HEADS, axes.HEAD_DIM))
+    return {
+        "strategy": context_strategy(s),
+        "axes": length,
+        "ways": ways,
+        "kv_axes": tuple(axes_of(kv_spec[1])),
+        "kv_heads_ways": math.prod(mesh_shape[a] for a in axes_of(kv_spec[2])),
+    }
+
+
+def context_unmodelled(s: run_setup.Setup, layout: dict | None) -> set[tuple[str, tuple[str, ...]]]:
+    """The context-parallel layouts the analysis has no term for: a strategy it does not know, keys
+    split by position under all_gather (kv_length sharded), and a residual stream not split as the
+    queries are (norm_length over other axes: the sublayers' outputs would be gathered or sliced)."""
+    if layout is None:
+        return set()
+    found = set()
+    if layout["strategy"] not in CONTEXT_STRATEGIES:
+        found.add((f"{axes.LENGTH} (context_parallel {layout['strategy']})", layout["axes"]))
+    if layout["strategy"] == "all_gather" and layout["kv_axes"]:
+        found.add((axes.KV_LENGTH, layout["kv_axes"]))
+    residual = s.rules.spec((axes.BATCH, axes.NORM_LENGTH, axes.EMBED))
+    if set(axes_of(residual[1])) != set(layout["axes"]):
+        found.add((f"{axes.NORM_LENGTH} (not {axes.LENGTH})", tuple(sorted(axes_of(residual[1])))))
+    return found
+
+
+def context_kv_bytes(s: run_setup.Setup, layout: dict | None, backend: str) -> float:
+    """Bytes per device per step that move the keys and values across the context axes.
+
+    all_gather, per layer and microbatch: the keys and the values all-gathered forward, each device's
+    (batch shard, sequence / context, its kv heads) block to every other ((n - 1) / n of the whole
+    sequence's), in the compute dtype (on the TPU a float32 model's in bfloat16, as any product's
+    operand); their gradients reduce-scattered back in the backward (XLA:CPU: all-reduced whole):
+    the TPU compiler scatters dK in float32 (rotary embedding's gradient) and all-reduces dV whole in
+    the compute dtype, the same bytes in bfloat16. A remat policy recomputes both gathers for the
+    backward, the keys' unless it keeps `key` (model.remat_save).
+    ring (model.context_parallel ring): n - 1 collective-permute steps forward, each passing the
+    local keys and values on; backward as many for dK and dV, and for the keys and values again
+    (the compute dtype throughout; from the algorithm, not yet checked against a compiled ring).
+    """
+    if layout is None:
+        return 0.0
+    c, cfg = s.config, s.model_cfg
+    n = layout["ways"]
+    k = c.grad_accum
+    d_ways = math.prod(dict(s.mesh.shape)[a] for a in s.rules.batch_axes())
+    act_bytes = 4 if (backend == "cpu" or cfg.dtype == "float32") else 2  # XLA:CPU promotes bf16
+    gather = 2 / act_bytes if backend == "tpu" else 1.0  # float32 operands gathered after the cast
+    # One of K or V of the whole sequence on one device, in elements.
+    whole = (
+        (c.batch_size // k // d_ways) * c.seq_len * cfg.num_kv_heads // layout["kv_heads_ways"] * cfg.head_dim
+    )
+    share = (n - 1) / n * whole  # what each device receives of a gather, or sends of a scatter
+    recompute = cfg.remat != "none"
+    if layout["strategy"] == "all_gather":
+        forward = 2 * share * act_bytes * gather
+        d_k = (2 if backend == "cpu" else 1) * share * 4
+        d_v = 2 * share * act_bytes
+        again = (2 - ("key" in cfg.kept_names)) * share * act_bytes * gather if recompute else 0.0
+        per_layer = forward + d_k + d_v + again
+    elif layout["strategy"] == "ring":
+        local = whole / n  # each step passes a device's own block on
+        forward = 2 * (n - 1) * local * act_bytes
+        per_layer = 3 * forward  # backward: dK and dV round the ring, and K and V again
+        if recompute:
+            per_layer += forward
+    else:
+        return 0.0
+    return float(k * cfg.num_layers * per_layer)
+
+
+def context_gradient_bytes(
+    s: run_setup.Setup, layout: dict | None, rows: list[dict], backend: str, reductions: int
+) -> float:
+    """Bytes per device per step that reduce the gradients over the context axes: each device's
+    gradients are sums over its positions alone, so every parameter's is summed over the context
+    axes that do not shard it, `reductions` times a step (the data-parallel reductions' count).
+    XLA:CPU all-reduces each gradient shard over the context axes apart from the batch axes (two
+    all-reduces, after FSDP's reduction); the TPU compiler reduces over the context and batch axes
+    together, one all-reduce over their product in the gradient's dtype: what is counted here is
+    the part beyond data_parallel's over the batch axes alone."""
+    if layout is None:
+        return 0.0
+    cfg = s.model_cfg
+    mesh_shape = dict(s.mesh.shape)
+    batch_axes = set(s.rules.batch_axes())
+    act_bytes = 4 if (backend == "cpu" or cfg.dtype == "float32") else 2
+    total = 0.0
+    for row in rows:
+        if row["kind"] != "params":
+            continue
+        used = {a for e in row["spec"] for a in axes_of(e)}
+        n = math.prod(mesh_shape[a] for a in set(layout["axes"]) - used)
+        if n == 1:
+            continue
+        matrix = len(row["shape"]) > 1
+        dtype = act_bytes / 4 if matrix and row["path"] != "params/embedding" else 1.0
+        if backend == "cpu":
+            total += 2 * (n - 1) / n * row["bytes_per_device"] * dtype
+        else:
+            g = math.prod(mesh_shape[a] for a in batch_axes - used)
+            beyond = 2 * (n * g - 1) / (n * g) - 2 * (g - 1) / g
+            total += beyond * row["bytes_per_device"] * dtype
+    return float(reductions * total)

@@ -330,7 +330,12 @@ def format_plan(p: dict) -> str:
         f"analytical bytes/device: {_mb(a['total'])} (tensor parallel {_mb(a['tensor_parallel'])}, "
         f"data parallel {_mb(a['data_parallel'])}, fsdp gather {_mb(a['fsdp_gather'])}, "
         f"fsdp reduce {_mb(a['fsdp_reduce'])}"
-        + (f", expert dispatch {_mb(a['expert_dispatch'])})" if a.get("expert_dispatch") else ")"),
+        + (f", expert dispatch {_mb(a['expert_dispatch'])}" if a.get("expert_dispatch") else "")
+        + (
+            f", context K/V {_mb(a['context_kv'])}, context gradients {_mb(a['context_grad'])})"
+            if a.get("context_kv") or a.get("context_grad")
+            else ")"
+        ),
         f"measured / analytical: {_ratio(p)}",
         "",
         "largest collectives (ring bytes/device per step, the jax op they come from):",

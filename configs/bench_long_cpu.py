@@ -1,0 +1,31 @@
+"""A long-sequence CPU benchmark of context parallelism: configs/tiny.py's model (4 layers, d_model
+128, 8 heads) at 4,096 positions, 8 sequences a step, against cp = 1 (plain data parallelism).
+
+    python bench.py --config=configs/bench_long_cpu.py \
+        --meshes="data=8,context=1 data=4,context=2 data=2,context=4 data=1,context=8" \
+        --alternate --rounds=3 --round_steps=2 --warmup=2 --json_out=/tmp/bench_long.json
+
+rules/context_dp.yaml on data=8/cp,context=cp: cp = 1 is plain data parallelism (a whole sequence a
+device), cp > 1 splits each sequence over cp devices (the same 4,096 tokens a device, the keys and
+values gathered). The argument is the context-parallel strategy,
+config.model.context_parallel (configs/bench_long_cpu.py:ring): all_gather, the default, is the only
+one before the ring lands and leaves the key out of the config.
+"""
+
+from gspmd_tp.configs import tiny
+
+
+def get_config(strategy: str = "all_gather"):
+    c = tiny.get_config()
+    c.mesh = "data=2,context=4"
+    c.rules = "context_dp"
+    c.batch_size = 8  # one sequence a device at cp = 1
+    c.seq_len = 4096
+    # Query blocks of 512: the score square in eighths, not whole (1 GiB of float32 a sequence).
+    c.model.attention_block = 512
+    # Each layer recomputed in the backward pass: one layer's scores live at a time, so that cp = 1
+    # fits 8 devices in a small host's memory (its step needs 3.4 GiB a device with no remat).
+    c.model.remat = "full"
+    if strategy != "all_gather":
+        c.model.context_parallel = strategy  # a key of the model config once the ring strategy lands
+    return c
