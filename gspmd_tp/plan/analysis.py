@@ -421,7 +421,8 @@ def context_kv_bytes(s: run_setup.Setup, layout: dict | None, backend: str) -> f
     backward, the keys' unless it keeps `key` (model.remat_save).
     ring (model.context_parallel ring): n - 1 collective-permute steps forward, each passing the
     local keys and values on; backward as many for dK and dV, and for the keys and values again
-    (the compute dtype throughout; from the algorithm, not yet checked against a compiled ring).
+    (K/V in the compute dtype, with the blocks' int32 positions and segment ids; the gradients'
+    float32 accumulators n times).
     """
     if layout is None:
         return 0.0
@@ -444,11 +445,15 @@ def context_kv_bytes(s: run_setup.Setup, layout: dict | None, backend: str) -> f
         again = (2 - ("key" in cfg.kept_names)) * share * act_bytes * gather if recompute else 0.0
         per_layer = forward + d_k + d_v + again
     elif layout["strategy"] == "ring":
-        local = whole / n  # each step passes a device's own block on
-        forward = 2 * (n - 1) * local * act_bytes
-        per_layer = 3 * forward  # backward: dK and dV round the ring, and K and V again
-        if recompute:
-            per_layer += forward
+        # Each step passes a block on: its K and V, and its positions and segment ids (int32).
+        rows = (c.batch_size // k // d_ways) * c.seq_len / n
+        block = 2 * whole / n * act_bytes + rows * 4 * (1 + bool(c.data.document_mask))
+        forward = (n - 1) * block
+        # Backward (model/context._ring_backward): the blocks round again, and the float32 dK and
+        # dV accumulators n times (the last permute brings them home).
+        # No remat policy runs the ring again: the custom_vjp's backward starts from its saved
+        # residuals (tiny, remat full, on CPU: the same bytes as without).
+        per_layer = 2 * forward + n * 2 * whole / n * 4
     else:
         return 0.0
     return float(k * cfg.num_layers * per_layer)

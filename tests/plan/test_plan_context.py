@@ -46,11 +46,25 @@ def kv_gathers(found: list, context: int) -> float:
     )
 
 
+RING = {"model.context_parallel": "ring"}
+STRATEGIES = [{}, RING, {**RING, "model.context_load_balance": True}]
+
+
 @pytest.mark.parametrize("rules, mesh", CASES)
 def test_context_rule_files_within_5_percent_of_the_analysis(rules, mesh):
     p, _ = planned(rules, mesh)
     a = p["analytical"]
     assert a["context_kv"] > 0 and a["context_grad"] > 0 and a["unmodelled"] == []
+    assert p["ratio"] == pytest.approx(1.0, abs=0.05), (p["bytes_per_device"], a)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES[1:], ids=["ring", "ring_balanced"])
+@pytest.mark.parametrize("rules, mesh", [CASES[0], CASES[-1]])
+def test_the_ring_within_5_percent_of_the_analysis(rules, mesh, strategy):
+    p, found = planned(rules, mesh, **strategy)
+    a = p["analytical"]
+    assert a["context_kv"] > 0 and a["unmodelled"] == []
+    assert any(c.kind == "collective-permute" for c in found) and kv_gathers(found, 4) == 0
     assert p["ratio"] == pytest.approx(1.0, abs=0.05), (p["bytes_per_device"], a)
 
 
@@ -126,15 +140,17 @@ def test_keys_split_by_position_under_all_gather_are_named_unmodelled():
 
 def test_the_strategy_is_all_gather_unless_the_config_names_another():
     """Without model.context_parallel the analysis counts the all-gather strategy; a config that names
-    ring gets the ring's terms (worked by hand: 3 steps forward of each device's block of K and of V,
-    backward as many for dK and dV and for K and V again), a name it does not know is unmodelled."""
+    ring gets the ring's terms (worked by hand: 3 steps forward of each device's block of K and of V
+    with its positions and segment ids, the blocks again backward, and the float32 dK and dV 4 times),
+    a name it does not know is unmodelled."""
     c = small_config(rules="context_dp", mesh="data=2,context=4")
     s = run_setup.setup(c)
     layout = analysis.context_layout(s)
     assert layout["strategy"] == "all_gather" and layout["axes"] == ("context",) and layout["ways"] == 4
     block = 4 * 32 // 4 * 8 * 8 * 4  # a device's own positions of K (or V), float32
     ring = {**layout, "strategy": "ring"}
-    expected = c.model.num_layers * (2 * 3 * block + 2 * (2 * 3 * block))
+    ids = 4 * 32 // 4 * 4 * 2  # the block's positions and segment ids, int32
+    expected = c.model.num_layers * (2 * 3 * (2 * block + ids) + 4 * 2 * block)
     assert analysis.context_kv_bytes(s, ring, "cpu") == pytest.approx(expected, rel=1e-9)
     assert analysis.context_unmodelled(s, {**layout, "strategy": "zigzag"}) == {
         ("length (context_parallel zigzag)", ("context",))
@@ -152,10 +168,11 @@ TPU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("strategy", [{}, RING], ids=["all_gather", "ring"])
 @pytest.mark.parametrize("rules, mesh, wide", TPU_CASES)
-def test_context_rule_files_on_tpu_in_bfloat16_within_5_percent_of_the_analysis(rules, mesh, wide):
+def test_context_rule_files_on_tpu_in_bfloat16_within_5_percent_of_the_analysis(rules, mesh, wide, strategy):
     pytest.importorskip("libtpu")
-    c = small_config(rules=rules, mesh=mesh, **{"model.dtype": "bfloat16", **wide})
+    c = small_config(rules=rules, mesh=mesh, **{"model.dtype": "bfloat16", **wide, **strategy})
     p = planner.plan(c, target="tpu:v5e:2x4")
     a = p["analytical"]
     assert a["context_kv"] > 0 and a["unmodelled"] == []
