@@ -3,13 +3,16 @@
 
     python bench.py --config=configs/bench_long_cpu.py \
         --meshes="data=8,context=1 data=4,context=2 data=2,context=4 data=1,context=8" \
-        --alternate --rounds=3 --round_steps=2 --warmup=2 --json_out=/tmp/bench_long.json
+        --alternate --rounds=2 --round_steps=2 --warmup=1 --json_out=/tmp/bench_long.json
+    python bench.py --config=configs/bench_long_cpu.py:ring \
+        --meshes="data=8,context=1 data=4,context=2 data=2,context=4 data=1,context=8" \
+        --alternate --rounds=2 --round_steps=2 --warmup=1 --json_out=/tmp/bench_long_ring.json
 
 rules/context_dp.yaml on data=8/cp,context=cp: cp = 1 is plain data parallelism (a whole sequence a
-device), cp > 1 splits each sequence over cp devices (the same 4,096 tokens a device, the keys and
-values gathered). The argument is the context-parallel strategy,
-config.model.context_parallel (configs/bench_long_cpu.py:ring): all_gather, the default, is the only
-one before the ring lands and leaves the key out of the config.
+device), cp > 1 splits each sequence over cp devices (the same 4,096 tokens a device). The argument
+is config.model.context_parallel: all_gather (the default: the keys and values gathered, scored in
+query blocks of 512) or ring (the blocks passed round the context axis, one block a step; cp = 1
+runs plain attention whole).
 """
 
 from gspmd_tp.configs import tiny
@@ -21,11 +24,11 @@ def get_config(strategy: str = "all_gather"):
     c.rules = "context_dp"
     c.batch_size = 8  # one sequence a device at cp = 1
     c.seq_len = 4096
-    # Query blocks of 512: the score square in eighths, not whole (1 GiB of float32 a sequence).
-    c.model.attention_block = 512
+    c.model.context_parallel = strategy
+    # all_gather: query blocks of 512, the score square in eighths, not whole (1 GiB of float32 a
+    # sequence). The ring computes a block a step itself, and takes no query blocks.
+    c.model.attention_block = 512 if strategy == "all_gather" else 0
     # Each layer recomputed in the backward pass: one layer's scores live at a time, so that cp = 1
     # fits 8 devices in a small host's memory (its step needs 3.4 GiB a device with no remat).
     c.model.remat = "full"
-    if strategy != "all_gather":
-        c.model.context_parallel = strategy  # a key of the model config once the ring strategy lands
     return c

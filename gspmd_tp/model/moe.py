@@ -271,7 +271,7 @@ def _sharded(
         body,
         mesh=jax.sharding.get_abstract_mesh(),
         in_specs=(tokens, tokens, tokens, w_in_spec, w_out_spec),
-        out_specs=(tokens, jax.sharding.PartitionSpec(*tokens[:2])),  # one count a token shard
+        out_specs=(tokens, nn.logical_to_mesh_axes((BATCH, LENGTH))),  # one count a token shard
     )(x_ble, weights_blk, ids_blk, w_in, w_out)
 
 
