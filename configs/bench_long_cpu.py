@@ -8,6 +8,10 @@
         --meshes="data=8,context=1 data=4,context=2 data=2,context=4 data=1,context=8" \
         --alternate --rounds=2 --round_steps=2 --warmup=1 --json_out=/tmp/bench_long_ring.json
 
+--alternate holds the four points' states and programs at once: on a 24 GB host the all_gather
+run above was killed for memory after bench's fit check let it through; there, time one mesh at
+a time.
+
 rules/context_dp.yaml on data=8/cp,context=cp: cp = 1 is plain data parallelism (a whole sequence a
 device), cp > 1 splits each sequence over cp devices (the same 4,096 tokens a device). The argument
 is config.model.context_parallel: all_gather (the default: the keys and values gathered, scored in
