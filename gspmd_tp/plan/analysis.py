@@ -119,7 +119,7 @@ def analytical_bytes(s: run_setup.Setup, rows: list[dict], backend: str) -> dict
     k = c.grad_accum
     context = context_layout(s)
     seq = c.seq_len // (context["ways"] if context else 1)  # the positions of a device's queries
-    act_bytes = 4 if (backend == "cpu" or cfg.dtype == "float32") else 2  # XLA:CPU promotes bf16
+    act_bytes = _activation_bytes(cfg, backend)
     # What an all-gather moves per byte of a product's operand: the TPU compiler rounds float32
     # operands to bfloat16 (JAX's default precision) and gathers them after the cast.
     gather = 2 / act_bytes if backend == "tpu" else 1.0
@@ -409,6 +409,11 @@ def context_unmodelled(s: run_setup.Setup, layout: dict | None) -> set[tuple[str
     return found
 
 
+def _activation_bytes(cfg, backend: str) -> int:
+    """Bytes of an activation element on the wire: float32 on XLA:CPU, which promotes bf16."""
+    return 4 if (backend == "cpu" or cfg.dtype == "float32") else 2
+
+
 def context_kv_bytes(s: run_setup.Setup, layout: dict | None, backend: str) -> float:
     """Bytes per device per step that move the keys and values across the context axes.
 
@@ -430,7 +435,7 @@ def context_kv_bytes(s: run_setup.Setup, layout: dict | None, backend: str) -> f
     n = layout["ways"]
     k = c.grad_accum
     d_ways = math.prod(dict(s.mesh.shape)[a] for a in s.rules.batch_axes())
-    act_bytes = 4 if (backend == "cpu" or cfg.dtype == "float32") else 2  # XLA:CPU promotes bf16
+    act_bytes = _activation_bytes(cfg, backend)
     gather = 2 / act_bytes if backend == "tpu" else 1.0  # float32 operands gathered after the cast
     # One of K or V of the whole sequence on one device, in elements.
     whole = (
@@ -474,7 +479,7 @@ def context_gradient_bytes(
     cfg = s.model_cfg
     mesh_shape = dict(s.mesh.shape)
     batch_axes = set(s.rules.batch_axes())
-    act_bytes = 4 if (backend == "cpu" or cfg.dtype == "float32") else 2
+    act_bytes = _activation_bytes(cfg, backend)
     total = 0.0
     for row in rows:
         if row["kind"] != "params":
