@@ -1,16 +1,13 @@
 """A long-sequence CPU benchmark of context parallelism: configs/tiny.py's model (4 layers, d_model
 128, 8 heads) at 4,096 positions, 8 sequences a step, against cp = 1 (plain data parallelism).
 
-    python bench.py --config=configs/bench_long_cpu.py \
-        --meshes="data=8,context=1 data=4,context=2 data=2,context=4 data=1,context=8" \
-        --alternate --rounds=2 --round_steps=2 --warmup=1 --json_out=/tmp/bench_long.json
-    python bench.py --config=configs/bench_long_cpu.py:ring \
-        --meshes="data=8,context=1 data=4,context=2 data=2,context=4 data=1,context=8" \
-        --alternate --rounds=2 --round_steps=2 --warmup=1 --json_out=/tmp/bench_long_ring.json
+    for m in data=8,context=1 data=4,context=2 data=2,context=4 data=1,context=8; do
+        python bench.py --config=configs/bench_long_cpu.py --meshes=$m --steps=3 --warmup=1
+    done  # and configs/bench_long_cpu.py:ring on the three meshes with context > 1
 
---alternate holds the four points' states and programs at once: on a 24 GB host the all_gather
-run above was killed for memory after bench's fit check let it through; there, time one mesh at
-a time.
+One mesh a run: the host holds up to 2.3x a compiled step's memory (the tuned heap), so --alternate
+over the four would need more than a 24 GB host, and bench refuses it. The table, its figures and
+what they show: docs/benchmarks.md (Long sequences).
 
 rules/context_dp.yaml on data=8/cp,context=cp: cp = 1 is plain data parallelism (a whole sequence a
 device), cp > 1 splits each sequence over cp devices (the same 4,096 tokens a device). The argument

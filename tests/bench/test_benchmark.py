@@ -528,3 +528,26 @@ def test_cli_mistakes_are_one_line_errors_and_the_json_is_strict_when_the_loss_i
         last = err.strip().splitlines()[-1]
         assert last == message if message in exact else last.startswith(message), (argv, err[-2000:])
         assert "matmul" not in out + err and not out.strip(), (argv, out, err[-2000:])  # nothing timed
+
+
+def test_steps_held_at_once_on_cpu_need_the_working_memory_of_each(monkeypatch):
+    """--alternate on simulated CPU devices: two steps that each fit the host alone, but not both
+    working sets together, are refused in one line (the tuned heap keeps both); without the second
+    step they fit."""
+    import types
+
+    from gspmd_tp.sharding import mesh as mesh_lib
+    from gspmd_tp.train import run_setup
+
+    work = 2**30
+    stats = types.SimpleNamespace(
+        argument_size_in_bytes=0, output_size_in_bytes=0, temp_size_in_bytes=work, alias_size_in_bytes=0
+    )
+    setup = types.SimpleNamespace(mesh=mesh_lib.make_mesh("dp=2,mp=4", ["dp", "mp"]))
+    held = [types.SimpleNamespace(step=types.SimpleNamespace(memory_analysis=lambda: stats), setup=setup)] * 2
+    monkeypatch.setattr(run_setup, "_host_memory", lambda: int(8 * 1.5 * work))  # 8 devices x 1.5 steps
+    benchmark._check_held_memory(held[:1])
+    with pytest.raises(
+        UserError, match=r"the compiled set of 2 train steps held at once needs 8 CPU devices x 2\.0 GiB"
+    ):
+        benchmark._check_held_memory(held)
