@@ -67,21 +67,24 @@ def test_a_packed_window_gives_each_document_its_losses_and_gradients_alone(atte
     grad_packed = jax.jit(jax.grad(lambda p: _token_losses(cfg, p, tokens, targets, **documents).sum()))(
         params
     )
+
+    def summed(p, t, y):
+        losses = _token_losses(cfg, p, t, y)
+        return losses.sum(), losses
+
+    alone_step = jax.jit(jax.value_and_grad(summed, has_aux=True))  # compiled once per document length
     grad_alone = jax.tree.map(jnp.zeros_like, params)
     for r, idx in _spans():
         # The document alone: a batch of one row, positions 0, 1, ... by default, nothing to mask.
-        doc, doc_targets = tokens[r : r + 1, idx], targets[r : r + 1, idx]
-        alone, g = jax.jit(
-            lambda p, t=doc, y=doc_targets: jax.value_and_grad(lambda q: _token_losses(cfg, q, t, y).sum())(p)
-        )(params)
+        (alone, alone_losses), g = alone_step(params, tokens[r : r + 1, idx], targets[r : r + 1, idx])
         np.testing.assert_allclose(packed[r, idx].sum(), alone, rtol=1e-5)
-        np.testing.assert_allclose(packed[r, idx], _token_losses(cfg, params, doc, doc_targets)[0], atol=1e-5)
+        np.testing.assert_allclose(packed[r, idx], alone_losses[0], atol=1e-5)
         grad_alone = jax.tree.map(jnp.add, grad_alone, g)
     for a, b in zip(jax.tree.leaves(grad_packed), jax.tree.leaves(grad_alone), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
     # Attended whole, the later documents read the earlier ones: the losses differ.
-    whole = _token_losses(cfg, params, tokens, targets)
+    whole = jax.jit(lambda p: _token_losses(cfg, p, tokens, targets))(params)
     r, idx = _spans()[1]
     assert np.abs(np.asarray(whole[r, idx]) - np.asarray(packed[r, idx])).max() > 1e-3
 
@@ -122,14 +125,15 @@ def test_the_steps_loss_sums_read_the_batchs_segments(loss_chunk):
     model = Transformer(cfg)
     params = model.init(jax.random.key(1), jnp.asarray(tokens))["params"]
     batch = {"tokens": window, "segment_ids": segment_ids, "positions": positions}
-    total, count = step_lib._loss_sums(model, params, jax.tree.map(jnp.asarray, batch), loss_chunk)
+    loss_sums = jax.jit(lambda p, b: step_lib._loss_sums(model, p, b, loss_chunk))
+    total, count = loss_sums(params, jax.tree.map(jnp.asarray, batch))
+    alone = jax.jit(lambda p, t, y: _token_losses(cfg, p, t, y).sum())
     want = sum(
-        float(_token_losses(cfg, params, window[r : r + 1, idx], window[r : r + 1, idx + 1]).sum())
-        for r, idx in _spans()
+        float(alone(params, window[r : r + 1, idx], window[r : r + 1, idx + 1])) for r, idx in _spans()
     )
     assert int(count) == 2 * LENGTH
     np.testing.assert_allclose(float(total), want, rtol=1e-5)
-    unmasked, _ = step_lib._loss_sums(model, params, jnp.asarray(window), loss_chunk)  # a bare token array
+    unmasked, _ = loss_sums(params, jnp.asarray(window))  # a bare token array
     assert abs(float(unmasked) - want) > 1e-3
 
 
