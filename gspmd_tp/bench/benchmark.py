@@ -291,9 +291,9 @@ def _check_held_memory(held: list[_Held]) -> None:
     """UserError (run_setup.check_memory's) where the states of all `held` steps and their working
     memory do not fit together, before any state is made: on an accelerator the largest step's (its
     allocator hands each step's freed temporaries to the next), on CPU all of them (the tuned heap,
-    host_devices.tune_malloc, keeps each step's freed blocks and does not coalesce them across steps
-    of other shapes: four long-sequence steps whose largest needs 7.5 GiB were killed for memory on
-    a 23.5 GiB host)."""
+    host_devices.tune_malloc, keeps freed blocks: the process held up to 2.3x one long-sequence
+    step's compiled memory, and four such steps, the largest needing 7.5 GiB, were killed for memory
+    on a 23.5 GiB host)."""
     stats = [h.step.memory_analysis() for h in held]
     work = [m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes for m in stats]
     on_cpu = held[0].setup.mesh.devices.flat[0].platform == "cpu"
