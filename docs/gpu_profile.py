@@ -22,7 +22,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_
 
 from absl import app, flags
 
-from gspmd_tp.job.errors import define_config, no_positional_arguments, parse_flags
+from gspmd_tp.cli.arguments import define_config, no_positional_arguments, parse_flags
 
 _CONFIG = define_config("configs/llama_1b.py", "A configs/*.py file.")
 _OUT = flags.DEFINE_string("out", "", "Output directory.")

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gspmd_tp"
 
 # Lowest first: a package may import those before it, never those after it. The tools at the top
 # import the layers, and of each other only what is named here (convert's to-hf reads a saved run).
-LAYERS = ["job", "sharding", "model", "data", "checkpoint", "train"]
+LAYERS = ["job", "storage", "cli", "sharding", "model", "data", "checkpoint", "train"]
 TOOLS = ["plan", "bench", "inference", "convert"]
 TOOL_USES = {"convert": {"inference"}}
 

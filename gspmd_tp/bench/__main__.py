@@ -14,14 +14,17 @@ report and writes --json_out.
 """
 
 if __name__ == "__main__":
+    from gspmd_tp.cli import arguments
     from gspmd_tp.job import entry
 
     entry.begin()  # main() asks for the config's devices; signals.run_job then takes Ctrl-C over
 
 from absl import app, flags
 
-from gspmd_tp.job import entry, job_flags, paths
-from gspmd_tp.job.errors import UserError, define_config, parse_flags
+from gspmd_tp.cli import arguments
+from gspmd_tp.cli.arguments import define_config, parse_flags
+from gspmd_tp.job import entry, job_flags
+from gspmd_tp.job.errors import UserError
 
 _CONFIG = define_config("bench_cpu", "A config file, or the name of a shipped one (configs/NAME.py).")
 _RULES = flags.DEFINE_string("rules", "", "Comma-separated rule files, each once (default: config.rules).")
@@ -31,8 +34,8 @@ _WARMUP = flags.DEFINE_integer(
     "warmup", 15, "Untimed steps after compiling (CPU: the tuned malloc heap settles in ~10 to 15)."
 )
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
-_JSON_OUT = paths.define_flag("json_out", "", "Also write the JSON report to this file.")
-_PROFILE = paths.define_flag(
+_JSON_OUT = arguments.define_path("json_out", "", "Also write the JSON report to this file.")
+_PROFILE = arguments.define_path(
     "profile_dir", "", "Also trace one step per rule file x mesh here and report where its time goes."
 )
 
@@ -61,7 +64,8 @@ flags.adopt_module_key_flags(job_flags)
 
 
 def main(argv):
-    entry.start_job(argv, config := _CONFIG.value)
+    arguments.no_positional_arguments(argv)
+    entry.start_job(config := _CONFIG.value)
     from gspmd_tp.job import signals
 
     rules = [r.strip() for r in _RULES.value.split(",")] if _RULES.value else [config.rules]
@@ -71,7 +75,8 @@ def main(argv):
         import jax
 
         from gspmd_tp.bench import benchmark
-        from gspmd_tp.job import distributed, output_paths
+        from gspmd_tp.job import distributed, job_flags
+        from gspmd_tp.storage import outputs
 
         def checked():
             if not all(rules):  # as plan's --compare: "a, b" is two names, "a,,b" a mistake
@@ -80,13 +85,13 @@ def main(argv):
             # rule file x mesh has been timed. The report is process 0's to write; each writes its
             # traces.
             if _JSON_OUT.value and jax.process_index() == 0:
-                output_paths.check_file(_JSON_OUT.value, "--json_out", probe=True)
+                outputs.check_file(_JSON_OUT.value, "--json_out", probe=True)
             if _PROFILE.value:
-                output_paths.check_dir(_PROFILE.value, "--profile_dir", probe=True)
+                outputs.check_dir(_PROFILE.value, "--profile_dir", probe=True)
             return benchmark.parse_variants(_VARIANTS.value) if _VARIANTS.value else None
 
         # stdout is the report's: gloo's lines, in a multi-process job on CPUs, go to stderr.
-        with output_paths.stdout_to_stderr():
+        with job_flags.stdout_to_stderr():
             job_flags.join()
             variants = distributed.agreed(checked)  # an error of one process stops every one
             report = benchmark.run(
@@ -108,7 +113,7 @@ def main(argv):
         print(benchmark.to_json(report) if _JSON.value else benchmark.format_table(report), flush=True)
         if _JSON_OUT.value:
             try:
-                with output_paths.whole_file(_JSON_OUT.value) as partial, open(partial, "w") as f:
+                with outputs.whole_file(_JSON_OUT.value) as partial, open(partial, "w") as f:
                     f.write(benchmark.to_json(report, indent=1))
             except OSError as e:
                 raise UserError(f"--json_out={_JSON_OUT.value}: cannot write it ({e.strerror})") from None

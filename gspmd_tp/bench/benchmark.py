@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspmd_tp.job import config_keys, distributed
+from gspmd_tp.cli import config_keys
+from gspmd_tp.job import distributed
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.model.params import flops_per_token
 from gspmd_tp.model.transformer import Transformer

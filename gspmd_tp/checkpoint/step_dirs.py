@@ -14,8 +14,8 @@ import os
 import re
 import time
 
-from gspmd_tp.job import paths
 from gspmd_tp.job.errors import UserError
+from gspmd_tp.storage import paths
 
 STATE, DATA, META = "state", "data", "meta"  # the items of every step
 

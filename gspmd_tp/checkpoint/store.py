@@ -33,12 +33,13 @@ from gspmd_tp.checkpoint.step_dirs import (
     not_damage,
     readable_checkpoints,
 )
+from gspmd_tp.cli.config_keys import laid_over, lookup
 from gspmd_tp.data.documents import absolute_patterns
-from gspmd_tp.job import distributed, paths
-from gspmd_tp.job.config_keys import laid_over, lookup
+from gspmd_tp.job import distributed
 from gspmd_tp.job.errors import JobError, UserError, warn
 from gspmd_tp.model.params import param_axes
 from gspmd_tp.model.transformer import ModelConfig
+from gspmd_tp.storage import paths
 
 # Config keys that make a run the run it is: resuming with other values would train on another data
 # stream (or from another init), so a workdir with different ones holds another run.

@@ -25,9 +25,10 @@ from gspmd_tp.checkpoint.step_dirs import (
     short_error,
     steps_on_disk,
 )
-from gspmd_tp.job import output_paths, paths
-from gspmd_tp.job.errors import UserError, interrupted, parse_command_flags, warn
+from gspmd_tp.cli.arguments import parse_command_flags
+from gspmd_tp.job.errors import UserError, interrupted, warn
 from gspmd_tp.model.params import path_str
+from gspmd_tp.storage import outputs, paths
 
 # --- one unsharded file of parameters: export and import ---
 
@@ -89,7 +90,7 @@ def export_params(path: str, out: str, step: int | None = None) -> dict[str, tup
 
     _, params = read_newest(*_locate(path, step), read, warn=warn)
     flat = _flat(params)
-    with output_paths.whole_file(out) as partial, open(partial, "wb") as f:
+    with outputs.whole_file(out) as partial, open(partial, "wb") as f:
         np.savez(f, **flat)  # a file object: savez adds no .npz to the temporary name
     return {k: v.shape for k, v in flat.items()}
 
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             print(info(given[0], FLAGS.step))
         else:
             path, out = given
-            output_paths.check_file(out, "OUT", probe=True)
+            outputs.check_file(out, "OUT", probe=True)
             shapes = export_params(path, out, FLAGS.step)
             n = sum(int(np.prod(s)) for s in shapes.values())
             print(f"wrote {len(shapes)} parameters ({n:,} values) to {out}")

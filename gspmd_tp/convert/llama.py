@@ -17,6 +17,7 @@ tabulated in docs/hf.md.
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: no TPU probe on a host without one
+    from gspmd_tp.cli import arguments
     from gspmd_tp.job import entry
 
     entry.begin()  # main() asks for the devices once it has read the flags
@@ -35,19 +36,15 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from gspmd_tp.checkpoint import step_dirs, store
+from gspmd_tp.cli import arguments
+from gspmd_tp.cli.arguments import define_config, loaded_config, parse_flags
 from gspmd_tp.convert import hf_layout
 from gspmd_tp.inference import saved_run
-from gspmd_tp.job import host_devices, output_paths, paths
-from gspmd_tp.job.errors import (
-    UserError,
-    define_config,
-    exit_from_main,
-    interrupted,
-    loaded_config,
-    parse_flags,
-)
+from gspmd_tp.job import host_devices
+from gspmd_tp.job.errors import UserError, exit_from_main, interrupted
 from gspmd_tp.model.params import path_str
 from gspmd_tp.sharding.mesh import DeviceCountError
+from gspmd_tp.storage import lock, outputs, paths
 from gspmd_tp.train import run_setup
 from gspmd_tp.train import state as state_lib
 
@@ -74,10 +71,10 @@ def from_hf(hf_dir: str, workdir: str, config) -> run_setup.Setup:
     Returns the Setup of that run (its config carries the mapped model).
     """
     step_dirs.check_workdir_given(workdir)  # before the lock, which would leave its file there
-    with output_paths.workdir_lock(workdir):  # a training run there would resume from a half-written step 0
+    with lock.workdir_lock(workdir):  # a training run there would resume from a half-written step 0
         # An import cut short (Ctrl-C) leaves no checkpoints/ of its own: a train.py there would
         # start from scratch, where the user meant to fine-tune.
-        with output_paths.removed_if_cut_short(step_dirs.checkpoint_dir(workdir)):
+        with outputs.removed_if_cut_short(step_dirs.checkpoint_dir(workdir)):
             return _from_hf(hf_dir, workdir, config)
 
 
@@ -182,12 +179,12 @@ def to_hf(
     if base is None and "hf" in meta:
         base = meta["hf"]["config"]
     if paths.is_url(hf_dir):  # written locally, then uploaded: an upload cut short leaves no model
-        with output_paths.whole_file(hf_dir) as staging:
+        with outputs.whole_file(hf_dir) as staging:
             files = _write_hf(staging, s, params, dtype, base, hf_base, max_shard_bytes)
         return [f"{hf_dir}/{os.path.relpath(f, staging)}" for f in files]
     # An export cut short (Ctrl-C, a full disk) is removed: weights without their config.json, or a
     # config.json without the tokenizer, would pass for a model, and block the next export there.
-    with output_paths.removed_if_cut_short(hf_dir):
+    with outputs.removed_if_cut_short(hf_dir):
         return _write_hf(hf_dir, s, params, dtype, base, hf_base, max_shard_bytes)
 
 
@@ -266,14 +263,14 @@ def main(argv) -> None:
             raise UserError("--workdir and --hf_dir are required")
         _check_flags_apply(command, flags_)
         if command == "from-hf":
-            output_paths.check_dir(flags_.workdir, "--workdir")
+            outputs.check_dir(flags_.workdir, "--workdir")
             config = loaded_config()
             host_devices.request(config.host_device_count, tune=False)
             s = from_hf(flags_.hf_dir, flags_.workdir, config)
             print(f"wrote step 0 to {step_dirs.checkpoint_dir(flags_.workdir)}; fine-tune with:")
             print(_resume_command(s, flags_.workdir, flags_["config"].config_filename, sys.argv))
         else:
-            output_paths.check_dir(flags_.hf_dir, "--hf_dir", probe=True)
+            outputs.check_dir(flags_.hf_dir, "--hf_dir", probe=True)
             check_empty(flags_.hf_dir)
             count = flags_.host_device_count
             if count is not None and count < 1:
@@ -332,15 +329,17 @@ def _define_flags() -> None:
     from absl import flags
 
     define_config("tiny", "from-hf: run config (rules, mesh, optim).")
-    paths.define_flag("hf_dir", None, "Hugging Face model directory (read by from-hf, written by to-hf).")
-    paths.define_flag("workdir", None, "Run directory whose checkpoints/ is written or read.")
+    arguments.define_path("hf_dir", None, "Hugging Face model directory (read by from-hf, written by to-hf).")
+    arguments.define_path("workdir", None, "Run directory whose checkpoints/ is written or read.")
     flags.DEFINE_integer("step", None, "to-hf: checkpoint step to export (default: newest).")
     flags.DEFINE_string("rules", None, "to-hf: rule file to restore under (default: the saved one).")
     flags.DEFINE_string("mesh", None, "to-hf: mesh to restore onto (default: the saved one).")
     flags.DEFINE_string(
         "dtype", "float32", "to-hf: dtype of the written weights (float32, bfloat16, float16)."
     )
-    paths.define_flag("hf_base", None, "to-hf: HF model dir whose token ids and tokenizer files are kept.")
+    arguments.define_path(
+        "hf_base", None, "to-hf: HF model dir whose token ids and tokenizer files are kept."
+    )
     flags.DEFINE_integer(
         "host_device_count",
         None,

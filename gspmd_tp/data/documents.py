@@ -16,8 +16,8 @@ import json
 import os
 from pathlib import Path
 
-from gspmd_tp.job import paths
 from gspmd_tp.job.errors import UserError
+from gspmd_tp.storage import paths
 
 
 def absolute_patterns(patterns: str) -> str:

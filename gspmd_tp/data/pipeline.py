@@ -34,8 +34,8 @@ import numpy as np
 
 from gspmd_tp.data import documents, shards
 from gspmd_tp.data import tokenizer as tokenizer_lib
-from gspmd_tp.job import paths
 from gspmd_tp.job.errors import UserError
+from gspmd_tp.storage import paths
 
 SEPARATOR = tokenizer_lib.BYTE_SEPARATOR
 BYTE_VOCAB = 256

@@ -13,6 +13,7 @@ nothing of the corpus is held whole. The shards go to DIR once complete, never p
 """
 
 if __name__ == "__main__":
+    from gspmd_tp.cli import arguments
     from gspmd_tp.job import entry
 
     entry.begin()  # before jax is imported: no accelerator probe on a host without one
@@ -24,10 +25,12 @@ import time
 
 from absl import flags
 
+from gspmd_tp.cli import arguments
+from gspmd_tp.cli.arguments import no_positional_arguments, parse_flags
 from gspmd_tp.data import documents, pipeline, shards
 from gspmd_tp.data import tokenizer as tokenizer_lib
-from gspmd_tp.job import output_paths, paths
-from gspmd_tp.job.errors import UserError, interrupted, no_positional_arguments, parse_flags
+from gspmd_tp.job.errors import UserError, interrupted
+from gspmd_tp.storage import outputs, paths
 
 CHUNK_TOKENS = 8192  # tokens per record: a window of up to ~8K tokens reads one or two records
 RECORDS_PER_FILE = 16384  # 128M tokens per file (256 MiB of uint16)
@@ -83,16 +86,16 @@ def prepare(
     if chunk_tokens < 1 or records_per_file < 1:
         raise UserError("--chunk_tokens and --records_per_file must be 1 or more")
     out = paths.absolute(out)
-    output_paths.check_dir(out, "--out")  # a bucket's first: before anything reads there
+    outputs.check_dir(out, "--out")  # a bucket's first: before anything reads there
     target = paths.of(out)
     if target.is_file() or (target.is_dir() and any(True for _ in target.iterdir())):
         raise UserError(f"--out={out} exists and is not an empty directory; shards go to a new one")
-    output_paths.check_dir(out, "--out")
+    outputs.check_dir(out, "--out")
     tok = tokenizer_lib.load(data.tokenizer)
     # Every file found and every parquet column checked before the first write.
     train = _inputs(data, "train_files") if data.train_files else []
     held = _inputs(data, "eval_files") if data.eval_files else []
-    with output_paths.whole_file(out) as partial:
+    with outputs.whole_file(out) as partial:
         os.makedirs(partial)
         writers = {
             s: shards.SplitWriter(partial, s, tok.dtype, chunk_tokens, records_per_file)
@@ -175,10 +178,10 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    from gspmd_tp.job.errors import define_config
+    from gspmd_tp.cli.arguments import define_config
 
     define_config("tiny", "A configs/*.py file: its data.* keys say what to read.")
-    paths.define_flag("out", None, "The shards directory to write (new, or empty).")
+    arguments.define_path("out", None, "The shards directory to write (new, or empty).")
     flags.mark_flags_as_required(["out"])
     flags.DEFINE_integer("chunk_tokens", CHUNK_TOKENS, "Tokens per record.")
     flags.DEFINE_integer("records_per_file", RECORDS_PER_FILE, "Records per ArrayRecord file.")

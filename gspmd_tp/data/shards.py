@@ -21,8 +21,8 @@ import threading
 import numpy as np
 
 from gspmd_tp.data import tokenizer as tokenizer_lib
-from gspmd_tp.job import paths as paths_lib
 from gspmd_tp.job.errors import UserError
+from gspmd_tp.storage import paths as paths_lib
 
 META = "shards.json"
 FORMAT = 1

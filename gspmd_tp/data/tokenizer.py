@@ -18,8 +18,8 @@ import os
 
 import numpy as np
 
-from gspmd_tp.job import paths
 from gspmd_tp.job.errors import UserError
+from gspmd_tp.storage import paths
 
 BYTES = "bytes"
 BYTE_SEPARATOR = 0  # ends every document in byte tokens (NUL never occurs in text; removed where it does)

@@ -15,6 +15,7 @@ As one process of a job of several (a pod, a cluster), with train.py's job flags
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: Ctrl-C while importing is one line
+    from gspmd_tp.cli import arguments
     from gspmd_tp.job import entry
 
     entry.begin()  # main() asks for the devices once the flags are read
@@ -27,11 +28,14 @@ import sys
 import jax
 from absl import flags
 
+from gspmd_tp.cli import arguments
+from gspmd_tp.cli.arguments import no_positional_arguments, parse_command_flags
 from gspmd_tp.data import pipeline
 from gspmd_tp.inference import saved_run
-from gspmd_tp.job import distributed, job_flags, output_paths, paths
-from gspmd_tp.job.errors import UserError, no_positional_arguments, parse_command_flags, warn
+from gspmd_tp.job import distributed
+from gspmd_tp.job.errors import UserError, warn
 from gspmd_tp.sharding.mesh import mesh_string
+from gspmd_tp.storage import outputs, paths
 from gspmd_tp.train import inputs, loop, run_setup
 from gspmd_tp.train import state as state_lib
 from gspmd_tp.train import step as step_lib
@@ -143,7 +147,7 @@ def plot_losses(rows: list[dict], path: str, title: str, evaluated: dict | None 
     ax.legend()
     fig.tight_layout()
     try:
-        with output_paths.whole_file(path) as partial:  # a bucket's is uploaded once written
+        with outputs.whole_file(path) as partial:  # a bucket's is uploaded once written
             fig.savefig(partial, dpi=110, format=os.path.splitext(path)[1].lstrip(".").lower())
     except OSError as e:
         raise UserError(f"--plot={path}: {e}") from None
@@ -181,7 +185,7 @@ flags.DEFINE_string(
     flag_values=FLAGS,
 )
 flags.DEFINE_bool("json", False, "Print one JSON object.", flag_values=FLAGS)
-paths.define_flag("plot", None, "Write the loss curves of metrics.jsonl to this PNG.", flag_values=FLAGS)
+arguments.define_path("plot", None, "Write the loss curves of metrics.jsonl to this PNG.", flag_values=FLAGS)
 flags.DEFINE_bool("plot_only", False, "With --plot: skip the evaluation.", flag_values=FLAGS)
 
 
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
-    return job_flags.run_reader(lambda: _evaluate(config_args), FLAGS, "nothing in the workdir was written")
+    return saved_run.run_reader(lambda: _evaluate(config_args), FLAGS, "nothing in the workdir was written")
 
 
 def _evaluate(config_args: list[str]) -> str | None:
@@ -210,7 +214,7 @@ def _evaluate(config_args: list[str]) -> str | None:
 
     def plotted_rows():
         if first:
-            output_paths.check_image(FLAGS.plot, "--plot")
+            outputs.check_image(FLAGS.plot, "--plot")
         return read_metrics(FLAGS.workdir)
 
     rows = distributed.agreed(plotted_rows) if FLAGS.plot else None

@@ -24,6 +24,7 @@ As one process of a job of several (a pod, a cluster), with train.py's job flags
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: Ctrl-C while importing is one line
+    from gspmd_tp.cli import arguments
     from gspmd_tp.job import entry
 
     entry.begin()  # main() asks for the devices once the flags are read
@@ -39,15 +40,18 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
+from gspmd_tp.cli import arguments
+from gspmd_tp.cli.arguments import no_positional_arguments, parse_command_flags
 from gspmd_tp.data import pipeline, tokenizer
 from gspmd_tp.inference import saved_run
-from gspmd_tp.job import distributed, job_flags, paths
-from gspmd_tp.job.errors import UserError, no_positional_arguments, parse_command_flags, warn
+from gspmd_tp.job import distributed
+from gspmd_tp.job.errors import UserError, warn
 from gspmd_tp.model.params import path_str
 from gspmd_tp.model.transformer import Decoding, Transformer
 from gspmd_tp.sharding import axes
 from gspmd_tp.sharding.mesh import mesh_string
 from gspmd_tp.sharding.rules import check_divisible
+from gspmd_tp.storage import paths
 from gspmd_tp.train import run_setup
 from gspmd_tp.train import state as state_lib
 
@@ -367,7 +371,7 @@ def sampler_for(s: run_setup.Setup, token_lists: list[list[int]], max_new_tokens
 
 FLAGS = saved_run.reader_flags()  # the command's own: evaluate's share some names
 flags.DEFINE_string("prompt", None, "Text to continue.", flag_values=FLAGS)
-paths.define_flag("prompts_file", None, "One prompt per line, sampled as one batch.", flag_values=FLAGS)
+arguments.define_path("prompts_file", None, "One prompt per line, sampled as one batch.", flag_values=FLAGS)
 flags.DEFINE_integer(
     "max_new_tokens",
     None,
@@ -388,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
-    return job_flags.run_reader(lambda: _generate(config_args), FLAGS, "nothing in the workdir was written")
+    return saved_run.run_reader(lambda: _generate(config_args), FLAGS, "nothing in the workdir was written")
 
 
 def _generate(config_args: list[str]) -> str:

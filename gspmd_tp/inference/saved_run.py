@@ -12,14 +12,17 @@ import dataclasses
 import functools
 import math
 import os
+import sys
 from typing import TYPE_CHECKING
 
 from absl import flags
 from ml_collections import ConfigDict
 
-from gspmd_tp.job import config_keys, job_flags, paths
-from gspmd_tp.job.config_keys import default_config, laid_over
-from gspmd_tp.job.errors import UserError, warn
+from gspmd_tp.cli import arguments, config_keys
+from gspmd_tp.cli.config_keys import default_config, laid_over
+from gspmd_tp.job import job_flags
+from gspmd_tp.job.errors import UserError, interrupted, warn
+from gspmd_tp.storage import paths
 
 if TYPE_CHECKING:
     from gspmd_tp.train import run_setup
@@ -81,7 +84,7 @@ def reader_flags() -> flags.FlagValues:
     """The flags every reader of a trained run takes (--workdir, --step and the job flags), in a
     FlagValues of the command's own: evaluate and generate each add theirs, of the same names in part."""
     values = flags.FlagValues()
-    paths.define_flag("workdir", None, "A run directory (train.py --workdir).", flag_values=values)
+    arguments.define_path("workdir", None, "A run directory (train.py --workdir).", flag_values=values)
     flags.mark_flag_as_required("workdir", flag_values=values)
     flags.DEFINE_integer(
         "step", None, "Checkpoint step (default: the newest that reads).", flag_values=values
@@ -286,15 +289,16 @@ def reader_device_count(workdir: str | None, mesh: str | None = None, step: int 
 def request_devices(argv: list[str]) -> None:
     """Asks for the simulated CPU devices of a command reading a run (device_count_from_argv, where
     --config.host_device_count does not say), before jax's backend starts."""
+    from gspmd_tp.cli import arguments
     from gspmd_tp.job import host_devices
 
-    host_devices.request(host_devices.count_from_argv(argv, device_count_from_argv(argv)))
+    host_devices.request(arguments.count_from_argv(argv, device_count_from_argv(argv)))
 
 
 def device_count_from_argv(argv: list[str]) -> int:
     """reader_device_count for the --workdir and --config.mesh of argv, shared among the processes
     of --num_processes where they divide it."""
-    from gspmd_tp.job.host_devices import flag_from_argv
+    from gspmd_tp.cli.arguments import flag_from_argv
 
     workdir = paths.expand(flag_from_argv(argv, "--workdir"))
     count = reader_device_count(workdir, flag_from_argv(argv, "--config.mesh"))
@@ -303,3 +307,39 @@ def device_count_from_argv(argv: list[str]) -> int:
     except ValueError:
         processes = 1  # the flag parser names the bad value
     return count // processes if processes > 0 and count % processes == 0 else count
+
+
+def _asks_for_a_job(flag_values: flags.FlagValues) -> bool:
+    """Whether the job flags of `flag_values` name a job of several processes (or --distributed)."""
+    v = job_flags.values(flag_values)
+    return v["num_processes"] != 1 or v["distributed"] or bool(v["coordinator_address"])
+
+
+def run_reader(work, flag_values: flags.FlagValues, left: str) -> int:
+    """Runs work() -> text for stdout (or None) as a reader of a trained run; returns the exit status.
+    Alone: a UserError is one line (status 1), Ctrl-C one line saying what it `left` (130). In a job:
+    joined and run under signals.run_job; stdout holds process 0's text alone (gloo prints there)."""
+    if not _asks_for_a_job(flag_values):
+        try:
+            text = work()
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return interrupted(left)
+        if text is not None:
+            print(text, flush=True)
+        return 0
+    from gspmd_tp.job import signals
+
+    def job():
+        import jax
+
+        with job_flags.stdout_to_stderr():
+            job_flags.join(flag_values)
+            text = work()
+        if text is not None and jax.process_index() == 0:
+            print(text, flush=True)
+
+    signals.run_job(job, before=f"({left})", after=f"({left})")
+    return 0

@@ -39,40 +39,34 @@ def initialize(
     coordinator_address: str,
     num_processes: int,
     process_id: int,
-    auto: bool,
+    distributed: bool,
     heartbeat_timeout_s: int = 100,
     join_timeout_s: int = 300,
 ) -> None:
-    """Joins the job given explicitly (address, count, id) or found on TPU pods and SLURM (`auto`);
-    neither: a single process. Bad flags: one UserError before joining; a job not all joined in
-    `join_timeout_s`: one line, exit 1. A second call is harmless."""
+    """Joins the job the job flags give explicitly, or that jax finds on a TPU pod or SLURM with
+    `distributed`; neither: a single process. Bad flags: one UserError before joining."""
     if jax.distributed.is_initialized():
         return
-    counts = dict(
-        num_processes=num_processes, heartbeat_timeout_s=heartbeat_timeout_s, join_timeout_s=join_timeout_s
-    )
-    for name, value in counts.items():
-        if value < 1:
+    for name in ("num_processes", "heartbeat_timeout_s", "join_timeout_s"):
+        if (value := locals()[name]) < 1:
             raise UserError(f"--{name}={value}: must be 1 or more")
     host, _, port = coordinator_address.rpartition(":")
+    where = f"--coordinator_address={coordinator_address}"
     if coordinator_address and not (host and port.isdigit() and 0 < int(port) < 65536):
         raise UserError(
             f"--coordinator_address={coordinator_address!r}: expected HOST:PORT, e.g. 10.0.0.1:1234"
         )
     explicit = coordinator_address or num_processes > 1
-    given = (
-        f"--coordinator_address={coordinator_address!r} --num_processes={num_processes} "
-        f"--process_id={process_id}"
-    )
+    given = f"--coordinator_address={coordinator_address!r} --num_processes={num_processes}"
+    given += f" --process_id={process_id}"
     if explicit and num_processes <= 1:
         raise UserError(
             f"{given}: a multi-process job has --num_processes of 2 or more (one process needs none)"
         )
     if explicit and not (coordinator_address and 0 <= process_id < num_processes):
         raise UserError(f"{given}: all three are needed, with 0 <= process_id < num_processes")
-    if not explicit and not auto:
+    if not explicit and not distributed:
         return
-    where = f"--coordinator_address={coordinator_address}"
     if explicit and process_id == 0 and _port_taken(int(port)):
         raise UserError(
             f"{where}: port {port} is already in use on this host (another job's coordinator?); choose "
@@ -84,20 +78,20 @@ def initialize(
     # missed_heartbeat_callback aborts with std::bad_cast (jaxlib 0.10.2, as measured); with it
     # follow() says the death in one line, and leave() stands in for the shutdown barrier it drops.
     jax.config.update("jax_enable_recoverability", True)
-    kwargs = {
-        "heartbeat_timeout_seconds": heartbeat_timeout_s,
-        "shutdown_timeout_seconds": heartbeat_timeout_s,
-        "initialization_timeout": join_timeout_s + 60,  # after _join's one line
-    }
+    kwargs = dict(
+        heartbeat_timeout_seconds=heartbeat_timeout_s,
+        shutdown_timeout_seconds=heartbeat_timeout_s,
+        initialization_timeout=join_timeout_s + 60,  # after _join's one line
+    )
     if explicit:  # else jax.distributed.initialize finds a TPU pod's or SLURM job's itself
-        kwargs.update(coordinator_address=coordinator_address, num_processes=num_processes)
-        kwargs["process_id"] = process_id
+        kwargs.update(
+            coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+        )
     try:
         _join(kwargs, join_timeout_s, given if explicit else "--distributed")
     except (ValueError, RuntimeError) as e:  # no cluster found for --distributed, a port taken, ...
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        failed = "--distributed (no TPU pod or SLURM job found?)" if not explicit else where
-        raise UserError(f"{failed}: joining the job failed: {first}") from None
+        failed = where if explicit else "--distributed (no TPU pod or SLURM job found?)"
+        raise UserError(f"{failed}: joining the job failed: {_first_line(e)}") from None
     joined = jax_distributed.global_state  # not jax.process_count(): that would make the backend
     if joined.num_processes > 1:
         _job.update(client=joined.client, me=joined.process_id, count=joined.num_processes)
@@ -105,6 +99,10 @@ def initialize(
         _same_process_count(joined, join_timeout_s)
         _telling.set()
     check_device_counts()
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _join(kwargs: dict, seconds: int, how: str) -> None:
@@ -163,7 +161,6 @@ def _same_process_count(joined, seconds: int) -> None:
 
 _TOLD = "gspmd_tp/told/"  # + the teller's process id: "stop SIGNUM" or "error MESSAGE"
 _ROUND_S = 0.5  # between two liveness rounds: how late a stop or error told is seen
-_MESSAGE_CHARS = 1000  # of an error's first line: the others print it within a line of their own
 _job: dict = {}  # client, me, count, timeout: in a job of several
 _watcher: threading.Thread | None = None
 _telling = threading.Event()  # joined, and this process's training loop not begun: stops are told
@@ -217,11 +214,11 @@ def _hear_told(seconds: float = 10) -> None:
 
 def tell(kind: str, text: str) -> bool:
     """Tells the others that this process stops before training (`kind` "stop" and the signal
-    number, or "error" and its message); returns once they read it, and whether it told them.
-    Its exit alone would read as a death, and only after the heartbeat timeout."""
+    number, or "error" and its message), else its exit would read as a death, and only after the
+    heartbeat timeout; returns once they read it, and whether it told them."""
     if not before_training():
         return False
-    first = (text.strip().splitlines() or [""])[0][:_MESSAGE_CHARS]
+    first = (text.strip().splitlines() or [""])[0][:1000]  # the others print it within a line of their own
     try:
         _job["client"].key_value_set(f"{_TOLD}{_job['me']}", f"{kind} {first}")
     except jax.errors.JaxRuntimeError:
@@ -252,10 +249,8 @@ def heartbeat_timeout_s() -> float:
 
 
 def leave(together: bool = True) -> None:
-    """Leaves the job: every process at this point where `together`, else this one alone. Process 0
-    hosts the service and leaves last where the others leave too (its exit aborts their clients);
-    the others disconnect at once, so the service sees them gone, not dead. The barrier stands in
-    for JAX's shutdown barrier, which recoverability turns off."""
+    """Leaves the job: every process at this point where `together`, else this one alone. The
+    barrier stands in for JAX's shutdown barrier, which recoverability turns off."""
     if not _job or _done.is_set():
         return
     seconds = _job["timeout"]
@@ -270,13 +265,13 @@ def leave(together: bool = True) -> None:
     deadline = time.monotonic() + seconds
     # Until the watcher stops calling the service (a client shut down under its call, or two
     # liveness rounds at once, are not ours to try): it returns after its round.
-    while _watcher is not None and _watcher.is_alive() and not _heard.is_set():
-        if time.monotonic() > deadline:
-            break
+    while (
+        _watcher is not None and _watcher.is_alive() and not _heard.is_set() and time.monotonic() < deadline
+    ):
         _watcher.join(0.05)
-    # Process 0 only once the others have gone: ending the service at once may cut the answer to the
-    # last one's disconnection, which aborts it (as measured); with others still there, its exit ends
-    # them anyway.
+    # Process 0 hosts the service: it shuts down only once the others have gone (ending the service at
+    # once may cut the answer to the last one's disconnection, which aborts it, as measured), and
+    # where they stay, its exit ends them anyway. The others disconnect at once: seen gone, not dead.
     if _job["me"] != 0 or (_others_leave.is_set() and _the_others_gone(deadline)):
         jax.distributed.shutdown()
 
@@ -315,16 +310,16 @@ def check_same_everywhere(
     config: dict | None, rules_text: str | None = None, flags: dict | None = None
 ) -> None:
     """JobError on every process naming the first config key, rule file (`rules_text`) or flag of
-    `flags` ({"--name": value}) that some process was given otherwise: they would train apart.
-    Not multihost_utils.assert_equal, which says that values differ but not which."""
+    `flags` ({"--name": value}) some process was given otherwise. (multihost_utils.assert_equal
+    says that values differ, not which.)"""
     if jax.process_count() == 1:
         return
     from flax import traverse_util
 
     items = sorted((f"config.{k}", v) for k, v in traverse_util.flatten_dict(config or {}, sep=".").items())
-    if rules_text is not None:
-        items.append(("the rule file's text", rules_text))
-    items += (flags or {}).items()
+    items += ([("the rule file's text", rules_text)] if rules_text is not None else []) + list(
+        (flags or {}).items()
+    )
     found = first_disagreement([[k for k, _ in items], *(v for _, v in items)])
     if found is None:
         return
@@ -342,17 +337,15 @@ def check_same_everywhere(
 def first_disagreement(values: list) -> tuple[int, int] | None:
     """(i, p): values[i] is the first value process p holds otherwise (by a 24-bit digest of its
     repr); (len(values), p) where p holds another number of values; None where all agree."""
-    digests = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:3], "little") for v in values]
-    rows = every_process(digests)
-    other = next((p for p, row in enumerate(rows) if len(row) != len(digests)), None)
+    rows = every_process(
+        [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:3], "little") for v in values]
+    )
+    other = next((p for p, row in enumerate(rows) if len(row) != len(values)), None)
     if other is not None:
         return len(values), other
-    everyone = np.array(rows)  # (processes, values)
-    for column in range(len(values)):
-        differs = everyone[:, column] != everyone[0, column]
-        if differs.any():
-            return column, int(np.argmax(differs))
-    return None
+    differs = np.array(rows) != np.array(rows[0])  # (processes, values)
+    column = next((c for c in range(len(values)) if differs[:, c].any()), None)
+    return None if column is None else (column, int(np.argmax(differs[:, column])))
 
 
 def agreed(fn, *args):
@@ -411,9 +404,9 @@ def barrier() -> None:
 
 
 def share(values) -> jax.Array:
-    """Starts gathering each process's int32 `values` into a (processes, len) array and returns it
-    without waiting, unlike multihost_utils.process_allgather: the stop check reads it one check
-    later, so the host never waits for the step it just dispatched."""
+    """Starts gathering each process's int32 `values` into a (processes, len) array, without waiting
+    (unlike process_allgather): the stop check reads it one check later, so the host never waits for
+    the step it just dispatched."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     mesh = Mesh(np.array(jax.devices()), ("devices",))

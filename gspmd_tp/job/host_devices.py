@@ -90,22 +90,3 @@ def tune_malloc() -> bool:
         libc.mallopt(param, value) == 1
         for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
     )
-
-
-def flag_from_argv(argv: list[str], name: str) -> str | None:
-    """The last value of --name=VALUE or --name VALUE in argv (as absl takes it), else None: for what
-    must be known before the flags are parsed."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg.startswith(f"{name}="):
-            value = arg.split("=", 1)[1]
-        elif arg == name and i + 1 < len(argv):
-            value = argv[i + 1]
-    return value
-
-
-def count_from_argv(argv: list[str], default: int) -> int:
-    """The value of a --config.host_device_count=N argument, else `default`."""
-    value = flag_from_argv(argv, "--config.host_device_count")
-    # A value that is no integer is left to the flag parser, which names it in one line.
-    return int(value) if value is not None and value.strip().lstrip("-").isdigit() else default

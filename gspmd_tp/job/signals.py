@@ -17,10 +17,16 @@ import threading
 import time
 import traceback
 
-from gspmd_tp.job import output_paths
 from gspmd_tp.job.errors import JobError, UserError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_AT_EXIT: list = []  # what an exit through os._exit, which skips `finally` and atexit, still runs
+
+
+def at_exit(fn):
+    """Registers fn() to run on an exit from here (a stop signal, a peer's death); returns fn."""
+    _AT_EXIT.append(fn)
+    return fn
 
 
 class _Deliveries:
@@ -29,9 +35,7 @@ class _Deliveries:
     into C), however many came. Main thread only."""
 
     def __init__(self):
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write, False)
+        self._read, self._write = os.pipe2(os.O_NONBLOCK)
         self._previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
 
     def take(self) -> list[signal.Signals]:
@@ -52,8 +56,7 @@ class _Deliveries:
 # ---- Around the training loop: run_job's handlers, which exit at once.
 
 _BEFORE_TRAINING = "before training began; no checkpoint was written"
-_BEFORE = _BEFORE_TRAINING  # what a stop before the job's end leaves, said in its line
-_OUTSIDE_THE_LOOP = _BEFORE
+_BEFORE = _OUTSIDE_THE_LOOP = _BEFORE_TRAINING  # what a stop before (outside) the job's end leaves
 _ENDED = False  # the job's work is done: what is left is the exit
 # One stop prints its line and exits: a signal's handler, the thread that follows the peers, or a
 # failed collective. Reentrant: a second signal may run its handler inside the first's.
@@ -73,8 +76,8 @@ def follow_the_peers() -> None:
 
 
 def _leave(together: bool) -> None:
-    if (job := _job()) is not None:
-        job.leave(together)
+    if _job() is not None:
+        _job().leave(together)
 
 
 def run_job(job, before: str = "", after: str = "") -> None:
@@ -164,7 +167,8 @@ def _exit(line: str | None, status: int):
         # The line stays the last: what leaving prints (an async save's commit cancelled on orbax's
         # thread, the coordination client's farewell) goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
-    output_paths.remove_created_workdirs()
+    for cleanup in _AT_EXIT:
+        cleanup()
     _leave(together=False)
     os._exit(status)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # before jax is imported: Ctrl-C while importing is one line
+    from gspmd_tp.cli import arguments
     from gspmd_tp.job import entry
 
     entry.begin()  # main() asks for the devices once the flags are read
@@ -45,11 +46,14 @@ from absl import flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspmd_tp.job import host_devices, output_paths
-from gspmd_tp.job.errors import UserError, exit_from_main, interrupted, loaded_config, no_positional_arguments
+from gspmd_tp.cli import arguments
+from gspmd_tp.cli.arguments import loaded_config, no_positional_arguments
+from gspmd_tp.job import host_devices
+from gspmd_tp.job.errors import UserError, exit_from_main, interrupted
 from gspmd_tp.plan import calibration
 from gspmd_tp.sharding import hlo, hlo_cost
 from gspmd_tp.sharding.mesh import make_mesh, parse_mesh
+from gspmd_tp.storage import outputs
 
 SIZES = tuple(4**k * 4096 for k in range(8))  # 4 KiB to 64 MiB
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
@@ -353,7 +357,7 @@ def main(argv) -> None:
         out = _OUT.value
         if not out:
             raise UserError("--out=FILE is required: where the calibration is written")
-        output_paths.check_file(out, "--out", probe=True)
+        outputs.check_file(out, "--out", probe=True)
         meshes = _MESHES.value.split() if _MESHES.value else default_meshes(jax.device_count())
         for spec in meshes:
             parse_mesh(spec, jax.device_count())  # a bad mesh is one line before anything runs
@@ -379,7 +383,7 @@ def main(argv) -> None:
             )
         data = measure(meshes, sizes, matmul, memory, _MIN_TIME.value, _REPEATS.value, log=log, dtype=dtype,
                        products=products)  # fmt: skip
-        with output_paths.whole_file(out) as partial, open(partial, "w") as f:
+        with outputs.whole_file(out) as partial, open(partial, "w") as f:
             json.dump(data, f, indent=1)
         where = f"{data['devices']} {data['device_kind']} devices"
         series = f"{len(data['collectives'])} collective series, {len(data['products'])} products"
@@ -396,10 +400,10 @@ if __name__ == "__main__":
 
     from absl import flags
 
-    from gspmd_tp.job import paths
-    from gspmd_tp.job.errors import define_config, parse_flags
+    from gspmd_tp.cli import arguments
+    from gspmd_tp.cli.arguments import define_config, parse_flags
 
-    _OUT = paths.define_flag("out", "", "Write the calibration (JSON) here.")
+    _OUT = arguments.define_path("out", "", "Write the calibration (JSON) here.")
     _CONFIG = define_config(
         None, "Also time every matrix product of this config's train step, by shape (configs/*.py)."
     )

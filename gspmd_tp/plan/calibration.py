@@ -20,9 +20,9 @@ import json
 
 import numpy as np
 
-from gspmd_tp.job import paths
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.sharding import hlo, hlo_cost
+from gspmd_tp.storage import paths
 
 FORMAT = 1
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # before jax is imported: Ctrl-C while importing is one line
+    from gspmd_tp.cli import arguments
     from gspmd_tp.job import entry
 
     entry.begin()  # main() asks for the config's devices once the flags are read
@@ -47,8 +48,10 @@ import os
 import jax
 import numpy as np
 
-from gspmd_tp.job import host_devices, output_paths, paths
-from gspmd_tp.job.errors import UserError, exit_from_main, interrupted, no_positional_arguments
+from gspmd_tp.cli import arguments
+from gspmd_tp.cli.arguments import no_positional_arguments
+from gspmd_tp.job import host_devices
+from gspmd_tp.job.errors import UserError, exit_from_main, interrupted
 from gspmd_tp.plan import analysis, calibration, hardware
 from gspmd_tp.sharding import hlo
 from gspmd_tp.sharding.mesh import mesh_file_name, mesh_string, parse_mesh
@@ -60,6 +63,7 @@ from gspmd_tp.sharding.rules import (
     resolve_path,
     short_names,
 )
+from gspmd_tp.storage import outputs, paths
 from gspmd_tp.train import run_setup
 from gspmd_tp.train import step as step_lib
 
@@ -574,7 +578,7 @@ def chart(results: list[dict], path: str) -> None:
     for ax in axs:
         ax.set_xticks(x, labels, fontsize=7, rotation=30, ha="right")
     fig.tight_layout()
-    with output_paths.whole_file(path) as partial:  # a chart cut short leaves the old one as it was
+    with outputs.whole_file(path) as partial:  # a chart cut short leaves the old one as it was
         fig.savefig(partial, dpi=110, format=os.path.splitext(path)[1].lstrip(".").lower())
     plt.close(fig)
 
@@ -612,9 +616,9 @@ def check_flags(
     if network is not None and not 0 < network < float("inf"):
         raise UserError(f"--network_gbps={network:g}: expected a finite bandwidth above 0 (Gb/s)")
     if chart_path:
-        output_paths.check_image(chart_path, "--chart")
+        outputs.check_image(chart_path, "--chart")
     if dump_hlo:
-        output_paths.check_dir(dump_hlo, "--dump_hlo", probe=True)
+        outputs.check_dir(dump_hlo, "--dump_hlo", probe=True)
     rules_list = [r.strip() for r in compare_flag.split(",")] if compare_flag else []
     if not all(rules_list):
         raise UserError(f"--compare={compare_flag}: an empty rule file name (comma-separated names)")
@@ -707,8 +711,9 @@ def main(argv) -> None:
 if __name__ == "__main__":
     from absl import flags
 
-    from gspmd_tp.job import paths
-    from gspmd_tp.job.errors import define_config, parse_flags
+    from gspmd_tp.cli import arguments
+    from gspmd_tp.cli.arguments import define_config, parse_flags
+    from gspmd_tp.storage import paths
 
     _CONFIG = define_config("tiny", "A config file, or the name of a shipped one (configs/NAME.py).")
     _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the report.")
@@ -728,8 +733,8 @@ if __name__ == "__main__":
         "Comma-separated model.mlp_slices counts for --compare to plan each rule file x mesh under "
         "(1,2,4: the MLP's weight gathers whole, in 2 or in 4 slices). Default: config.model.mlp_slices.",
     )
-    _CHART = paths.define_flag("chart", "", "With --compare: write a PNG chart here.")
-    _DUMP_HLO = paths.define_flag(
+    _CHART = arguments.define_path("chart", "", "With --compare: write a PNG chart here.")
+    _DUMP_HLO = arguments.define_path(
         "dump_hlo", None, "Write the compiled train step's HLO text here (with --compare, one file each)."
     )
     _TARGET = flags.DEFINE_string(
@@ -745,7 +750,7 @@ if __name__ == "__main__":
         "With --target: the network between GPU hosts or TPU slices, in Gb/s per GPU or chip each way "
         "(default: a DGX's NIC per GPU; the DCN of TPU v5e and v5p).",
     )
-    _CALIBRATION = paths.define_flag(
+    _CALIBRATION = arguments.define_path(
         "calibration",
         None,
         "Estimate the step time from this file's measurements (python -m gspmd_tp.plan calibrate) "

@@ -17,10 +17,10 @@ import flax.linen as nn
 import yaml
 from jax.sharding import PartitionSpec
 
-from gspmd_tp.job import paths
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.sharding.axes import BATCH, VOCABULARY
 from gspmd_tp.sharding.mesh import parse_mesh
+from gspmd_tp.storage import paths
 
 # The shipped rule files: gspmd_tp/rules, the repository's rules/ (linked) or the wheel's copy of it.
 RULES_DIR = (Path(__file__).resolve().parents[1] / "rules").resolve()

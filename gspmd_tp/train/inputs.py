@@ -11,8 +11,9 @@ import jax
 
 from gspmd_tp.checkpoint import tool
 from gspmd_tp.data import documents, pipeline, tokenizer
-from gspmd_tp.job import distributed, paths
+from gspmd_tp.job import distributed
 from gspmd_tp.job.errors import JobError, UserError
+from gspmd_tp.storage import paths
 
 if TYPE_CHECKING:
     from gspmd_tp.train.run_setup import Setup

@@ -13,10 +13,11 @@ import jax
 
 from gspmd_tp.checkpoint import step_dirs, store
 from gspmd_tp.data import documents, pipeline, tokenizer
-from gspmd_tp.job import distributed, output_paths, paths, signals
+from gspmd_tp.job import distributed, signals
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.model.params import param_count
 from gspmd_tp.sharding.mesh import mesh_string
+from gspmd_tp.storage import lock, outputs, paths
 from gspmd_tp.train import faults, inputs, metrics, profiling, resume, run_setup
 from gspmd_tp.train import state as state_lib
 from gspmd_tp.train import step as step_lib
@@ -80,21 +81,21 @@ def train(config, workdir: str) -> dict:
     if os.path.isfile(paths.expand(c.rules)):  # a rule file of the user's: found from anywhere
         c.rules = os.path.abspath(paths.expand(c.rules))
     c.init_from = paths.expand(c.init_from)  # bash leaves `--config.init_from=~/p.npz` as it is
-    with output_paths.workdir_lock(workdir, log):  # one job at a time on a workdir
+    with lock.workdir_lock(workdir, log):  # one job at a time on a workdir
         return _train(s, workdir, checkpoint_dir)
 
 
 def _checked_setup(config, workdir: str) -> Setup:
     """setup(config), once the workdir's paths are found writable."""
     step_dirs.check_workdir_given(workdir)
-    output_paths.check_dir(workdir, "--workdir")
+    outputs.check_dir(workdir, "--workdir")
     # What a run writes inside it, where it exists already (a resumed run) and is not writable:
     # found now, not when the first save fails in the background minutes later.
     checkpoint_dir = step_dirs.checkpoint_dir(workdir)
-    output_paths.check_dir(checkpoint_dir, "--workdir's checkpoints")
-    output_paths.check_dir(os.path.join(workdir, metrics.TENSORBOARD), "--workdir's tensorboard")
-    output_paths.check_file(os.path.join(workdir, metrics.JSONL), "--workdir's metrics")
-    output_paths.check_file(os.path.join(workdir, metrics.REPLACED), "--workdir's replaced metrics")
+    outputs.check_dir(checkpoint_dir, "--workdir's checkpoints")
+    outputs.check_dir(os.path.join(workdir, metrics.TENSORBOARD), "--workdir's tensorboard")
+    outputs.check_file(os.path.join(workdir, metrics.JSONL), "--workdir's metrics")
+    outputs.check_file(os.path.join(workdir, metrics.REPLACED), "--workdir's replaced metrics")
     s = run_setup.setup(config)
     # Before anything is compiled: a read-ahead without bound fills memory while the run trains. Only
     # training reads ahead, so evaluate and generate read a run saved with a larger read-ahead.

@@ -14,7 +14,7 @@ import re
 import sys
 import time
 
-from gspmd_tp.job import paths
+from gspmd_tp.storage import paths
 
 # Dense bf16 peak FLOP/s per device, from the vendors' data sheets. Matched against
 # jax's device_kind as whole words, first match wins. An unknown device logs no MFU.

@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from gspmd_tp.job.config_keys import laid_over, lookup
+from gspmd_tp.cli.config_keys import laid_over, lookup
 from gspmd_tp.job.errors import UserError
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # the optimizer's rates and factors are float32 on the devices

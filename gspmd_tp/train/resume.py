@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from gspmd_tp.checkpoint import store
+from gspmd_tp.cli.config_keys import changed
 from gspmd_tp.job import distributed
-from gspmd_tp.job.config_keys import changed
 from gspmd_tp.train import faults, inputs, metrics, optimizer
 from gspmd_tp.train import state as state_lib
 

@@ -13,8 +13,8 @@ import flax.linen as nn
 import jax
 import optax
 
+from gspmd_tp.cli.config_keys import check_keys, ours
 from gspmd_tp.data import pipeline, tokenizer
-from gspmd_tp.job.config_keys import check_keys, ours
 from gspmd_tp.job.errors import UserError, warn
 from gspmd_tp.model import moe
 from gspmd_tp.model.context import heads_follow_kv_heads

@@ -21,9 +21,9 @@ from conftest import LLAMA, child_env, small_config
 
 from gspmd_tp.checkpoint import step_dirs, store
 from gspmd_tp.convert import llama
-from gspmd_tp.job import output_paths
 from gspmd_tp.job.errors import UserError
 from gspmd_tp.model.transformer import Transformer
+from gspmd_tp.storage import lock
 from gspmd_tp.train import state as state_lib
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,7 +190,7 @@ def test_import_into_a_workdir_in_use_writes_nothing(tmp_path, hf_models):
     hf_dir, _ = hf_models["untied"]
     run = tmp_path / "run"
     run.mkdir()
-    with output_paths.workdir_lock(str(run)):
+    with lock.workdir_lock(str(run)):
         with pytest.raises(UserError, match=r"--workdir=.*/run is in use by another job \(pid \d+"):
             llama.from_hf(str(hf_dir), str(run), small_config())
     assert sorted(p.name for p in run.iterdir()) == ["train.lock"]

@@ -761,7 +761,7 @@ def test_a_job_in_a_bucket_stops_on_sigterm_to_one_process_and_resumes_on_anothe
     TENSORSTORE_GCS_HTTP_URL: conftest's gcs_emulator); SIGTERM to process 1 stops both at one step,
     each writes its part of that checkpoint into the bucket, and 1 process x 8 devices on another mesh
     and rule file resumes it with an uninterrupted run's losses."""
-    from gspmd_tp.job import paths
+    from gspmd_tp.storage import paths
     from gspmd_tp.train import loop
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # this process's and the job's

@@ -40,7 +40,7 @@ def test_the_train_steps_gradient_dtype_is_not_a_model_key():
 
 
 def test_every_name_of_another_trainer_points_to_a_key_we_have():
-    from gspmd_tp.job import config_keys
+    from gspmd_tp.cli import config_keys
 
     config, absent = config_keys.default_config(), object()
     for theirs, path in config_keys.OTHER_NAMES.items():

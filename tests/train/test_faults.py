@@ -18,8 +18,9 @@ from conftest import child_env, small_config
 from test_train_cli import ROOT, SMALL
 
 from gspmd_tp.checkpoint import step_dirs, store, tool
-from gspmd_tp.job import distributed, output_paths, signals
+from gspmd_tp.job import distributed, signals
 from gspmd_tp.job.errors import JobError, UserError
+from gspmd_tp.storage import lock
 from gspmd_tp.train import faults, loop, optimizer
 
 # On one device, which compiles in two thirds of the time 8 take; what the processes show is the same.
@@ -174,7 +175,7 @@ def trained(trained_workdir):
 def _tree(path: Path) -> dict:
     """Each path under `path` and when it was last written; the lock file, which every start
     rewrites with its pid, left out."""
-    return {str(p): p.stat().st_mtime_ns for p in path.rglob("*") if p.name != output_paths.LOCK}
+    return {str(p): p.stat().st_mtime_ns for p in path.rglob("*") if p.name != lock.LOCK}
 
 
 def _garble_arrays(step_dir: Path):
@@ -736,7 +737,7 @@ def test_a_second_run_on_a_workdir_in_use_stops_before_touching_it(workdir):
     being written, for damaged ones and move them aside. It stops at the lock instead."""
     (workdir / "checkpoints" / "4" / "state" / "_METADATA").unlink()  # as a save in flight leaves it
     before = _tree(workdir)
-    with output_paths.workdir_lock(str(workdir)):  # held as a running job holds it
+    with lock.workdir_lock(str(workdir)):  # held as a running job holds it
         message = r"--workdir=.*/run is in use by another job \(pid \d+ on .* since .*train.lock\)"
         with pytest.raises(UserError, match=message):
             loop.train(small_config(steps=6), str(workdir))

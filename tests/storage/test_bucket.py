@@ -9,8 +9,8 @@ import time
 import pytest
 from conftest import small_config
 
-from gspmd_tp.job import bucket_lease, output_paths, paths
 from gspmd_tp.job.errors import UserError
+from gspmd_tp.storage import lock, paths
 from gspmd_tp.train import loop, metrics
 
 
@@ -59,7 +59,7 @@ def test_a_run_in_a_bucket_trains_and_resumes_as_on_local_disk(runs):
     assert any("/checkpoints/6/state/" in f for f in found) and any("/checkpoints/4/" in f for f in found)
     events = [f for f in found if "/tensorboard/events.out.tfevents." in f]
     assert len(events) == 2  # one per start, uploaded whole
-    assert not any(f.endswith(output_paths.LOCK) for f in found)  # the lease is released
+    assert not any(f.endswith(lock.LOCK) for f in found)  # the lease is released
     # Nothing beside the run on local disk: the working directory holds the local run and the cache.
     assert sorted(os.listdir(tmp)) == ["cache", "run"]
 
@@ -162,7 +162,7 @@ def test_inputs_in_a_bucket_read_as_their_local_files(runs, tmp_path, capsys, bp
 
 def test_a_second_trainer_is_refused_and_an_expired_lease_taken_over(gcs_emulator):
     workdir = "gs://bkt/runs/b"
-    holder = bucket_lease.Lease(f"{workdir}/{output_paths.LOCK}", job=1)
+    holder = lock.Lease(f"{workdir}/{lock.LOCK}", job=1)
     holder.acquire()
     try:
         before = _objects(workdir)
@@ -173,26 +173,26 @@ def test_a_second_trainer_is_refused_and_an_expired_lease_taken_over(gcs_emulato
         assert _objects(workdir) == before  # nothing read into being, nothing written
         # The precondition itself: a lease is only created where none exists.
         with pytest.raises(FileExistsError):
-            bucket_lease._upload(holder._fs, holder.url, b"pid 2\n", 0)
+            lock._upload(holder._fs, holder.url, b"pid 2\n", 0)
     finally:
         holder.release()
     assert _objects(workdir) == []
     # A lease its holder stopped renewing (expires in the past) is taken over; the old holder's
     # renewal, conditional on the generation it wrote, then fails instead of overwriting it.
-    stale = bucket_lease.Lease(f"{workdir}/{output_paths.LOCK}", job=2)
+    stale = lock.Lease(f"{workdir}/{lock.LOCK}", job=2)
     stale.acquire()
     stale._stop.set()
-    bucket_lease._upload(
+    lock._upload(
         stale._fs,
         stale.url,
         f"pid 9\ntoken {stale.token}\nexpires {time.time() - 1}\n".encode(),
         stale.generation,
     )
-    taker = bucket_lease.Lease(f"{workdir}/{output_paths.LOCK}", job=3)
+    taker = lock.Lease(f"{workdir}/{lock.LOCK}", job=3)
     taker.acquire()
     assert f"token {taker.token}" in paths.of(taker.url).read_text()
     with pytest.raises(FileExistsError):
-        bucket_lease._upload(stale._fs, stale.url, b"pid 9\n", stale.generation)
+        lock._upload(stale._fs, stale.url, b"pid 9\n", stale.generation)
     stale.release()  # not its lease any more: left as it is
     assert f"token {taker.token}" in paths.of(taker.url).read_text()
     taker.release()
@@ -341,7 +341,7 @@ def test_train_py_in_a_bucket_stops_on_sigterm_and_resumes_there(gcs_emulator, t
         while not paths.of(f"{workdir}/{metrics.JSONL}").exists():  # a first step logged there
             assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
             time.sleep(0.5)
-        held = paths.of(f"{workdir}/{output_paths.LOCK}").read_text()
+        held = paths.of(f"{workdir}/{lock.LOCK}").read_text()
         assert held.startswith(f"pid {proc.pid} on ")  # the lease names the trainer
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=240)
@@ -352,7 +352,7 @@ def test_train_py_in_a_bucket_stops_on_sigterm_and_resumes_there(gcs_emulator, t
     step = int(stopped[0].split()[5].rstrip(":"))
     found = _objects(workdir)
     assert any(f"/checkpoints/{step}/state/" in f for f in found)
-    assert not any(f.endswith(output_paths.LOCK) for f in found)  # released on the way out
+    assert not any(f.endswith(lock.LOCK) for f in found)  # released on the way out
     assert not (ROOT / "gs:").exists()
     from configs import tiny
 
@@ -466,4 +466,4 @@ def test_a_step_in_a_bucket_without_orbaxs_commit_file_is_a_save_cut_short(gcs_e
         {"step": 1},
     ]
     found = _objects(ckpt)
-    assert not any(output_paths.LOCK in f or "corrupt" in f for f in found)  # nothing set aside
+    assert not any(lock.LOCK in f or "corrupt" in f for f in found)  # nothing set aside

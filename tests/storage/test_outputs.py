@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from gspmd_tp.job import output_paths
 from gspmd_tp.job.errors import UserError
+from gspmd_tp.storage import lock, outputs
 
 
 def _whole(message: str) -> str:
@@ -15,9 +15,9 @@ def _whole(message: str) -> str:
 
 
 def test_a_directory_that_exists_or_can_be_created_passes_and_nothing_is_written(tmp_path):
-    output_paths.check_dir(str(tmp_path), "--workdir")
-    output_paths.check_dir(str(tmp_path / "runs" / "a" / "b"), "--workdir")
-    output_paths.check_file(str(tmp_path / "out" / "bench.json"), "--json_out")
+    outputs.check_dir(str(tmp_path), "--workdir")
+    outputs.check_dir(str(tmp_path / "runs" / "a" / "b"), "--workdir")
+    outputs.check_file(str(tmp_path / "out" / "bench.json"), "--json_out")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -26,42 +26,42 @@ def test_a_file_in_the_way_is_named(tmp_path):
     blocker.write_text("")
     why = f"{blocker} is a file, not a directory"
     with pytest.raises(UserError, match=_whole(f"--workdir={blocker}/tiny: {why}")):
-        output_paths.check_dir(str(blocker / "tiny"), "--workdir")
+        outputs.check_dir(str(blocker / "tiny"), "--workdir")
     with pytest.raises(UserError, match=_whole(f"--workdir={blocker}: {why}")):
-        output_paths.check_dir(str(blocker), "--workdir")
+        outputs.check_dir(str(blocker), "--workdir")
     with pytest.raises(UserError, match=_whole(f"--chart={blocker}/a/c.png: {why}")):
-        output_paths.check_file(str(blocker / "a" / "c.png"), "--chart")
+        outputs.check_file(str(blocker / "a" / "c.png"), "--chart")
 
 
 def test_a_probe_writes_but_leaves_nothing_behind_and_creates_no_directory(tmp_path):
     kept = tmp_path / "report.json"
     kept.write_text("kept")
-    output_paths.check_file(str(kept), "--json_out", probe=True)
-    output_paths.check_file(str(tmp_path / "new" / "bench.json"), "--json_out", probe=True)
-    output_paths.check_dir(str(tmp_path / "profiles" / "a"), "--profile_dir", probe=True)
-    output_paths.check_dir(str(tmp_path), "--profile_dir", probe=True)
+    outputs.check_file(str(kept), "--json_out", probe=True)
+    outputs.check_file(str(tmp_path / "new" / "bench.json"), "--json_out", probe=True)
+    outputs.check_dir(str(tmp_path / "profiles" / "a"), "--profile_dir", probe=True)
+    outputs.check_dir(str(tmp_path), "--profile_dir", probe=True)
     assert list(tmp_path.iterdir()) == [kept] and kept.read_text() == "kept"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="os.access already refuses /proc to a user other than root")
 def test_a_probe_finds_what_the_filesystem_refuses_though_os_access_allows_it():
     for path in ("/proc/bench.json", "/proc/gspmd_tp_none/bench.json"):  # where it would be created
-        output_paths.check_file(path, "--json_out")  # os.access says yes to root
+        outputs.check_file(path, "--json_out")  # os.access says yes to root
         with pytest.raises(
             UserError, match=_whole(f"--json_out={path}: cannot write it (No such file or directory)")
         ):
-            output_paths.check_file(path, "--json_out", probe=True)
+            outputs.check_file(path, "--json_out", probe=True)
     with pytest.raises(UserError, match=r"^--profile_dir=/proc/gspmd_tp_none/p: cannot write there \("):
-        output_paths.check_dir("/proc/gspmd_tp_none/p", "--profile_dir", probe=True)
+        outputs.check_dir("/proc/gspmd_tp_none/p", "--profile_dir", probe=True)
     # A chart is written after the work: always probed.
     with pytest.raises(UserError, match=r"^--plot=/proc/loss.png: cannot write it \("):
-        output_paths.check_image("/proc/loss.png", "--plot")
+        outputs.check_image("/proc/loss.png", "--plot")
     assert not os.path.exists("/proc/gspmd_tp_none")
 
 
 def test_a_directory_where_a_file_goes_is_refused(tmp_path):
     with pytest.raises(UserError, match=_whole(f"OUT={tmp_path}: is a directory, not a file")):
-        output_paths.check_file(str(tmp_path), "OUT")
+        outputs.check_file(str(tmp_path), "OUT")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
@@ -71,43 +71,43 @@ def test_a_read_only_directory_is_refused(tmp_path):
     locked.chmod(0o555)
     try:
         with pytest.raises(UserError, match="cannot create it: .*locked is not writable"):
-            output_paths.check_dir(str(locked / "run"), "--workdir")
+            outputs.check_dir(str(locked / "run"), "--workdir")
         with pytest.raises(UserError, match="locked is not writable"):
-            output_paths.check_file(str(locked / "x.npz"), "OUT")
+            outputs.check_file(str(locked / "x.npz"), "OUT")
     finally:
         locked.chmod(0o755)
 
 
 def test_an_empty_path_is_refused_not_taken_for_the_current_directory():
     with pytest.raises(UserError, match=_whole("--workdir is empty")):
-        output_paths.check_dir("", "--workdir")
+        outputs.check_dir("", "--workdir")
     with pytest.raises(UserError, match=_whole("--json_out is empty")):
-        output_paths.check_file("", "--json_out")
+        outputs.check_file("", "--json_out")
 
 
 def test_a_chart_needs_an_image_format_matplotlib_writes(tmp_path):
     for name in ("loss.png", "loss.SVG", "loss.pdf"):
-        output_paths.check_image(str(tmp_path / name), "--plot")
+        outputs.check_image(str(tmp_path / name), "--plot")
     with pytest.raises(UserError, match=r"^--plot=.*loss.jpgg: the extension .jpgg is not an image format"):
-        output_paths.check_image(str(tmp_path / "loss.jpgg"), "--plot")
+        outputs.check_image(str(tmp_path / "loss.jpgg"), "--plot")
     with pytest.raises(
         UserError, match=r"^--chart=.*chart: no file extension; name it \*.png, \*.svg or \*.pdf"
     ):
-        output_paths.check_image(str(tmp_path / "chart"), "--chart")
+        outputs.check_image(str(tmp_path / "chart"), "--chart")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_workdir_that_cannot_be_written_is_one_line_when_the_lock_is_taken(tmp_path):
     """os.access, which check_dir asks, says yes to root where the filesystem refuses (/proc), and a
     train.lock in the way is no file: the lock, the run's first write, named the path in a traceback."""
-    lock = tmp_path / "run" / output_paths.LOCK
-    lock.mkdir(parents=True)
-    message = f"--workdir={tmp_path / 'run'}: cannot write there (Is a directory: {lock})"
+    in_the_way = tmp_path / "run" / lock.LOCK
+    in_the_way.mkdir(parents=True)
+    message = f"--workdir={tmp_path / 'run'}: cannot write there (Is a directory: {in_the_way})"
     with pytest.raises(UserError, match=_whole(message)):
-        with output_paths.workdir_lock(str(tmp_path / "run")):
+        with lock.workdir_lock(str(tmp_path / "run")):
             pass
     with pytest.raises(UserError, match=r"^--workdir=/proc/gspmd_tp_none/run: cannot write there \("):
-        with output_paths.workdir_lock("/proc/gspmd_tp_none/run"):
+        with lock.workdir_lock("/proc/gspmd_tp_none/run"):
             pass
     assert not os.path.exists("/proc/gspmd_tp_none")
 
@@ -115,14 +115,14 @@ def test_a_workdir_that_cannot_be_written_is_one_line_when_the_lock_is_taken(tmp
 def test_a_file_written_whole_replaces_the_old_one_only_when_done(tmp_path):
     path = tmp_path / "out.npz"
     path.write_text("old")
-    with pytest.raises(OSError), output_paths.whole_file(str(path)) as partial:
+    with pytest.raises(OSError), outputs.whole_file(str(path)) as partial:
         open(partial, "w").write("half")
         raise OSError(28, "No space left on device")
     assert os.listdir(tmp_path) == ["out.npz"] and path.read_text() == "old"
-    with output_paths.whole_file(str(path)) as partial:
+    with outputs.whole_file(str(path)) as partial:
         open(partial, "w").write("new")
     assert os.listdir(tmp_path) == ["out.npz"] and path.read_text() == "new"
-    with output_paths.whole_file(str(tmp_path / "a" / "b" / "report.json")) as partial:  # made on the way
+    with outputs.whole_file(str(tmp_path / "a" / "b" / "report.json")) as partial:  # made on the way
         open(partial, "w").write("{}")
     assert (tmp_path / "a" / "b" / "report.json").read_text() == "{}"
 
@@ -133,13 +133,13 @@ def test_what_a_write_cut_short_added_to_a_directory_is_removed_and_nothing_else
     if existed:
         directory.mkdir()
         (directory / "kept.txt").write_text("there before")
-    with pytest.raises(KeyboardInterrupt), output_paths.removed_if_cut_short(str(directory)):
+    with pytest.raises(KeyboardInterrupt), outputs.removed_if_cut_short(str(directory)):
         (directory / "sub").mkdir(parents=True)
         (directory / "sub" / "model.safetensors").write_text("weights")
         (directory / "config.json").write_text("{}")
         raise KeyboardInterrupt
     assert (os.listdir(directory) == ["kept.txt"]) if existed else not directory.exists()
-    with output_paths.removed_if_cut_short(str(directory)):  # done: everything stays
+    with outputs.removed_if_cut_short(str(directory)):  # done: everything stays
         (directory / "sub").mkdir(parents=True)
     assert (directory / "sub").is_dir()
 
@@ -158,9 +158,9 @@ def test_a_stopped_run_removes_its_new_workdir_where_nothing_was_written(
 ):
     workdir = tmp_path / "run"
     workdir.mkdir()
-    (workdir / output_paths.LOCK).write_text("pid 1\n")
+    (workdir / lock.LOCK).write_text("pid 1\n")
     for name in made:
         (workdir / name).mkdir(parents=True) if name.endswith("/") else (workdir / name).write_text("")
-    monkeypatch.setattr(output_paths, "_created", [str(workdir)])
-    output_paths.remove_created_workdirs()
+    monkeypatch.setattr(lock, "_created", [str(workdir)])
+    lock.remove_created_workdirs()
     assert workdir.exists() != removed

@@ -159,25 +159,6 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
-def define_flag(name: str, default: str | None, help_text: str, flag_values=None):
-    """An absl string flag holding a path, its leading `~` expanded, in FLAGS or `flag_values`."""
-    from absl import flags
-
-    class _PathParser(flags.ArgumentParser):
-        def parse(self, argument: str) -> str:
-            return expand(argument)
-
-    flags.disclaim_key_flags()  # the flag is the calling module's: --helpshort lists it there
-    return flags.DEFINE(
-        _PathParser(),
-        name,
-        default,
-        help_text,
-        flag_values=flags.FLAGS if flag_values is None else flag_values,
-        serializer=flags.ArgumentSerializer(),
-    )
-
-
 def move(source: str, target: str) -> None:
     """Moves file or directory `source` to `target` (a bucket's: copied, then removed)."""
     if is_url(source) or is_url(target):

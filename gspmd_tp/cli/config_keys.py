@@ -10,7 +10,8 @@ import re
 
 from ml_collections import ConfigDict
 
-from gspmd_tp.job.errors import CONFIGS, UserError
+from gspmd_tp.cli.arguments import CONFIGS
+from gspmd_tp.job.errors import UserError
 
 DEFAULT_CONFIG = CONFIGS / "tiny.py"
 

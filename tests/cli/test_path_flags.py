@@ -158,7 +158,7 @@ def test_convert_expands_a_tilde(home, command, flags, message):
     ],
 )
 def test_helpshort_lists_the_path_flags_as_the_commands_own(capsys, command, path_flags):
-    """absl files a flag under the module that defines it: defined by paths.define_flag, the path
+    """absl files a flag under the module that defines it: defined by arguments.define_path, the path
     flags were gspmd_tp.paths's and --helpshort (which the flag errors point to) left them out."""
     if callable(command):
         with pytest.raises(SystemExit):
