@@ -106,9 +106,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _join(kwargs: dict, seconds: int, how: str) -> None:
-    """jax.distributed.initialize(**kwargs) on a thread, so that the main thread runs a stop signal's
-    handler meanwhile (inside initialize, only once all joined) and prints one line where the job has
-    not joined within `seconds` (JAX's own abort is a stack trace blaming a dead task)."""
+    """jax.distributed.initialize(**kwargs) on a thread: the main thread handles stop signals meanwhile,
+    and says in one line a job not joined within `seconds` (JAX's abort blames a dead task)."""
     failed: list[Exception] = []
 
     def join():
@@ -171,10 +170,9 @@ _others_leave = threading.Event()  # they leave too (leave): process 0 waits for
 
 
 def follow(on_told, on_death) -> None:
-    """In a job of several, on a thread: calls on_told(process, kind, text) once another process
-    told its stop ("stop", signal number) or error ("error", first line) before training, or
-    on_death(process) once the service sees a process gone or silent for --heartbeat_timeout_s.
-    Home-made polling: jaxlib 0.10.2's missed-heartbeat callback aborts the process (see initialize)."""
+    """On a thread, on_told(process, "stop" | "error", text) for a stop or error told before training,
+    or on_death(process) for one gone or silent for --heartbeat_timeout_s, in a job of several."""
+    # Polled: jaxlib 0.10.2's missed-heartbeat callback aborts the process (see initialize).
     global _watcher
     if _job:
         _watcher = threading.Thread(target=_watch, args=(on_told, on_death), name="peers", daemon=True)
@@ -213,9 +211,8 @@ def _hear_told(seconds: float = 10) -> None:
 
 
 def tell(kind: str, text: str) -> bool:
-    """Tells the others that this process stops before training (`kind` "stop" and the signal
-    number, or "error" and its message), else its exit would read as a death, and only after the
-    heartbeat timeout; returns once they read it, and whether it told them."""
+    """Tells the others this process stops before training ("stop", signal number; "error", message)
+    lest its exit read as a death; returns once they read it, and whether it told them."""
     if not before_training():
         return False
     first = (text.strip().splitlines() or [""])[0][:1000]  # the others print it within a line of their own
@@ -309,9 +306,8 @@ def check_device_counts() -> None:
 def check_same_everywhere(
     config: dict | None, rules_text: str | None = None, flags: dict | None = None
 ) -> None:
-    """JobError on every process naming the first config key, rule file (`rules_text`) or flag of
-    `flags` ({"--name": value}) some process was given otherwise. (multihost_utils.assert_equal
-    says that values differ, not which.)"""
+    """JobError on every process naming the first config key, rule file or flag ({"--name": value})
+    some process was given otherwise (multihost_utils.assert_equal says not which)."""
     if jax.process_count() == 1:
         return
     from flax import traverse_util
@@ -385,14 +381,6 @@ def every_process(values: list[int]) -> list[list[int]]:
     return [row[:count].tolist() for row, count in zip(rows, counts, strict=True)]
 
 
-def hosts() -> list[int]:
-    """Each process's host, numbered from 0 in process order (by a 48-bit digest of its name)."""
-    digest = hashlib.sha256(socket.gethostname().encode()).digest()
-    rows = every_process([int.from_bytes(digest[i : i + 3], "little") for i in (0, 3)])
-    numbers: dict[tuple[int, ...], int] = {}
-    return [numbers.setdefault(tuple(row), len(numbers)) for row in rows]
-
-
 def from_process_0(value: int) -> int:
     """Process 0's int32 `value`, on every process."""
     return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
@@ -404,9 +392,8 @@ def barrier() -> None:
 
 
 def share(values) -> jax.Array:
-    """Starts gathering each process's int32 `values` into a (processes, len) array, without waiting
-    (unlike process_allgather): the stop check reads it one check later, so the host never waits for
-    the step it just dispatched."""
+    """Starts gathering each process's int32 `values` into a (processes, len) array without waiting, unlike
+    process_allgather: the stop check reads it one check later, never waiting for the step in flight."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     mesh = Mesh(np.array(jax.devices()), ("devices",))

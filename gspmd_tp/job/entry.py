@@ -8,9 +8,8 @@ from gspmd_tp.job import errors
 
 
 def begin() -> None:
-    """Until run(), Ctrl-C exits at once, status 130, with one line (a KeyboardInterrupt inside jax's
-    imports prints a traceback through them, or breaks jaxlib's initialisation into an ImportError or
-    an abort); and JAX_PLATFORMS=cpu on a host without accelerators, before jax reads it."""
+    """Until run(), Ctrl-C exits at once with one line, status 130 (in jax's imports a KeyboardInterrupt
+    is a traceback, an ImportError or an abort); JAX_PLATFORMS=cpu on a host without accelerators."""
     signal.signal(signal.SIGINT, lambda *_: os._exit(errors.interrupted("nothing written")))
     from gspmd_tp.job import host_devices
 
@@ -18,9 +17,8 @@ def begin() -> None:
 
 
 def start_job(config) -> None:
-    """The start of train's and bench's main(): library INFO logs off (orbax prints several lines per
-    save, which would bury the progress lines); the config's simulated devices asked for before jax's
-    backend starts."""
+    """The start of train's and bench's main(): library INFO logs off (orbax's lines per save would bury
+    the progress lines); the config's simulated devices asked for before jax's backend starts."""
     from absl import logging
 
     from gspmd_tp.job import host_devices
@@ -30,9 +28,8 @@ def start_job(config) -> None:
 
 
 def run(main, flags_parser=None):
-    """Runs a tool's main(), Ctrl-C raising KeyboardInterrupt again (Python's own handler) for it to
-    catch: as absl's app.run(main) with `flags_parser`, else main() parses its flags and returns the
-    status."""
+    """Runs a tool's main() with Ctrl-C raising KeyboardInterrupt again: absl's app.run(main,
+    flags_parser), else main() parses its own flags and returns the exit status."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if flags_parser is None:
         errors.exit_from_main(main())

@@ -57,9 +57,8 @@ def has_accelerator_nodes() -> bool:
 
 
 def cpu_platform_where_alone() -> bool:
-    """On a Linux host without accelerator device nodes, sets JAX_PLATFORMS=cpu unless set; returns
-    whether it did. An installed libtpu otherwise probes for a TPU at every start: a second lost and
-    five lines of warnings above a one-line error."""
+    """On a Linux host without accelerator device nodes, sets JAX_PLATFORMS=cpu unless set (an installed
+    libtpu would probe for a TPU at every start, with five lines of warnings); whether it did."""
     if sys.platform.startswith("linux") and "JAX_PLATFORMS" not in os.environ and not has_accelerator_nodes():
         os.environ["JAX_PLATFORMS"] = "cpu"
         return True
@@ -79,10 +78,8 @@ def _cpu_only_glibc() -> ctypes.CDLL | None:
 
 
 def tune_malloc() -> bool:
-    """On a host without accelerators, makes glibc's malloc keep and reuse freed memory: one arena,
-    no mmap'd chunks, no trimming; before the backend's threads pick their arenas. The heap settles
-    in ~15 steps at about twice the untuned peak (bench_cpu dp=2,mp=4: 3.7 against 1.9 GB resident).
-    Returns whether it was applied."""
+    """On a host without accelerators, before the backend's threads pick their arenas: glibc's malloc
+    keeps freed memory (one arena, no mmap'd chunks, no trimming); whether it applied."""
     libc = _cpu_only_glibc()
     if libc is None:
         return False

@@ -30,9 +30,8 @@ def at_exit(fn):
 
 
 class _Deliveries:
-    """Counts stop signals as the kernel delivers them: Python's C handler writes a byte per signal
-    to the wakeup fd at once, while the Python handler runs once, maybe much later (after a long call
-    into C), however many came. Main thread only."""
+    """Counts stop signals as delivered (a byte each on the wakeup fd): the Python handler runs once,
+    maybe much later (after a long call into C), however many came. Main thread only."""
 
     def __init__(self):
         self._read, self._write = os.pipe2(os.O_NONBLOCK)
@@ -81,9 +80,8 @@ def _leave(together: bool) -> None:
 
 
 def run_job(job, before: str = "", after: str = "") -> None:
-    """Runs job() (join, then train) with this module's stops in place; every failure ends in one
-    line and an exit status. Call before jax is imported. A job that does not train (bench.py) says
-    what a stop leaves `before` its end and `after` it."""
+    """Runs job() (join, then train; a job that does not train says what a stop leaves `before` its end
+    and `after` it) with this module's stops; every failure is one line and an exit status."""
     global _OUTSIDE_THE_LOOP, _BEFORE, _ENDED, _own
     _BEFORE = _OUTSIDE_THE_LOOP = before or _BEFORE
     take_stop_signals()  # from the start: while the job's processes join, too
@@ -117,10 +115,8 @@ def _failed(e: Exception) -> None:
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     if jax.process_count() == 1:
         if "RESOURCE_EXHAUSTED" in str(e):  # what check_memory could not foresee (others' use)
-            print(
-                f"error: out of memory: {first} (python -m gspmd_tp.plan shows per-device memory)",
-                file=sys.stderr,
-            )
+            memory = "python -m gspmd_tp.plan shows per-device memory"
+            print(f"error: out of memory: {first} ({memory})", file=sys.stderr)
             sys.exit(1)
         raise e
     # A failed collective almost always means a peer died, which gloo sees first: the thread that
@@ -288,10 +284,8 @@ class StopSignal:
         self._finishing = True
 
     def requested(self) -> bool:
-        """True once a stop signal arrived on any process. Every process calls it at the same points
-        and stops at the same one (else the collective save deadlocks): each call starts a gather of
-        every process's signal and reads the previous call's, so a signal stops every process one
-        call later."""
+        """True once a stop signal arrived on any process, at the same call on every process (else the
+        collective save deadlocks): each call starts a gather of the signals and reads the last one's."""
         import jax
 
         from gspmd_tp.job import distributed
