@@ -175,8 +175,6 @@ def _where(e: BaseException, path: str) -> str:
 
 def _config_path(argv: list[str], default: str | None) -> str:
     """The --config file as given, or the default's path marked as such."""
-    from gspmd_tp.cli.arguments import flag_from_argv  # no jax there
-
     given = flag_from_argv(argv, "--config")  # --config=FILE or absl's --config FILE
     if given is not None:
         return given
