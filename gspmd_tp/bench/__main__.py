@@ -14,7 +14,6 @@ report and writes --json_out.
 """
 
 if __name__ == "__main__":
-    from gspmd_tp.cli import arguments
     from gspmd_tp.job import entry
 
     entry.begin()  # main() asks for the config's devices; signals.run_job then takes Ctrl-C over

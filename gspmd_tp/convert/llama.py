@@ -17,7 +17,6 @@ tabulated in docs/hf.md.
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: no TPU probe on a host without one
-    from gspmd_tp.cli import arguments
     from gspmd_tp.job import entry
 
     entry.begin()  # main() asks for the devices once it has read the flags

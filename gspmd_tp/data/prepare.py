@@ -13,7 +13,6 @@ nothing of the corpus is held whole. The shards go to DIR once complete, never p
 """
 
 if __name__ == "__main__":
-    from gspmd_tp.cli import arguments
     from gspmd_tp.job import entry
 
     entry.begin()  # before jax is imported: no accelerator probe on a host without one

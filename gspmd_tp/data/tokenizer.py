@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from gspmd_tp.job.errors import UserError
+from gspmd_tp.job.errors import UserError, first_line
 from gspmd_tp.storage import paths
 
 BYTES = "bytes"
@@ -112,8 +112,7 @@ def load(spec: str) -> Tokenizer:
         raise
     except Exception as e:  # the libraries raise their own types (Rust exceptions, RuntimeError, ...)
         what = "a Hugging Face tokenizer.json" if path.endswith(".json") else "a SentencePiece model"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{where}: {path} does not load as {what}: {first}") from None
+        raise UserError(f"{where}: {path} does not load as {what}: {first_line(e)}") from None
 
 
 @functools.cache

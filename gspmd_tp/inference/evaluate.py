@@ -15,7 +15,6 @@ As one process of a job of several (a pod, a cluster), with train.py's job flags
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: Ctrl-C while importing is one line
-    from gspmd_tp.cli import arguments
     from gspmd_tp.job import entry
 
     entry.begin()  # main() asks for the devices once the flags are read

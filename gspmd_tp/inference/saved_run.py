@@ -289,7 +289,6 @@ def reader_device_count(workdir: str | None, mesh: str | None = None, step: int 
 def request_devices(argv: list[str]) -> None:
     """Asks for the simulated CPU devices of a command reading a run (device_count_from_argv, where
     --config.host_device_count does not say), before jax's backend starts."""
-    from gspmd_tp.cli import arguments
     from gspmd_tp.job import host_devices
 
     host_devices.request(arguments.count_from_argv(argv, device_count_from_argv(argv)))
@@ -298,12 +297,10 @@ def request_devices(argv: list[str]) -> None:
 def device_count_from_argv(argv: list[str]) -> int:
     """reader_device_count for the --workdir and --config.mesh of argv, shared among the processes
     of --num_processes where they divide it."""
-    from gspmd_tp.cli.arguments import flag_from_argv
-
-    workdir = paths.expand(flag_from_argv(argv, "--workdir"))
-    count = reader_device_count(workdir, flag_from_argv(argv, "--config.mesh"))
+    workdir = paths.expand(arguments.flag_from_argv(argv, "--workdir"))
+    count = reader_device_count(workdir, arguments.flag_from_argv(argv, "--config.mesh"))
     try:
-        processes = int(flag_from_argv(argv, "--num_processes") or 1)
+        processes = int(arguments.flag_from_argv(argv, "--num_processes") or 1)
     except ValueError:
         processes = 1  # the flag parser names the bad value
     return count // processes if processes > 0 and count % processes == 0 else count

@@ -18,7 +18,7 @@ import numpy as np
 from jax._src import distributed as jax_distributed
 from jax.experimental import multihost_utils
 
-from gspmd_tp.job.errors import JobError, UserError
+from gspmd_tp.job.errors import JobError, UserError, first_line
 
 
 def _port_taken(port: int) -> bool:
@@ -47,8 +47,11 @@ def initialize(
     `distributed`; neither: a single process. Bad flags: one UserError before joining."""
     if jax.distributed.is_initialized():
         return
-    for name in ("num_processes", "heartbeat_timeout_s", "join_timeout_s"):
-        if (value := locals()[name]) < 1:
+    counts = dict(
+        num_processes=num_processes, heartbeat_timeout_s=heartbeat_timeout_s, join_timeout_s=join_timeout_s
+    )
+    for name, value in counts.items():
+        if value < 1:
             raise UserError(f"--{name}={value}: must be 1 or more")
     host, _, port = coordinator_address.rpartition(":")
     where = f"--coordinator_address={coordinator_address}"
@@ -91,7 +94,7 @@ def initialize(
         _join(kwargs, join_timeout_s, given if explicit else "--distributed")
     except (ValueError, RuntimeError) as e:  # no cluster found for --distributed, a port taken, ...
         failed = where if explicit else "--distributed (no TPU pod or SLURM job found?)"
-        raise UserError(f"{failed}: joining the job failed: {_first_line(e)}") from None
+        raise UserError(f"{failed}: joining the job failed: {first_line(e)}") from None
     joined = jax_distributed.global_state  # not jax.process_count(): that would make the backend
     if joined.num_processes > 1:
         _job.update(client=joined.client, me=joined.process_id, count=joined.num_processes)
@@ -99,10 +102,6 @@ def initialize(
         _same_process_count(joined, join_timeout_s)
         _telling.set()
     check_device_counts()
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _join(kwargs: dict, seconds: int, how: str) -> None:
@@ -160,6 +159,7 @@ def _same_process_count(joined, seconds: int) -> None:
 
 _TOLD = "gspmd_tp/told/"  # + the teller's process id: "stop SIGNUM" or "error MESSAGE"
 _ROUND_S = 0.5  # between two liveness rounds: how late a stop or error told is seen
+_MESSAGE_CHARS = 1000  # of an error's first line: the others print it within a line of their own
 _job: dict = {}  # client, me, count, timeout: in a job of several
 _watcher: threading.Thread | None = None
 _telling = threading.Event()  # joined, and this process's training loop not begun: stops are told
@@ -215,7 +215,7 @@ def tell(kind: str, text: str) -> bool:
     lest its exit read as a death; returns once they read it, and whether it told them."""
     if not before_training():
         return False
-    first = (text.strip().splitlines() or [""])[0][:1000]  # the others print it within a line of their own
+    first = (text.strip().splitlines() or [""])[0][:_MESSAGE_CHARS]
     try:
         _job["client"].key_value_set(f"{_TOLD}{_job['me']}", f"{kind} {first}")
     except jax.errors.JaxRuntimeError:
@@ -313,9 +313,9 @@ def check_same_everywhere(
     from flax import traverse_util
 
     items = sorted((f"config.{k}", v) for k, v in traverse_util.flatten_dict(config or {}, sep=".").items())
-    items += ([("the rule file's text", rules_text)] if rules_text is not None else []) + list(
-        (flags or {}).items()
-    )
+    if rules_text is not None:
+        items.append(("the rule file's text", rules_text))
+    items += (flags or {}).items()
     found = first_disagreement([[k for k, _ in items], *(v for _, v in items)])
     if found is None:
         return

@@ -24,6 +24,11 @@ def interrupted(left: str = "nothing in the workdir was written") -> int:
     return INTERRUPTED
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, or its type's name where it has none."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def exit_from_main(code: int) -> None:
     """sys.exit(code), but at once after Ctrl-C: a normal exit while XLA's compiler threads run can
     segfault."""

@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 
-from gspmd_tp.job.errors import JobError, UserError
+from gspmd_tp.job.errors import JobError, UserError, first_line
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _AT_EXIT: list = []  # what an exit through os._exit, which skips `finally` and atexit, still runs
@@ -75,8 +75,8 @@ def follow_the_peers() -> None:
 
 
 def _leave(together: bool) -> None:
-    if _job() is not None:
-        _job().leave(together)
+    if (job := _job()) is not None:
+        job.leave(together)
 
 
 def run_job(job, before: str = "", after: str = "") -> None:
@@ -112,7 +112,7 @@ def run_job(job, before: str = "", after: str = "") -> None:
 def _failed(e: Exception) -> None:
     import jax
 
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    first = first_line(e)
     if jax.process_count() == 1:
         if "RESOURCE_EXHAUSTED" in str(e):  # what check_memory could not foresee (others' use)
             memory = "python -m gspmd_tp.plan shows per-device memory"

@@ -30,7 +30,6 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # before jax is imported: Ctrl-C while importing is one line
-    from gspmd_tp.cli import arguments
     from gspmd_tp.job import entry
 
     entry.begin()  # main() asks for the devices once the flags are read
@@ -400,7 +399,6 @@ if __name__ == "__main__":
 
     from absl import flags
 
-    from gspmd_tp.cli import arguments
     from gspmd_tp.cli.arguments import define_config, parse_flags
 
     _OUT = arguments.define_path("out", "", "Write the calibration (JSON) here.")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # before jax is imported: Ctrl-C while importing is one line
-    from gspmd_tp.cli import arguments
     from gspmd_tp.job import entry
 
     entry.begin()  # main() asks for the config's devices once the flags are read
@@ -711,9 +710,7 @@ def main(argv) -> None:
 if __name__ == "__main__":
     from absl import flags
 
-    from gspmd_tp.cli import arguments
     from gspmd_tp.cli.arguments import define_config, parse_flags
-    from gspmd_tp.storage import paths
 
     _CONFIG = define_config("tiny", "A config file, or the name of a shipped one (configs/NAME.py).")
     _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the report.")

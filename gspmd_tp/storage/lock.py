@@ -192,9 +192,10 @@ def _upload(fs, url: str, body: bytes, generation: int) -> int:
     """Writes `body` at `url` only where its generation is `generation` (0: where none exists);
     returns the new generation; FileExistsError where that fails. gcsfs's pipe_file conditions only
     on absence."""
+    bucket, key = _split(url)
     reply = fs.call(
-        "POST", f"{fs._location}/upload/storage/v1/b/{{}}/o", _split(url)[0], uploadType="media",
-        name=_split(url)[1], data=body, json_out=True, ifGenerationMatch=str(generation),
+        "POST", f"{fs._location}/upload/storage/v1/b/{{}}/o", bucket, uploadType="media", name=key,
+        data=body, json_out=True, ifGenerationMatch=str(generation),
     )  # fmt: skip
     return int(reply.get("generation") or 0)
 
@@ -205,10 +206,8 @@ def _read(fs, url: str) -> tuple[dict, int] | None:
         headers, body = fs.call("GET", "b/{}/o/{}", *_split(url), alt="media")
     except FileNotFoundError:
         return None
-    lines = body.decode(errors="replace").splitlines()
-    return dict(line.split(" ", 1) for line in lines if " " in line), int(
-        headers.get("x-goog-generation") or 0
-    )
+    fields = dict(line.split(" ", 1) for line in body.decode(errors="replace").splitlines() if " " in line)
+    return fields, int(headers.get("x-goog-generation") or 0)
 
 
 def _holder(found) -> str:

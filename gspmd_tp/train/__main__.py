@@ -5,7 +5,6 @@ python train.py --config=configs/tiny.py --workdir=runs/tiny    # the same, in a
 """
 
 if __name__ == "__main__":
-    from gspmd_tp.cli import arguments
     from gspmd_tp.job import entry
 
     entry.begin()  # main() asks for the config's devices; signals.run_job then takes Ctrl-C over
